@@ -1,0 +1,75 @@
+"""Gin entry point: strict parsing, file lookup and plain error messages."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import pytest
+
+from detr_tf import config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@gin.configurable
+def _probe(value=1):
+    return value
+
+
+@pytest.fixture(autouse=True)
+def _clear_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def test_unknown_configurable_names_it():
+    with pytest.raises(config.ConfigError, match="no_such_configurable"):
+        config.parse_gin_config([], ["no_such_configurable.x = 1"], finalize=False)
+
+
+def test_unknown_parameter_names_it():
+    with pytest.raises(config.ConfigError, match="not_a_param"):
+        config.parse_gin_config([], ["_probe.not_a_param = 3"], finalize=False)
+
+
+def test_binding_applies():
+    config.parse_gin_config([], ["_probe.value = 7"], finalize=False)
+    assert _probe() == 7
+
+
+def test_missing_file_lists_where_it_looked():
+    with pytest.raises(config.ConfigError, match="nope_missing.gin.*looked in"):
+        config.resolve_gin_file("nope_missing.gin")
+
+
+def test_file_found_relative_to_gin_configs_and_cwd(tmp_path, monkeypatch):
+    (tmp_path / "mine.gin").write_text("_probe.value = 11\n")
+    monkeypatch.chdir(tmp_path)
+    assert config.resolve_gin_file("mine.gin") == str(tmp_path / "mine.gin")
+    assert config.resolve_gin_file("mine") == str(tmp_path / "mine.gin")
+    config.parse_gin_config(["mine.gin"], [], finalize=False)
+    assert _probe() == 11
+    # A shipped file is found with or without the gin_configs/ prefix, from any directory.
+    shipped = sorted((REPO / "gin_configs").rglob("*.gin"))
+    if shipped:
+        rel = shipped[0].relative_to(REPO / "gin_configs")
+        assert Path(config.resolve_gin_file(f"gin_configs/{rel}")) == shipped[0]
+        assert Path(config.resolve_gin_file(str(rel))) == shipped[0]
+
+
+def _run_train(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, str(REPO / "tools" / "train.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+
+def test_train_script_rejects_bad_config_without_traceback(tmp_path):
+    bad_param = _run_train("--gin_param=train.no_such_param = 1", f"--model_dir={tmp_path}")
+    assert bad_param.returncode != 0
+    assert "no_such_param" in bad_param.stderr and "Traceback" not in bad_param.stderr
+
+    missing = _run_train("--gin_file=does_not_exist.gin", f"--model_dir={tmp_path}")
+    assert missing.returncode != 0
+    assert "does_not_exist.gin" in missing.stderr and "Traceback" not in missing.stderr
