@@ -1,0 +1,230 @@
+"""One abstraction over the ways a step can be spread across devices and hosts.
+
+An `Engine` answers the few questions the trainer asks: how many replicas there are, whether this
+process is the chief, how to build the per-replica input, how to run a function on every replica,
+and how to all-reduce inside a replica. The all-reduces are called by the trainer outside any
+XLA-compiled function: Horovod's ops cannot be compiled, and keeping collectives out of the XLA
+cluster lets every engine share one compiled step.
+
+Engines:
+  default                tf.distribute's default strategy: one device.
+  mirrored               MirroredStrategy over the local GPUs, or over `cpu_devices` logical CPUs
+                         (a way to exercise multi-replica code on a CPU-only machine).
+  multi_worker_mirrored  MultiWorkerMirroredStrategy from TF_CONFIG.
+  horovod                one process per device launched by horovodrun; chosen automatically when
+                         the process runs under horovodrun.
+"""
+import json
+import os
+from typing import Any, Callable, Optional
+
+import gin
+import tensorflow as tf
+
+ENGINES = ("default", "mirrored", "multi_worker_mirrored", "horovod")
+
+
+def launched_by_horovodrun() -> bool:
+    return "HOROVOD_RANK" in os.environ or "HOROVOD_SIZE" in os.environ
+
+
+def configure_logical_cpus(count: int) -> None:
+    """Splits the physical CPU into `count` logical devices; must run before TF uses a device."""
+    cpus = tf.config.list_physical_devices("CPU")
+    current = tf.config.get_logical_device_configuration(cpus[0])
+    if current and len(current) == count:
+        return
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+
+
+class Engine:
+    """Base: the tf.distribute engines; Horovod overrides the collective parts."""
+
+    name = "base"
+
+    def __init__(self, strategy: tf.distribute.Strategy):
+        self.strategy = strategy
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def is_chief(self) -> bool:
+        return True
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def distribute_dataset(self, dataset_fn: Callable[..., tf.data.Dataset]):
+        """dataset_fn(input_context=..., num_shards=..., shard_index=...) -> per-replica batches."""
+        def fn(ctx: tf.distribute.InputContext):
+            return dataset_fn(input_context=ctx, num_shards=None, shard_index=None)
+        return self.strategy.distribute_datasets_from_function(fn)
+
+    def run(self, fn: Callable, args: tuple) -> Any:
+        return self.strategy.run(fn, args=args)
+
+    def local_results(self, value) -> list:
+        return list(self.strategy.experimental_local_results(value))
+
+    # Replica-context collectives (called outside XLA).
+    def all_reduce_sum(self, value):
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    def all_reduce_mean(self, value):
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, value)
+
+    def merge_call(self, fn: Callable, args: tuple):
+        """Runs fn(distribution, *args) once in cross-replica context (e.g. a guarded update)."""
+        return tf.distribute.get_replica_context().merge_call(fn, args=args)
+
+    def broadcast_variables(self, variables) -> None:
+        """Makes every replica start from the chief's values (only Horovod needs it)."""
+
+    def barrier(self) -> None:
+        """Waits for every process (only multi-process engines need it)."""
+
+
+class DefaultEngine(Engine):
+    name = "default"
+
+    def __init__(self):
+        super().__init__(tf.distribute.get_strategy())
+
+
+class MirroredEngine(Engine):
+    name = "mirrored"
+
+    def __init__(self, cpu_devices: int = 0):
+        # Physical, not logical, devices: listing logical ones would initialize the runtime and
+        # freeze the CPU split below.
+        if not tf.config.list_physical_devices("GPU") and cpu_devices > 1:
+            configure_logical_cpus(cpu_devices)
+            devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+        else:
+            devices = None  # all local GPUs, or the one CPU
+        super().__init__(tf.distribute.MirroredStrategy(devices=devices))
+
+
+class MultiWorkerEngine(Engine):
+    name = "multi_worker_mirrored"
+
+    def __init__(self):
+        if "TF_CONFIG" not in os.environ:
+            raise ValueError("distribution='multi_worker_mirrored' needs the TF_CONFIG environment "
+                             "variable describing the cluster and this task")
+        super().__init__(tf.distribute.MultiWorkerMirroredStrategy())
+        task = json.loads(os.environ["TF_CONFIG"]).get("task", {})
+        self._task_type, self._task_id = task.get("type", "worker"), int(task.get("index", 0))
+
+    @property
+    def is_chief(self) -> bool:
+        return self._task_type == "chief" or (self._task_type == "worker" and self._task_id == 0
+                                              and not self._has_chief())
+
+    def _has_chief(self) -> bool:
+        return bool(json.loads(os.environ["TF_CONFIG"]).get("cluster", {}).get("chief"))
+
+    @property
+    def rank(self) -> int:
+        return self._task_id
+
+    def barrier(self) -> None:
+        # A tiny all-reduce is a portable barrier for collective strategies.
+        self.strategy.reduce(tf.distribute.ReduceOp.SUM,
+                             self.strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+
+class HorovodEngine(Engine):
+    """One process per device; each process runs the default strategy on its own device."""
+
+    name = "horovod"
+
+    def __init__(self):
+        try:
+            import horovod.tensorflow as hvd
+        except ImportError as e:
+            raise ImportError("distribution='horovod' needs Horovod: run tools/install_horovod.sh"
+                              ) from e
+        self.hvd = hvd
+        hvd.init()
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            tf.config.experimental.set_memory_growth(gpus[hvd.local_rank()], True)
+            tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+        super().__init__(tf.distribute.get_strategy())
+
+    @property
+    def num_replicas(self) -> int:
+        return self.hvd.size()
+
+    @property
+    def is_chief(self) -> bool:
+        return self.hvd.rank() == 0
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    def distribute_dataset(self, dataset_fn):
+        ds = dataset_fn(input_context=None, num_shards=self.hvd.size(),
+                        shard_index=self.hvd.rank())
+        return ds
+
+    def run(self, fn, args):
+        return fn(*args)
+
+    def local_results(self, value):
+        return [value]
+
+    def all_reduce_sum(self, value):
+        return tf.nest.map_structure(lambda v: self.hvd.allreduce(v, op=self.hvd.Sum), value)
+
+    def all_reduce_mean(self, value):
+        flat = tf.nest.flatten(value)
+        # One grouped collective for all tensors (as DistributedGradientTape does), not one per
+        # tensor: the per-call latency dominates for DETR's many small variables.
+        reduced = self.hvd.grouped_allreduce(flat, op=self.hvd.Average)
+        return tf.nest.pack_sequence_as(value, reduced)
+
+    def merge_call(self, fn, args):
+        return fn(self.strategy, *args)
+
+    def broadcast_variables(self, variables) -> None:
+        self.hvd.broadcast_variables(list(variables), root_rank=0)
+
+    def barrier(self) -> None:
+        self.hvd.allreduce(tf.constant(0.0), op=self.hvd.Sum)
+
+
+@gin.configurable
+def make_engine(distribution: str = "default", cpu_devices: int = 0) -> Engine:
+    """Builds the engine named by `distribution` (one of ENGINES).
+
+    Args:
+      distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod'. 'default' turns
+        into 'horovod' when the process was launched by horovodrun.
+      cpu_devices: with 'mirrored' and no GPU, the number of logical CPU devices to mirror over.
+    """
+    if distribution not in ENGINES:
+        raise ValueError(f"distribution={distribution!r} is not one of {ENGINES}")
+    if distribution == "default" and launched_by_horovodrun():
+        distribution = "horovod"
+    if distribution == "default":
+        return DefaultEngine()
+    if distribution == "mirrored":
+        return MirroredEngine(cpu_devices)
+    if distribution == "multi_worker_mirrored":
+        return MultiWorkerEngine()
+    return HorovodEngine()
+
+
+def maybe_value(engine: Engine, value: Any) -> Optional[Any]:
+    """The first local replica's copy of a (possibly per-replica) value."""
+    return engine.local_results(value)[0]

@@ -1,0 +1,100 @@
+"""Where training numbers go: TensorBoard, metrics.jsonl and a console progress line.
+
+Only the chief writes; other processes get a writer whose methods do nothing, so call sites need
+no `if is_chief`.
+"""
+import json
+import math
+import os
+import sys
+import time
+from typing import Mapping, Optional
+
+import tensorflow as tf
+
+
+def _plain(value):
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+class MetricsWriter:
+    """Writes scalars to TensorBoard (model_dir/train, model_dir/eval) and model_dir/metrics.jsonl.
+
+    Each metrics.jsonl line is one JSON object: {"step": int, "split": "train"|"eval", ...scalars}.
+    """
+
+    def __init__(self, model_dir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.model_dir = model_dir
+        if not enabled:
+            return
+        self._writers = {}
+        self._jsonl = open(os.path.join(model_dir, "metrics.jsonl"), "a", buffering=1)
+
+    def _writer(self, split):
+        if split not in self._writers:
+            self._writers[split] = tf.summary.create_file_writer(
+                os.path.join(self.model_dir, split))
+        return self._writers[split]
+
+    def write(self, step: int, scalars: Mapping[str, float], split: str = "train") -> None:
+        if not self.enabled:
+            return
+        with self._writer(split).as_default():
+            for name, value in scalars.items():
+                tf.summary.scalar(name, float(value), step=step)
+        self._writers[split].flush()
+        record = {"step": int(step), "split": split}
+        record.update({k: _plain(v) for k, v in scalars.items()})
+        self._jsonl.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            for w in self._writers.values():
+                w.close()
+
+
+class Progress:
+    """A one-line console progress report with ETA and images/s.
+
+    On a terminal the line is redrawn in place; otherwise (CI, log files) a full line is printed
+    every `every_s` seconds, so logs stay readable.
+    """
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool = True,
+                 every_s: float = 10.0, stream=None):
+        self.total = total_steps
+        self.start_step = start_step
+        self.enabled = enabled
+        self.every_s = every_s
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self._t0 = time.time()
+        self._last_print = 0.0
+
+    def update(self, step: int, images_per_sec: float, loss: Optional[float] = None,
+               force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        if not force and not self.tty and now - self._last_print < self.every_s:
+            return
+        self._last_print = now
+        done = step - self.start_step
+        rate = done / max(now - self._t0, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else float("inf")
+        frac = step / max(self.total, 1)
+        bar = ("#" * int(frac * 24)).ljust(24, ".")
+        eta_txt = time.strftime("%H:%M:%S", time.gmtime(eta)) if math.isfinite(eta) else "--:--:--"
+        loss_txt = f" loss {loss:.4f}" if loss is not None else ""
+        line = (f"[{bar}] step {step}/{self.total} ({frac:5.1%}){loss_txt} "
+                f"{images_per_sec:7.1f} img/s  ETA {eta_txt}")
+        if self.tty:
+            self.stream.write("\r" + line)
+            if force:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()

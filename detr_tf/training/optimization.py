@@ -1,0 +1,142 @@
+"""Learning-rate schedule, the two AdamW parameter groups, loss scaling and EMA.
+
+DETR trains its backbone with a 10x smaller learning rate than the transformer and heads. Keras
+optimizers have no parameter groups, so each group gets its own AdamW; both share one global-norm
+clip computed over all gradients, as torch.nn.utils.clip_grad_norm_ does in the reference.
+"""
+from typing import Optional, Sequence
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+
+@gin.configurable
+class StepDecaySchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup, then a constant rate multiplied by `factor` at each of `drop_steps`.
+
+    Args:
+      base_lr: rate after warmup and before the first drop.
+      drop_steps: optimizer steps at which the rate is multiplied by `factor`.
+      factor: multiplier per drop (DETR: 0.1).
+      warmup_steps: steps of linear warmup from base_lr / warmup_steps.
+    """
+
+    def __init__(self, base_lr: float, drop_steps: Sequence[int] = (), factor: float = 0.1,
+                 warmup_steps: int = 0):
+        self.base_lr = float(base_lr)
+        self.drop_steps = [int(s) for s in drop_steps]
+        self.factor = float(factor)
+        self.warmup_steps = int(warmup_steps)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        lr = tf.constant(self.base_lr, tf.float32)
+        for drop in self.drop_steps:
+            lr = tf.where(step >= drop, lr * self.factor, lr)
+        if self.warmup_steps > 0:
+            warm = self.base_lr * tf.minimum((step + 1) / self.warmup_steps, 1.0)
+            lr = tf.where(step < self.warmup_steps, warm, lr)
+        return lr
+
+    def get_config(self):
+        return dict(base_lr=self.base_lr, drop_steps=self.drop_steps, factor=self.factor,
+                    warmup_steps=self.warmup_steps)
+
+
+@gin.configurable
+def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
+                     backbone_learning_rate: float = 1e-5, weight_decay: float = 1e-4,
+                     lr_drop_epochs: Sequence[int] = (200,), lr_drop_factor: float = 0.1,
+                     warmup_steps: int = 0, beta_1: float = 0.9, beta_2: float = 0.999,
+                     epsilon: float = 1e-8, jit_compile: bool = True):
+    """Two AdamW optimizers, (backbone, rest), sharing one step-decay schedule shape.
+
+    PyTorch's AdamW (the reference) and tf_keras's AdamW both decay weights decoupled from the
+    gradient as w -= lr * wd * w, and the reference decays every parameter, so nothing is
+    excluded here either.
+
+    Args:
+      steps_per_epoch: optimizer steps per epoch, to place the epoch-based rate drops.
+      learning_rate: transformer, input projection, queries and heads.
+      backbone_learning_rate: the backbone's trainable variables.
+      weight_decay: decoupled weight decay for both groups.
+      lr_drop_epochs: epochs at which both rates are multiplied by lr_drop_factor.
+      lr_drop_factor: multiplier per drop.
+      warmup_steps: linear warmup steps for both groups.
+      beta_1, beta_2, epsilon: Adam constants (PyTorch defaults).
+      jit_compile: compile each variable update with XLA (tf_keras's own switch).
+
+    Returns:
+      (backbone_optimizer, main_optimizer).
+    """
+    drops = [int(round(e * steps_per_epoch)) for e in lr_drop_epochs]
+
+    def make(lr, name):
+        schedule = StepDecaySchedule(lr, drops, lr_drop_factor, warmup_steps)
+        return tf_keras.optimizers.AdamW(
+            learning_rate=schedule, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
+            epsilon=epsilon, jit_compile=jit_compile, name=name)
+
+    return make(backbone_learning_rate, "backbone_adamw"), make(learning_rate, "adamw")
+
+
+class DynamicLossScale(tf.Module):
+    """Dynamic loss scaling for mixed_float16, owned by the trainer so that one scale serves both
+    optimizer groups and the skip decision shares the non-finite-loss guard.
+
+    The scale halves whenever the gradients are not finite (the step is then skipped) and doubles
+    after `growth_interval` finite steps in a row, as tf_keras's LossScaleOptimizer does.
+    """
+
+    def __init__(self, initial_scale: float = 2.0 ** 15, growth_interval: int = 2000):
+        super().__init__(name="loss_scale")
+        agg = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        self.scale = tf.Variable(initial_scale, dtype=tf.float32, trainable=False,
+                                 aggregation=agg, name="scale")
+        self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, aggregation=agg,
+                                      name="good_steps")
+        self.growth_interval = growth_interval
+
+    def update(self, grads_finite: tf.Tensor) -> None:
+        """Cross-replica context: adjusts the scale after a step."""
+        grow = tf.logical_and(grads_finite, self.good_steps + 1 >= self.growth_interval)
+        self.scale.assign(tf.where(grads_finite,
+                                   tf.where(grow, self.scale * 2.0, self.scale),
+                                   tf.maximum(self.scale / 2.0, 1.0)))
+        self.good_steps.assign(tf.where(grads_finite & ~grow, self.good_steps + 1,
+                                        tf.zeros_like(self.good_steps)))
+
+
+class ExponentialMovingAverage(tf.Module):
+    """EMA of a model's trainable weights, for evaluation.
+
+    `shadow` holds one variable per tracked model variable; it is checkpointed under the name
+    `ema`, and `swap()` exchanges model and EMA values (call it twice to undo).
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable], decay: float = 0.9998):
+        super().__init__(name="ema")
+        self.decay = float(decay)
+        self._model_variables = list(variables)
+        self.shadow = [
+            tf.Variable(v.read_value(), trainable=False, name=v.name.split(":")[0] + "/ema",
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            for v in self._model_variables]
+
+    def update(self, distribution: Optional[tf.distribute.Strategy] = None) -> None:
+        """Cross-replica context: shadow = decay * shadow + (1 - decay) * weights."""
+        distribution = distribution or tf.distribute.get_strategy()
+
+        def blend(shadow, value):
+            return shadow.assign(self.decay * shadow + (1.0 - self.decay) * value)
+
+        for shadow, var in zip(self.shadow, self._model_variables):
+            distribution.extended.update(shadow, blend, args=(var,), group=False)
+
+    def swap(self) -> None:
+        """Exchanges the model's weights and the EMA weights (eager, cross-replica context)."""
+        for shadow, var in zip(self.shadow, self._model_variables):
+            tmp = tf.identity(var.read_value())
+            var.assign(shadow.read_value())
+            shadow.assign(tmp)
