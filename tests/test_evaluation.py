@@ -7,6 +7,7 @@ from pycocotools.coco import COCO
 
 from detr_tf.evaluation import coco_evaluator
 from detr_tf.evaluation.coco_evaluator import METRIC_NAMES, CocoEvaluator
+from detr_tf.evaluation.postprocess import postprocess
 
 
 def _coco_json(tmp_path, images, annotations, categories):
@@ -220,3 +221,36 @@ def test_writes_results_and_metrics_json(tmp_path):
     assert len(results.anns) == 3 * 4
     table = coco_evaluator.format_metrics_table(metrics, ["APs"])
     assert "AP50" in table and "100.00" in table and "n/a" in table
+
+
+def test_false_positive_on_an_image_without_ground_truth_hand_computed():
+    # Image 21 has one GT box; image 22 has none. By score: a detection on image 22 (0.9, a
+    # false positive), then an exact hit on image 21 (0.8). P/R points: (P=0, R=0), (P=0.5,
+    # R=1). Interpolated precision (best precision at recall >= r) is 0.5 at every one of
+    # the 101 recall thresholds, so AP = 0.5. Were image 22 dropped, AP would be 1.
+    targets = {"image_id": np.array([21, 22]), "orig_size": np.array([[100, 100], [100, 100]]),
+               "boxes": np.array([[[0.5, 0.5, 0.4, 0.4]], [[0.0, 0.0, 0.0, 0.0]]], np.float32),
+               "labels": np.array([[1], [0]]), "mask": np.array([[True], [False]])}
+    dets = {"boxes": np.array([[[30, 30, 40, 40]], [[10, 10, 40, 40]]], np.float32),
+            "scores": np.array([[0.8], [0.9]], np.float32), "labels": np.array([[1], [1]])}
+    evaluator = CocoEvaluator(None)
+    evaluator.update(dets, targets)
+    metrics = evaluator.evaluate()
+    assert metrics["AP50"] == pytest.approx(0.5)
+    assert metrics["AP"] == pytest.approx(0.5)
+
+
+def test_postprocess_output_feeds_the_evaluator():
+    # A "perfect model": its box for each GT is the target box itself, confidently labelled;
+    # surplus queries say no-object. postprocess (TF, xywh) -> evaluator (GT from targets, its
+    # own numpy conversion) must then agree on every pixel, giving AP 1.
+    dets, targets = _targets_batch()
+    num_classes = 3
+    labels = np.where(targets["mask"], targets["labels"], num_classes)  # no-object = last
+    logits = np.eye(num_classes + 1, dtype=np.float32)[labels] * 20.0  # [B, T, C + 1]
+    out = postprocess(logits, targets["boxes"], targets["orig_size"], box_format="xywh")
+    evaluator = CocoEvaluator(None)
+    evaluator.update(out, targets)
+    metrics = evaluator.evaluate()
+    for name in ("AP", "AP50", "AP75", "APs", "APl"):
+        assert metrics[name] == pytest.approx(1.0), name

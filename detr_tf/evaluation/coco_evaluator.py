@@ -15,11 +15,16 @@ Ground truth comes either from a COCO annotations json (path or a `pycocotools.c
 with `annotations=None`, from the batch targets themselves (boxes scaled back to original pixels,
 area = box area, iscrowd from targets['iscrowd'] if present, else 0).
 
-Multi-worker evaluation: each worker calls `update` on its shard, then the caller gathers the
-numpy arrays of `state()` from every worker (e.g. `hvd.allgather_object`, or writing them to
-files) and calls `merge_state` on one evaluator before `evaluate()`. Each image id is counted
-once: the first detections (and ground truth) seen for an id win, so an image duplicated by
-padding or by a data shard wrapping around is not evaluated twice.
+Several devices, one process (MirroredStrategy): concatenate the per-replica outputs and targets
+(`strategy.experimental_local_results`) and call `update` once per batch; nothing else is needed.
+
+Several processes (Horovod, MultiWorkerMirroredStrategy): each worker calls `update` on its shard,
+then the caller gathers every worker's `state()` (a dict of numpy arrays whose first dims differ
+between workers, e.g. with `hvd.allgather_object(evaluator.state())`, or by writing them with
+`np.savez` to shared storage) and calls `merge_state` for each on one evaluator, which then runs
+`evaluate()` alone. Each image id is counted once: the first detections (and ground truth) seen
+for an id win, so an image duplicated by padding or by a shard wrapping around is not counted
+twice.
 """
 import contextlib
 import io
