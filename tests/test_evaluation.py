@@ -93,6 +93,10 @@ def test_partially_correct_prediction_hand_computed(tmp_path):
         assert metrics[name] == pytest.approx(expected, abs=1e-9), name
     assert metrics["APs"] == 0.0 and metrics["APm"] == 0.0
     assert sorted(evaluator.undefined_metrics) == ["APm", "APs"]
+    table = evaluator.table(metrics).splitlines()
+    assert [line.split()[:2] for line in table[2:]] == [
+        ["AP", "50.50"], ["AP50", "50.50"], ["AP75", "50.50"], ["APs", "n/a"], ["APm", "n/a"],
+        ["APl", "50.50"]]
 
 
 def test_loose_box_counts_at_low_iou_thresholds_only(tmp_path):

@@ -112,3 +112,27 @@ def test_round_trip_uint8_signature(exported):
     # The threshold bites: some slots are padding, yet every image keeps a detection.
     assert served["num_detections"].min() >= 1 and served["num_detections"].max() <= 3
     assert len(set(served["num_detections"].tolist())) == 2
+
+
+class _ShapeRecorder(StandInDetr):
+    def call(self, images, pixel_mask, training=False):
+        self.seen = (tuple(images.shape[1:]), tuple(pixel_mask.shape[1:]))
+        return super().call(images, pixel_mask, training=training)
+
+
+def test_model_sees_the_static_canvas():
+    model = _ShapeRecorder()
+    preprocess = export.make_resize_pad_preprocess(shorter_side=16, max_size=24,
+                                                   canvas_size=(24, 32))
+    module = export.DetectionModule(model, preprocess, max_detections=2)
+    out = module.detect(np.zeros((2, 10, 14, 3), np.uint8))
+    assert model.seen == ((24, 32, 3), (24, 32))
+    assert out["boxes"].shape == (2, 2, 4)
+
+
+def test_preprocess_without_a_static_canvas_is_rejected():
+    def no_padding(image):
+        return tf.cast(image, tf.float32), tf.ones(tf.shape(image)[:2], tf.bool)
+
+    with pytest.raises(ValueError, match="static canvas"):
+        export.DetectionModule(StandInDetr(), no_padding)

@@ -295,6 +295,10 @@ class CocoEvaluator:
             metrics[name] = float(value)
         return metrics
 
+    def table(self, metrics: Mapping[str, float]) -> str:
+        """The metrics table, marking what the last `evaluate()` left undefined as n/a."""
+        return format_metrics_table(metrics, self.undefined_metrics)
+
     # ---------------------------------------------------------------------------------- writing
     def write_detections(self, path: Union[str, os.PathLike]) -> None:
         """Writes the detections as a COCO results json (loadable by `COCO.loadRes`)."""

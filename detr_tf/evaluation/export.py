@@ -100,6 +100,25 @@ def make_resize_pad_preprocess(shorter_side: int = 800,
     return preprocess
 
 
+def _canvas_specs(preprocess_fn: PreprocessFn) -> Tuple[tf.TensorSpec, tf.TensorSpec]:
+    """Traces `preprocess_fn` once to read (and check) its static output shapes."""
+    traced = tf.function(preprocess_fn).get_concrete_function(
+        tf.TensorSpec([None, None, 3], tf.uint8))
+    outputs = traced.structured_outputs
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != 2:
+        raise ValueError(f"DetectionModule: preprocess_fn must return (image, pixel_mask), "
+                         f"got {outputs!r}")
+    image, mask = outputs
+    hc_wc = image.shape[:2]
+    if (image.shape.rank != 3 or image.shape[2] != 3 or not hc_wc.is_fully_defined()
+            or image.dtype != tf.float32 or mask.dtype != tf.bool or mask.shape != hc_wc):
+        raise ValueError(
+            f"DetectionModule: preprocess_fn must map a uint8 [H, W, 3] image to float32 "
+            f"[Hc, Wc, 3] and bool [Hc, Wc] with a static canvas Hc x Wc; it returned "
+            f"{image.dtype.name} {image.shape} and {mask.dtype.name} {mask.shape}")
+    return tf.TensorSpec(image.shape, tf.float32), tf.TensorSpec(mask.shape, tf.bool)
+
+
 class DetectionModule(tf.Module):
     """A model plus pre- and post-processing, ready for `tf.saved_model.save`.
 
@@ -123,6 +142,7 @@ class DetectionModule(tf.Module):
         super().__init__(name=name)
         self.model = model
         self._preprocess_fn = preprocess_fn or make_resize_pad_preprocess()
+        self._canvas_specs = _canvas_specs(self._preprocess_fn)
         self._max_detections = int(max_detections)
         self._score_threshold = float(score_threshold)
         self._detect_fn = tf.function(self._detect_preprocessed, jit_compile=jit_compile)
@@ -151,11 +171,11 @@ class DetectionModule(tf.Module):
             image, mask = self._preprocess_fn(x)
             return image, mask, size
 
+        # The canvas shape is static, so the model sees [N, Hc, Wc, 3] at trace time, as in
+        # training (position encodings and XLA both prefer static spatial dims).
         image, mask, sizes = tf.map_fn(
             one, images,
-            fn_output_signature=(tf.TensorSpec([None, None, 3], tf.float32),
-                                 tf.TensorSpec([None, None], tf.bool),
-                                 tf.TensorSpec([2], tf.int32)))
+            fn_output_signature=self._canvas_specs + (tf.TensorSpec([2], tf.int32),))
         return image, mask, sizes  # [N, Hc, Wc, 3], [N, Hc, Wc], [N, 2]
 
     def _serve_encoded(self, encoded: tf.Tensor) -> Dict[str, tf.Tensor]:
