@@ -258,3 +258,12 @@ def test_postprocess_output_feeds_the_evaluator():
     metrics = evaluator.evaluate()
     for name in ("AP", "AP50", "AP75", "APs", "APl"):
         assert metrics[name] == pytest.approx(1.0), name
+
+
+def test_non_finite_detections_are_dropped(tmp_path):
+    evaluator = CocoEvaluator(_partial_case_json(tmp_path))
+    evaluator.update(_dets([[10, 10, 200, 200], [np.nan, 0, 5, 5], [300, 300, 100, 100]],
+                           [0.9, 0.95, np.nan], [1, 1, 1]), {"image_id": np.array([4])})
+    assert len(evaluator.coco_results()) == 1
+    # One exact hit of two GT boxes and nothing wrong ranked above it: AP = 51/101 as above.
+    assert evaluator.evaluate()["AP"] == pytest.approx(51 / 101)

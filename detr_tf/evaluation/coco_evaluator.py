@@ -129,7 +129,7 @@ class CocoEvaluator:
           boxes_xywh: [B, K, 4] COCO x, y, w, h in original-image pixels.
           scores: [B, K] float.
           labels: [B, K] int category ids.
-          valid: optional [B, K] bool; False entries are dropped.
+          valid: optional [B, K] bool; False entries are dropped, as are non-finite ones.
         """
         image_ids = _to_numpy(image_ids).astype(np.int64).reshape(-1)
         boxes = _to_numpy(boxes_xywh).astype(np.float64)
@@ -143,6 +143,9 @@ class CocoEvaluator:
             raise ValueError(
                 f"CocoEvaluator.add_detections: image_ids has {b} images but boxes_xywh has "
                 f"shape {boxes.shape} and scores {scores.shape}; expected [B, K, 4] and [B, K]")
+        # A diverged model's NaN boxes or scores would make COCOeval's ranking meaningless and
+        # detections.json invalid JSON; they are dropped (they could never be right anyway).
+        valid = valid & np.isfinite(scores) & np.isfinite(boxes).all(axis=-1)
         for i, image_id in enumerate(image_ids):
             if image_id < 0 or int(image_id) in self._detections:
                 continue
@@ -325,7 +328,7 @@ def format_metrics_table(metrics: Mapping[str, float],
                          undefined: Iterable[str] = ()) -> str:
     """A readable table of the six COCO metrics (as percentages), one per line."""
     undefined = set(undefined)
-    lines = ["COCO bbox metrics", "-" * 44]
+    lines = ["COCO bbox metrics (%)", "-" * 44]
     for name in METRIC_NAMES:
         value = "n/a (no GT)" if name in undefined else f"{100 * metrics[name]:6.2f}"
         lines.append(f"{name:<5} {value:>11}   {_METRIC_DESCRIPTIONS[name]}")
