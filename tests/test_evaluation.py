@@ -267,3 +267,20 @@ def test_non_finite_detections_are_dropped(tmp_path):
     assert len(evaluator.coco_results()) == 1
     # One exact hit of two GT boxes and nothing wrong ranked above it: AP = 51/101 as above.
     assert evaluator.evaluate()["AP"] == pytest.approx(51 / 101)
+
+
+def test_label_map_turns_contiguous_indices_into_category_ids(tmp_path):
+    # The JSON's categories are 3 ("car") and 18 ("dog"); this model predicts 0 and 1.
+    path = _coco_json(tmp_path, _IMAGES, _GT_ANNS, _CATS)
+    unmapped = CocoEvaluator(path)
+    mapped = CocoEvaluator(path, label_map=[3, 18])
+    for image_id in (1, 2, 5):
+        anns = [a for a in _GT_ANNS if a["image_id"] == image_id and not a.get("iscrowd")]
+        dets = _dets([a["bbox"] for a in anns] + [[0, 0, 1, 1]], [1.0] * len(anns) + [0.5],
+                     [[3, 18].index(a["category_id"]) for a in anns] + [7])
+        for evaluator in (unmapped, mapped):
+            evaluator.update(dets, {"image_id": np.array([image_id])})
+    assert mapped.evaluate()["AP"] == pytest.approx(1.0)
+    assert {r["category_id"] for r in mapped.coco_results()} == {3, 18, -1}  # 7: unmapped
+    with pytest.warns(UserWarning, match="label_map"):
+        assert unmapped.evaluate()["AP"] == 0.0

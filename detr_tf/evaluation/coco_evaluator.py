@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import os
+import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -67,14 +68,30 @@ class CocoEvaluator:
         take the ground truth from the batch targets passed to `update`.
       category_names: optional {category id: name}; only used to label categories when the
         ground truth comes from targets (json annotations carry their own names).
+      label_map: optional model class index -> category id ({index: id} or a list indexed by
+        class), for a pipeline that labels with contiguous indices (TFDS COCO's 0..79) rather
+        than category ids. `update` applies it to predicted and target labels; indices it does
+        not cover map to -1, which matches no category. Default: labels are category ids.
       verbose: if False (default), pycocotools' own prints are captured, not shown.
     """
 
     def __init__(self,
                  annotations: Union[str, os.PathLike, COCO, None] = None,
                  category_names: Optional[Mapping[int, str]] = None,
+                 label_map: Union[Mapping[int, int], Sequence[int], None] = None,
                  verbose: bool = False):
         self._verbose = verbose
+        self._label_lookup = None
+        if label_map is not None:
+            items = (label_map.items() if isinstance(label_map, Mapping)
+                     else enumerate(label_map))
+            items = [(int(k), int(v)) for k, v in items]
+            if any(k < 0 for k, _ in items):
+                raise ValueError(f"CocoEvaluator: label_map has negative class indices: "
+                                 f"{sorted(k for k, _ in items if k < 0)}")
+            self._label_lookup = np.full(max(k for k, _ in items) + 1, -1, np.int64)
+            for k, v in items:
+                self._label_lookup[k] = v
         self._category_names = dict(category_names or {})
         self._coco_gt = None
         if annotations is not None:
@@ -116,9 +133,19 @@ class CocoEvaluator:
         # Ground truth first: it registers each image and its size even when it has no boxes.
         if self.gt_from_targets:
             self.add_ground_truth(image_ids, targets["orig_size"], targets["boxes"],
-                                  targets["labels"], targets["mask"], targets.get("iscrowd"))
+                                  self._map_labels(targets["labels"]), targets["mask"],
+                                  targets.get("iscrowd"))
         self.add_detections(image_ids, detections["boxes"], detections["scores"],
-                            detections["labels"], valid)
+                            self._map_labels(detections["labels"]), valid)
+
+    def _map_labels(self, labels: Any) -> np.ndarray:
+        labels = _to_numpy(labels).astype(np.int64)
+        if self._label_lookup is None:
+            return labels
+        inside = (labels >= 0) & (labels < len(self._label_lookup))
+        mapped = np.full(labels.shape, -1, np.int64)
+        mapped[inside] = self._label_lookup[labels[inside]]
+        return mapped
 
     def add_detections(self, image_ids: Any, boxes_xywh: Any, scores: Any, labels: Any,
                        valid: Optional[Any] = None) -> None:
@@ -278,6 +305,14 @@ class CocoEvaluator:
                 f"detections but are not in the ground-truth annotations' 'images'; the eval "
                 f"split and the annotations file do not match")
         results = self.coco_results()
+        detected = {r["category_id"] for r in results}
+        if results and not detected & set(coco_gt.getCatIds()):
+            # Almost always a label-space mismatch (contiguous indices vs category ids), which
+            # would otherwise show up only as an inexplicable AP of 0.
+            warnings.warn(
+                f"CocoEvaluator: none of the detected category ids {sorted(detected)[:10]} is a "
+                f"ground-truth category {sorted(coco_gt.getCatIds())[:10]}...; if the model "
+                f"predicts contiguous class indices, pass label_map=", stacklevel=2)
         if not results or not image_ids or not coco_gt.getCatIds():
             # pycocotools cannot load an empty result list (it indexes results[0]); no
             # detections (or nothing to detect) scores zero on every metric.
