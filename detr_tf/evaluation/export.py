@@ -1,0 +1,224 @@
+"""SavedModel export: raw images in, top detections in original-image pixels out.
+
+`DetectionModule` wraps a model that follows the detr_tf contract
+(`model(images, pixel_mask, training=False)` -> {'pred_logits', 'pred_boxes', ...}) with
+preprocessing, `postprocess` and `select_top_detections`. It has two serving functions:
+
+    serving_default(encoded: tf.string [N])             JPEG / PNG / BMP / GIF bytes
+    serving_images(images: tf.uint8 [N, H, W, 3])        one batch of same-sized RGB images
+
+Both return
+    boxes:          [N, K, 4] float32 x0, y0, x1, y1 in original-image pixels
+    scores:         [N, K] float32, sorted decreasing
+    classes:        [N, K] int32 category ids
+    num_detections: [N] int32; entries at index >= num_detections are padding
+                    (score 0, box 0, class -1)
+with K = max_detections. The same module is what `predict.py` runs, so predictions and the
+exported model agree by construction.
+
+Preprocessing is injected: `preprocess_fn` maps ONE uint8 image [H, W, 3] to
+(image float32 [Hc, Wc, 3], pixel_mask bool [Hc, Wc]) on a fixed canvas Hc x Wc, e.g. the eval
+pipeline's own resize/normalize/pad. Boxes come back in original pixels because the model
+predicts them relative to the unpadded resized image, which is the original up to scale.
+"""
+import os
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+
+import gin
+import tensorflow as tf
+
+from detr_tf.evaluation import postprocess as pp
+
+PreprocessFn = Callable[[tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+SERVING_DEFAULT = "serving_default"
+SERVING_IMAGES = "serving_images"
+
+
+def resized_size(height: tf.Tensor, width: tf.Tensor, shorter_side: int,
+                 max_size: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Size after scaling the shorter side to `shorter_side`, the longer one to <= `max_size`.
+
+    Args:
+      height, width: scalar int tensors, the original size.
+      shorter_side: target length of the shorter side.
+      max_size: cap on the longer side; wins over `shorter_side` for elongated images.
+
+    Returns:
+      (new_height, new_width) scalar int32 tensors, each >= 1 and <= max_size.
+    """
+    h = tf.cast(height, tf.float32)
+    w = tf.cast(width, tf.float32)
+    scale = tf.minimum(shorter_side / tf.minimum(h, w), max_size / tf.maximum(h, w))
+    # Rounding can push the long side one pixel past max_size; clip it back to the canvas.
+    new_h = tf.clip_by_value(tf.cast(tf.round(h * scale), tf.int32), 1, max_size)
+    new_w = tf.clip_by_value(tf.cast(tf.round(w * scale), tf.int32), 1, max_size)
+    return new_h, new_w
+
+
+@gin.configurable(module="detr_tf.evaluation")
+def make_resize_pad_preprocess(shorter_side: int = 800,
+                               max_size: int = 1333,
+                               canvas_size: Optional[Sequence[int]] = None,
+                               mean: Sequence[float] = IMAGENET_MEAN,
+                               std: Sequence[float] = IMAGENET_STD) -> PreprocessFn:
+    """The default preprocessing: bilinear resize, ImageNet-normalize, pad to a fixed canvas.
+
+    Args:
+      shorter_side: S, target length of the shorter side.
+      max_size: L, cap on the longer side.
+      canvas_size: (Hc, Wc) padded output size, each >= max_size; default (L, L), which fits
+        every aspect ratio.
+      mean, std: per-channel normalization of 0..1 pixels.
+
+    Returns:
+      A function: uint8 image [H, W, 3] -> (float32 [Hc, Wc, 3] normalized, zero padding at the
+      bottom/right; bool [Hc, Wc] pixel_mask, True on real pixels).
+    """
+    canvas_h, canvas_w = canvas_size if canvas_size is not None else (max_size, max_size)
+    if canvas_h < max_size or canvas_w < max_size:
+        raise ValueError(f"make_resize_pad_preprocess: canvas_size={tuple(canvas_size)} is "
+                         f"smaller than max_size={max_size}; a resized image would not fit")
+    mean_t = tf.constant(mean, tf.float32)
+    std_t = tf.constant(std, tf.float32)
+
+    def preprocess(image: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        image = tf.ensure_shape(image, [None, None, 3])
+        shape = tf.shape(image)
+        new_h, new_w = resized_size(shape[0], shape[1], shorter_side, max_size)
+        pixels = tf.cast(image, tf.float32) / 255.0
+        resized = tf.image.resize(pixels, tf.stack([new_h, new_w]), method="bilinear")
+        normalized = (resized - mean_t) / std_t  # [h, w, 3]
+        padded = tf.image.pad_to_bounding_box(normalized, 0, 0, canvas_h, canvas_w)
+        mask = tf.ones(tf.stack([new_h, new_w, 1]), tf.float32)
+        mask = tf.image.pad_to_bounding_box(mask, 0, 0, canvas_h, canvas_w)[..., 0] > 0.5
+        return (tf.ensure_shape(padded, [canvas_h, canvas_w, 3]),
+                tf.ensure_shape(mask, [canvas_h, canvas_w]))
+
+    return preprocess
+
+
+def _canvas_specs(preprocess_fn: PreprocessFn) -> Tuple[tf.TensorSpec, tf.TensorSpec]:
+    """Traces `preprocess_fn` once to read (and check) its static output shapes."""
+    traced = tf.function(preprocess_fn).get_concrete_function(
+        tf.TensorSpec([None, None, 3], tf.uint8))
+    outputs = traced.structured_outputs
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != 2:
+        raise ValueError(f"DetectionModule: preprocess_fn must return (image, pixel_mask), "
+                         f"got {outputs!r}")
+    image, mask = outputs
+    hc_wc = image.shape[:2]
+    if (image.shape.rank != 3 or image.shape[2] != 3 or not hc_wc.is_fully_defined()
+            or image.dtype != tf.float32 or mask.dtype != tf.bool or mask.shape != hc_wc):
+        raise ValueError(
+            f"DetectionModule: preprocess_fn must map a uint8 [H, W, 3] image to float32 "
+            f"[Hc, Wc, 3] and bool [Hc, Wc] with a static canvas Hc x Wc; it returned "
+            f"{image.dtype.name} {image.shape} and {mask.dtype.name} {mask.shape}")
+    return tf.TensorSpec(image.shape, tf.float32), tf.TensorSpec(mask.shape, tf.bool)
+
+
+class DetectionModule(tf.Module):
+    """A model plus pre- and post-processing, ready for `tf.saved_model.save`.
+
+    Args:
+      model: a tf_keras.Model called as `model(images, pixel_mask, training=False)` returning
+        'pred_logits' [B, Q, C + 1] and 'pred_boxes' [B, Q, 4] (normalized cx, cy, w, h).
+      preprocess_fn: uint8 [H, W, 3] -> (float32 [Hc, Wc, 3], bool [Hc, Wc]); default
+        `make_resize_pad_preprocess()`.
+      max_detections: K, detections returned per image.
+      score_threshold: detections scoring lower are dropped (become padding).
+      jit_compile: compile the model + postprocess step with XLA.
+    """
+
+    def __init__(self,
+                 model: tf.Module,
+                 preprocess_fn: Optional[PreprocessFn] = None,
+                 max_detections: int = 100,
+                 score_threshold: float = 0.0,
+                 jit_compile: bool = False,
+                 name: Optional[str] = None):
+        super().__init__(name=name)
+        self.model = model
+        self._preprocess_fn = preprocess_fn or make_resize_pad_preprocess()
+        self._canvas_specs = _canvas_specs(self._preprocess_fn)
+        self._max_detections = int(max_detections)
+        self._score_threshold = float(score_threshold)
+        self._detect_fn = tf.function(self._detect_preprocessed, jit_compile=jit_compile)
+        self.serve_encoded = tf.function(
+            self._serve_encoded,
+            input_signature=[tf.TensorSpec([None], tf.string, name="encoded")])
+        self.serve_images = tf.function(
+            self._serve_images,
+            input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")])
+
+    def _detect_preprocessed(self, images: tf.Tensor, pixel_mask: tf.Tensor,
+                             orig_sizes: tf.Tensor) -> Dict[str, tf.Tensor]:
+        """[N, Hc, Wc, 3], [N, Hc, Wc], [N, 2] (h, w) -> the serving outputs."""
+        outputs = self.model(images, pixel_mask, training=False)
+        dets = pp.postprocess(outputs["pred_logits"], outputs["pred_boxes"], orig_sizes, "xyxy")
+        top = pp.select_top_detections(dets, self._max_detections, self._score_threshold)
+        return {"boxes": top["boxes"], "scores": top["scores"], "classes": top["labels"],
+                "num_detections": top["num_detections"]}
+
+    def _preprocess_batch(self, images: tf.Tensor, decode: bool):
+        def one(x):
+            if decode:
+                # expand_animations=False: a GIF gives its first frame as [H, W, 3], like a JPEG.
+                x = tf.io.decode_image(x, channels=3, dtype=tf.uint8, expand_animations=False)
+            size = tf.shape(x)[:2]  # (h, w) of the original image
+            image, mask = self._preprocess_fn(x)
+            return image, mask, size
+
+        # The canvas shape is static, so the model sees [N, Hc, Wc, 3] at trace time, as in
+        # training (position encodings and XLA both prefer static spatial dims).
+        image, mask, sizes = tf.map_fn(
+            one, images,
+            fn_output_signature=self._canvas_specs + (tf.TensorSpec([2], tf.int32),))
+        return image, mask, sizes  # [N, Hc, Wc, 3], [N, Hc, Wc], [N, 2]
+
+    def _serve_encoded(self, encoded: tf.Tensor) -> Dict[str, tf.Tensor]:
+        return self._detect_fn(*self._preprocess_batch(encoded, decode=True))
+
+    def _serve_images(self, images: tf.Tensor) -> Dict[str, tf.Tensor]:
+        return self._detect_fn(*self._preprocess_batch(images, decode=False))
+
+    def detect(self, images: tf.Tensor) -> Dict[str, tf.Tensor]:
+        """Detections for uint8 images [N, H, W, 3] (eager convenience for `serve_images`)."""
+        return self.serve_images(tf.convert_to_tensor(images, tf.uint8))
+
+    def detect_encoded(self, encoded: tf.Tensor) -> Dict[str, tf.Tensor]:
+        """Detections for encoded images [N] (eager convenience for `serve_encoded`)."""
+        return self.serve_encoded(tf.convert_to_tensor(encoded, tf.string))
+
+    def signatures(self) -> Dict[str, tf.types.experimental.ConcreteFunction]:
+        """The serving signatures, keyed by their SavedModel names."""
+        return {SERVING_DEFAULT: self.serve_encoded.get_concrete_function(),
+                SERVING_IMAGES: self.serve_images.get_concrete_function()}
+
+
+@gin.configurable(module="detr_tf.evaluation", denylist=["model", "export_dir"])
+def export_saved_model(model: tf.Module,
+                       export_dir: Union[str, os.PathLike],
+                       preprocess_fn: Optional[PreprocessFn] = None,
+                       max_detections: int = 100,
+                       score_threshold: float = 0.0) -> str:
+    """Writes a SavedModel with the `serving_default` and `serving_images` signatures.
+
+    Args:
+      model: the trained model (see `DetectionModule`).
+      export_dir: output directory (created).
+      preprocess_fn: see `DetectionModule`; default `make_resize_pad_preprocess()`.
+      max_detections: K, detections per image.
+      score_threshold: minimum score of a returned detection.
+
+    Returns:
+      export_dir as a string. Load with `tf.saved_model.load(export_dir)` and call
+      `loaded.signatures['serving_default'](encoded=...)` (outputs keyed as in the module
+      docstring) or `loaded.serve_encoded(...)` / `loaded.serve_images(...)`.
+    """
+    module = DetectionModule(model, preprocess_fn, max_detections, score_threshold)
+    export_dir = os.fspath(export_dir)
+    tf.saved_model.save(module, export_dir, signatures=module.signatures())
+    return export_dir

@@ -1,0 +1,78 @@
+"""evaluate_model over a tf.data pipeline with a padded last batch and an oracle model."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.evaluation import eval_loop
+from detr_tf.evaluation.coco_evaluator import METRIC_NAMES, CocoEvaluator
+
+# Every image holds the same two objects (normalized cx, cy, w, h), so an input-independent
+# model that predicts exactly them is a perfect detector for this data set.
+GT_BOXES = np.array([[0.3, 0.4, 0.4, 0.5], [0.75, 0.7, 0.3, 0.2]], np.float32)
+GT_LABELS = np.array([1, 2], np.int32)
+NUM_CLASSES = 3
+
+
+class OracleModel(tf_keras.Model):
+    """Predicts GT_BOXES with their labels, plus one no-object query, whatever the image."""
+
+    def __init__(self):
+        super().__init__()
+        logits = np.full((3, NUM_CLASSES + 1), -10.0, np.float32)
+        logits[0, GT_LABELS[0]] = logits[1, GT_LABELS[1]] = logits[2, NUM_CLASSES] = 10.0
+        self.logits = tf.constant(logits)
+        self.boxes = tf.constant(np.concatenate([GT_BOXES, [[0.5, 0.5, 0.1, 0.1]]], 0))
+
+    def call(self, images, pixel_mask, training=False):
+        b = tf.shape(images)[0]
+        return {"pred_logits": tf.tile(self.logits[None], [b, 1, 1]),
+                "pred_boxes": tf.tile(self.boxes[None], [b, 1, 1]), "aux_outputs": []}
+
+
+def _dataset(num_images=5, batch_size=2):
+    sizes = np.array([[480, 640], [300, 200], [800, 800], [120, 500], [640, 480]], np.int32)
+    n_pad = -num_images % batch_size  # the pipeline fills the last batch with dummies
+    ids = np.concatenate([np.arange(1, num_images + 1), -np.ones(n_pad)]).astype(np.int64)
+    total = num_images + n_pad
+    sizes = np.concatenate([sizes[:num_images], np.ones((n_pad, 2), np.int32)])
+    targets = {"image_id": ids, "orig_size": sizes, "size": sizes,
+               "boxes": np.tile(GT_BOXES[None], [total, 1, 1]),
+               "labels": np.tile(GT_LABELS[None], [total, 1]),
+               "mask": np.tile(np.array([[True, True]]), [total, 1])}
+    images = np.zeros((total, 8, 8, 3), np.float32)
+    mask = np.ones((total, 8, 8), bool)
+    return tf.data.Dataset.from_tensor_slices((images, mask, targets)).batch(batch_size)
+
+
+def test_oracle_scores_one_and_files_are_written(tmp_path, capsys):
+    evaluator = CocoEvaluator(None)
+    metrics = eval_loop.evaluate_model(OracleModel(), _dataset(), evaluator,
+                                       output_dir=tmp_path / "eval", log_every=1)
+    assert evaluator.num_images == 5  # the padding image (id -1) is not evaluated
+    for name in ("AP", "AP50", "AP75", "APl"):
+        assert metrics[name] == pytest.approx(1.0), name
+    written = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert list(written) == list(METRIC_NAMES) and written == metrics
+    results = json.loads((tmp_path / "eval" / "detections.json").read_text())
+    assert {r["image_id"] for r in results} == {1, 2, 3, 4, 5}
+    # Image 2 is 300 (h) x 200 (w): the first box spans x 0.1..0.5 -> 20..100 px, y
+    # 0.15..0.65 -> 45..195 px, so COCO xywh [20, 45, 80, 150].
+    first = [r for r in results if r["image_id"] == 2 and r["category_id"] == 1]
+    np.testing.assert_allclose(max(first, key=lambda r: r["score"])["bbox"], [20, 45, 80, 150],
+                               atol=1e-3)
+    assert "AP50" in capsys.readouterr().out
+
+
+def test_max_batches_and_feature_dict_layout():
+    dataset = _dataset().map(lambda im, m, t: ({"images": im, "pixel_mask": m}, t))
+    evaluator = CocoEvaluator(None)
+    eval_loop.evaluate_model(OracleModel(), dataset, evaluator, max_batches=1, log_every=0)
+    assert evaluator.num_images == 2
+
+
+def test_unknown_layout_is_explained():
+    with pytest.raises(ValueError, match="pass unpack="):
+        eval_loop.unpack_batch({"images": 1})

@@ -1,0 +1,138 @@
+"""Export: default preprocessing by hand, and a SavedModel round trip with a stand-in model."""
+import io
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+from PIL import Image
+
+from detr_tf.evaluation import export
+from detr_tf.evaluation import postprocess as pp
+from tests.detr_standin import StandInDetr
+
+# Chosen between the seeded stand-in's scores (about 0.20 .. 0.29) so that some images keep
+# 2 and some 3 of their 4 slots: the threshold and the padding are both exercised.
+THRESHOLD = 0.232
+
+
+def _png(array):
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_default_preprocess_hand_case():
+    # 30 x 60 image, S=20, L=32: scale = min(20 / 30, 32 / 60) = 0.5333 -> 16 x 32 on a 40 x 40
+    # canvas. A constant image stays constant under bilinear resizing, so every real pixel is
+    # (c / 255 - mean) / std exactly, and the padding is 0.
+    fn = export.make_resize_pad_preprocess(shorter_side=20, max_size=32, canvas_size=(40, 40))
+    color = np.array([200, 100, 50], np.uint8)
+    image, mask = fn(tf.constant(np.broadcast_to(color, (30, 60, 3))))
+    image, mask = image.numpy(), mask.numpy()
+    assert image.shape == (40, 40, 3) and mask.shape == (40, 40) and mask.dtype == bool
+    expected_mask = np.zeros((40, 40), bool)
+    expected_mask[:16, :32] = True
+    np.testing.assert_array_equal(mask, expected_mask)
+    expected = (color / 255.0 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    np.testing.assert_allclose(image[:16, :32], np.broadcast_to(expected, (16, 32, 3)),
+                               rtol=1e-5)
+    assert not image[16:].any() and not image[:, 32:].any()
+
+
+@pytest.mark.parametrize("h,w,s,l,expected", [
+    (480, 640, 800, 1333, (800, 1067)),   # shorter side wins: 640 * 800 / 480 = 1066.7
+    (100, 1000, 800, 1333, (133, 1333)),  # max size wins: scale 1.333
+    (1000, 1000, 800, 1333, (800, 800)),
+])
+def test_resized_size(h, w, s, l, expected):
+    new_h, new_w = export.resized_size(tf.constant(h), tf.constant(w), s, l)
+    assert (int(new_h), int(new_w)) == expected
+
+
+def test_canvas_smaller_than_max_size_is_named():
+    with pytest.raises(ValueError, match="canvas_size=\\(30, 40\\).*max_size=32"):
+        export.make_resize_pad_preprocess(20, 32, canvas_size=(30, 40))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tf_keras.utils.set_random_seed(0)
+    model = StandInDetr()
+    preprocess = export.make_resize_pad_preprocess(shorter_side=32, max_size=48)
+    export_dir = export.export_saved_model(
+        model, tmp_path_factory.mktemp("export") / "saved_model", preprocess_fn=preprocess,
+        max_detections=4, score_threshold=THRESHOLD)
+    return model, preprocess, tf.saved_model.load(export_dir)
+
+
+def _direct(model, preprocess, images, max_detections=4, score_threshold=THRESHOLD):
+    """Model + postprocess called directly, one image at a time, no tf.function."""
+    outs = []
+    for img in images:
+        x, mask = preprocess(tf.constant(img))
+        raw = model(x[None], mask[None], training=False)
+        dets = pp.postprocess(raw["pred_logits"], raw["pred_boxes"], [img.shape[:2]], "xyxy")
+        outs.append({k: v.numpy()[0] for k, v in pp.select_top_detections(
+            dets, max_detections, score_threshold).items()})
+    return outs
+
+
+def _assert_same(served, direct):
+    for i, ref in enumerate(direct):
+        n = int(served["num_detections"][i])
+        assert n == ref["num_detections"]
+        np.testing.assert_allclose(served["scores"][i], ref["scores"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_array_equal(served["classes"][i], ref["labels"])
+        np.testing.assert_allclose(served["boxes"][i], ref["boxes"], rtol=1e-4, atol=1e-3)
+
+
+def test_round_trip_encoded_images_of_different_sizes(exported):
+    model, preprocess, loaded = exported
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (30, 50, 3), np.uint8),
+              rng.integers(0, 256, (64, 20, 3), np.uint8)]
+    served = loaded.signatures["serving_default"](
+        encoded=tf.constant([_png(im) for im in images]))
+    served = {k: v.numpy() for k, v in served.items()}
+    assert set(served) == {"boxes", "scores", "classes", "num_detections"}
+    assert served["boxes"].shape == (2, 4, 4) and served["classes"].dtype == np.int32
+    _assert_same(served, _direct(model, preprocess, images))
+    # Boxes are in each image's own original pixels: the two images' boxes differ in scale.
+    assert not np.allclose(served["boxes"][0], served["boxes"][1])
+
+
+def test_round_trip_uint8_signature(exported):
+    model, preprocess, loaded = exported
+    images = np.random.default_rng(1).integers(0, 256, (3, 40, 36, 3), np.uint8)
+    served = loaded.signatures[export.SERVING_IMAGES](images=tf.constant(images))
+    served = {k: v.numpy() for k, v in served.items()}
+    _assert_same(served, _direct(model, preprocess, list(images)))
+    assert np.all(served["scores"][:, 0] >= THRESHOLD)
+    # The threshold bites: some slots are padding, yet every image keeps a detection.
+    assert served["num_detections"].min() >= 1 and served["num_detections"].max() <= 3
+    assert len(set(served["num_detections"].tolist())) == 2
+
+
+class _ShapeRecorder(StandInDetr):
+    def call(self, images, pixel_mask, training=False):
+        self.seen = (tuple(images.shape[1:]), tuple(pixel_mask.shape[1:]))
+        return super().call(images, pixel_mask, training=training)
+
+
+def test_model_sees_the_static_canvas():
+    model = _ShapeRecorder()
+    preprocess = export.make_resize_pad_preprocess(shorter_side=16, max_size=24,
+                                                   canvas_size=(24, 32))
+    module = export.DetectionModule(model, preprocess, max_detections=2)
+    out = module.detect(np.zeros((2, 10, 14, 3), np.uint8))
+    assert model.seen == ((24, 32, 3), (24, 32))
+    assert out["boxes"].shape == (2, 2, 4)
+
+
+def test_preprocess_without_a_static_canvas_is_rejected():
+    def no_padding(image):
+        return tf.cast(image, tf.float32), tf.ones(tf.shape(image)[:2], tf.bool)
+
+    with pytest.raises(ValueError, match="static canvas"):
+        export.DetectionModule(StandInDetr(), no_padding)
