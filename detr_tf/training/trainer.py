@@ -230,11 +230,12 @@ def _write_text(path: str, text: str) -> None:
 def train(model_dir: str,
           model_fn: Callable[[], tf_keras.Model] = gin.REQUIRED,
           criterion: Any = gin.REQUIRED,
-          train_input_fn: Callable[..., tf.data.Dataset] = gin.REQUIRED,
+          dataset_fn: Callable[..., tf.data.Dataset] = gin.REQUIRED,
           global_batch_size: int = gin.REQUIRED,
           num_steps: Optional[int] = None,
           num_epochs: Optional[float] = None,
           train_examples: Optional[int] = None,
+          dataset_info_fn: Optional[Callable[..., Any]] = None,
           distribution: str = "default",
           cpu_devices: int = 0,
           precision: str = "float32",
@@ -258,13 +259,15 @@ def train(model_dir: str,
       model_dir: checkpoints, TensorBoard logs, metrics.jsonl, config.gin, operative_config.gin.
       model_fn: builds the model (e.g. `@build_model`, passed uncalled).
       criterion: the set criterion (e.g. `@SetCriterion()`).
-      train_input_fn: fn(global_batch_size, input_context, num_shards, shard_index,
-        deterministic, seed) -> per-replica batches (e.g. `@train/build_dataset`).
+      dataset_fn: fn(is_training, global_batch_size, input_context, num_shards, shard_index,
+        deterministic, seed) -> per-replica batches (e.g. `@build_dataset`, passed uncalled).
       global_batch_size: images per optimizer step over all replicas (per micro-batch when
         grad_accum_steps > 1).
       num_steps: total optimizer steps; overrides num_epochs when set.
       num_epochs: epochs, with train_examples to turn them into steps.
       train_examples: images per epoch; also places the epoch-based learning-rate drops.
+        Taken from dataset_info_fn when not given.
+      dataset_info_fn: fn(is_training) -> object with `num_examples` (e.g. `@dataset_info`).
       distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod' (automatic under
         horovodrun).
       cpu_devices: with 'mirrored' on a CPU-only machine, logical CPU devices to mirror over.
@@ -279,7 +282,8 @@ def train(model_dir: str,
         would have seen (symbolic checkpointing keeps it small).
       log_every: steps between TensorBoard / metrics.jsonl records.
       eval_every: steps between evaluations (also evaluates at the end when eval_fn is set).
-      eval_fn: fn(model, step) -> metrics dict, called on the chief (e.g. `@coco_evaluate`).
+      eval_fn: fn(model, model_dir, step) -> metrics dict, called on the chief with the EMA
+        weights when there are any (e.g. `@coco_evaluate`).
       deterministic: seeded, deterministic ops and input, for tests and exact resumption.
       seed: the seed for weights, dropout and input order.
       nan_policy: 'stop' (raise, naming the step and the loss terms) or 'skip' the step.
@@ -294,6 +298,8 @@ def train(model_dir: str,
     if grad_accum_steps < 1:
         raise ValueError(f"train.grad_accum_steps must be >= 1, got {grad_accum_steps}")
     check_model_dir(model_dir)
+    if train_examples is None and dataset_info_fn is not None:
+        train_examples = dataset_info_fn(is_training=True).num_examples
     engine = dist.make_engine(distribution=distribution, cpu_devices=cpu_devices)
     if global_batch_size % engine.num_replicas:
         raise ValueError(f"train.global_batch_size={global_batch_size} is not divisible by the "
@@ -320,9 +326,9 @@ def train(model_dir: str,
 
     # The input pipeline is built before the model so a bad path fails before any compile.
     def dataset_fn(input_context, num_shards, shard_index):
-        ds = train_input_fn(global_batch_size=global_batch_size, input_context=input_context,
-                            num_shards=num_shards, shard_index=shard_index,
-                            deterministic=deterministic, seed=seed)
+        ds = dataset_fn(is_training=True, global_batch_size=global_batch_size,
+                        input_context=input_context, num_shards=num_shards,
+                        shard_index=shard_index, deterministic=deterministic, seed=seed)
         if checkpoint_input:
             options = tf.data.Options()
             options.experimental_symbolic_checkpoint = True
@@ -430,7 +436,7 @@ def train(model_dir: str,
                 save()
             if eval_fn is not None and engine.is_chief and eval_every and step % eval_every == 0 \
                     and step != num_steps:
-                eval_metrics = _evaluate(eval_fn, model, ema, step, writer)
+                eval_metrics = _evaluate(eval_fn, model, model_dir, ema, step, writer)
             if term.received:
                 path = save()
                 writer.close()
@@ -440,7 +446,7 @@ def train(model_dir: str,
         if saver.latest is None or not saver.latest.endswith(f"-{step}"):
             save()
     if eval_fn is not None and engine.is_chief:
-        eval_metrics = _evaluate(eval_fn, model, ema, step, writer)
+        eval_metrics = _evaluate(eval_fn, model, model_dir, ema, step, writer)
     if after_train_fn is not None and engine.is_chief:
         with _ema_weights(ema):
             after_train_fn(model=model, model_dir=model_dir)
@@ -474,9 +480,9 @@ class _ema_weights:
         return False
 
 
-def _evaluate(eval_fn, model, ema, step, writer) -> Dict[str, float]:
+def _evaluate(eval_fn, model, model_dir, ema, step, writer) -> Dict[str, float]:
     with _ema_weights(ema):
-        metrics = eval_fn(model=model, step=step)
+        metrics = eval_fn(model=model, model_dir=model_dir, step=step)
     writer.write(step, metrics, split="eval")
     return metrics
 
