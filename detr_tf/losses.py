@@ -110,9 +110,10 @@ class SetCriterion:
         tgt_mask = tf.cast(targets["mask"], tf.bool)
         if labels.shape[1] == 0:
             # One padded dummy target keeps the gathers below in range.
-            labels = tf.zeros_like(labels[:, :1])
-            tgt_boxes = tf.zeros_like(tgt_boxes[:, :1])
-            tgt_mask = tf.zeros_like(tgt_mask[:, :1])
+            bsz = tf.shape(labels)[0]
+            labels = tf.zeros([bsz, 1], tf.int32)
+            tgt_boxes = tf.zeros([bsz, 1, 4], tf.float32)
+            tgt_mask = tf.zeros([bsz, 1], tf.bool)
         targets = {"labels": labels, "boxes": tgt_boxes, "mask": tgt_mask}
         num_layers = len(layers)
         n_box = self._num_boxes(tgt_mask, num_boxes)
