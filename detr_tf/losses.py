@@ -62,22 +62,17 @@ class SetCriterion:
         Returns:
           [N, B, Q] int32 target index per query, -1 for unmatched.
         """
-        n = tf.shape(pred_logits)[0]
-        b, q = tf.shape(pred_logits)[1], tf.shape(pred_logits)[2]
-        t = tf.shape(targets["labels"])[1]
-
-        def tile(x):  # [B, T, ...] -> [N*B, T, ...]
-            x = tf.tile(x[None], tf.concat([[n], tf.ones([tf.rank(x)], tf.int32)], 0))
-            return tf.reshape(x, tf.concat([[n * b], tf.shape(x)[2:]], 0))
-
         # Matching is not differentiated through (the reference runs it under no_grad).
+        # The targets [B, T] broadcast against the layers [N, B, Q] inside match_cost.
         cost = matching.match_cost(
-            tf.reshape(tf.stop_gradient(pred_logits), [n * b, q, -1]),
-            tf.reshape(tf.stop_gradient(pred_boxes), [n * b, q, 4]),
-            tile(targets["labels"]), tile(targets["boxes"]),
-            self.cost_class, self.cost_bbox, self.cost_giou)  # [N*B, Q, T]
-        idx = matching.hungarian_matching(cost, tile(targets["mask"]))  # [N*B, Q]
-        return tf.reshape(tf.cast(idx, tf.int32), [n, b, q])
+            tf.stop_gradient(pred_logits), tf.stop_gradient(pred_boxes),
+            targets["labels"], targets["boxes"],
+            self.cost_class, self.cost_bbox, self.cost_giou)  # [N, B, Q, T]
+        mask = tf.broadcast_to(targets["mask"][None],
+                               tf.concat([tf.shape(pred_logits)[:1], tf.shape(targets["mask"])],
+                                         0))  # [N, B, T]
+        idx = matching.hungarian_matching(cost, mask)  # [N, B, Q]
+        return tf.cast(idx, tf.int32)
 
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
