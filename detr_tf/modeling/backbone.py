@@ -209,6 +209,16 @@ class ResNet(tf_keras.layers.Layer):
         self.num_channels = in_ch
         self.output_stride = output_stride
 
+    def stem(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> tf.Tensor:
+        """conv1 7x7/2 -> bn1 -> ReLU -> max-pool 3x3/2: [B, H, W, 3] -> [B, H/4, W/4, width]."""
+        x = self.conv1(_zero_padding(images, pixel_mask))
+        x = tf.nn.relu(self.bn1(x))  # stride 2
+        # The max-pool pads with zeros rather than torch's -inf: its input is >= 0 after the
+        # ReLU and every window holds a real value, so the maximum is the same.
+        x = tf.pad(_zero_padding(x, downsample_mask(pixel_mask, 2)),
+                   [[0, 0], [1, 1], [1, 1], [0, 0]])
+        return tf.nn.max_pool2d(x, 3, 2, "VALID")
+
     def call(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """Runs the network on a padded batch.
 
@@ -220,13 +230,8 @@ class ResNet(tf_keras.layers.Layer):
           features: [B, H/s, W/s, num_channels] with s = output_stride (32, or 16 with DC5).
           mask: [B, H/s, W/s] bool, True on real positions.
         """
-        x = self.conv1(_zero_padding(images, pixel_mask))
-        x = tf.nn.relu(self.bn1(x))  # stride 2
-        # The max-pool pads with zeros rather than torch's -inf: its input is >= 0 after the
-        # ReLU and every window holds a real value, so the maximum is the same.
-        mask2 = downsample_mask(pixel_mask, 2)
-        x = tf.pad(_zero_padding(x, mask2), [[0, 0], [1, 1], [1, 1], [0, 0]])
-        x = tf.nn.max_pool2d(x, 3, 2, "VALID")
+        pixel_mask = tf.cast(pixel_mask, tf.bool)
+        x = self.stem(images, pixel_mask)
         stride = 4
         for stage, first_stride in zip(self.stages, self._strides):
             for j, blk in enumerate(stage):
