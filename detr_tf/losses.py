@@ -12,7 +12,7 @@ Semantics are those of the reference DETR SetCriterion (labels, boxes, cardinali
 All decoder layers are matched in one call of the batched matcher, and everything is computed
 in float32 whatever the model's precision policy.
 """
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional
 
 import gin
 import tensorflow as tf
@@ -81,8 +81,9 @@ class SetCriterion:
         Args:
           outputs: the model's dict: 'pred_logits' [B, Q, C+1], 'pred_boxes' [B, Q, 4]
             normalized cxcywh, 'aux_outputs' list of L-1 such dicts (used if aux_loss).
-          targets: 'labels' int [B, T] in [0, C), 'boxes' float [B, T, 4] normalized cxcywh,
-            'mask' bool [B, T] True on real boxes (targets padded to a fixed T, T may be 0).
+          targets: 'labels' int [B, T] in [0, C) (any value on padded entries), 'boxes'
+            float [B, T, 4] normalized cxcywh, 'mask' bool [B, T] True on real boxes
+            (targets padded to a fixed T, T may be 0).
           num_boxes: optional float scalar, the box count to normalize by (the global count
             divided by the number of replicas); computed from the targets when None.
 
@@ -91,9 +92,9 @@ class SetCriterion:
           (final layer, unweighted), the same for aux layer i with suffix '_{i}',
           'class_error', 'cardinality_error'.
         """
-        layers: Sequence[Dict[str, tf.Tensor]] = list(
+        layers: List[Dict[str, tf.Tensor]] = list(
             outputs.get("aux_outputs", []) if self.aux_loss else [])
-        layers = layers + [outputs]
+        layers.append(outputs)
         logits = tf.stack([tf.cast(o["pred_logits"], tf.float32) for o in layers])  # [L,B,Q,C+1]
         boxes = tf.stack([tf.cast(o["pred_boxes"], tf.float32) for o in layers])  # [L, B, Q, 4]
         if logits.shape[-1] is not None and logits.shape[-1] != self.num_classes + 1:
@@ -116,9 +117,13 @@ class SetCriterion:
         idx = self.match(logits, boxes, targets)  # [L, B, Q]
         matched = idx >= 0
         safe_idx = tf.maximum(idx, 0)
-        tiled = lambda x: tf.tile(x[None], [num_layers] + [1] * len(x.shape))
-        matched_labels = tf.gather(tiled(labels), safe_idx, batch_dims=2)  # [L, B, Q]
-        matched_boxes = tf.gather(tiled(tgt_boxes), safe_idx, batch_dims=2)  # [L, B, Q, 4]
+
+        def per_layer_gather(x):  # [B, T, ...] -> [L, B, Q, ...], the target of each query
+            x = tf.tile(x[None], [num_layers] + [1] * len(x.shape))
+            return tf.gather(x, safe_idx, batch_dims=2)
+
+        matched_labels = per_layer_gather(labels)  # [L, B, Q]
+        matched_boxes = per_layer_gather(tgt_boxes)  # [L, B, Q, 4]
         target_classes = tf.where(matched, matched_labels, self.num_classes)  # [L, B, Q]
         matched_f = tf.cast(matched, tf.float32)
 
