@@ -130,7 +130,7 @@ def test_every_kind_and_shape(shape, kind):
 
 def test_no_mask_means_all_targets_real():
     cost, _ = _batch(1, (64, 8, 5), ["uniform"], "all")
-    out = _JIT(tf.constant(cost)).numpy()
+    out = matching.hungarian_matching(tf.constant(cost)).numpy()  # eager: no extra compile
     _assert_optimal(cost, np.ones((64, 5), bool), out)
     assert np.all(np.sort(out, axis=1)[:, -5:] == np.arange(5))
 
@@ -138,14 +138,14 @@ def test_no_mask_means_all_targets_real():
 def test_batched_equals_one_at_a_time_and_modes_agree():
     # Continuous random costs have a unique optimum, so the assignments themselves must agree.
     rng = np.random.default_rng(7)
-    cost = rng.normal(size=(12, 9, 6)).astype(np.float32)
-    mask = rng.random((12, 6)) < 0.7
+    cost = rng.normal(size=(8, 9, 6)).astype(np.float32)
+    mask = rng.random((8, 6)) < 0.7
     batched = _JIT(tf.constant(cost), tf.constant(mask)).numpy()
     eager = matching.hungarian_matching(tf.constant(cost), tf.constant(mask)).numpy()
     plain = _PLAIN(tf.constant(cost), tf.constant(mask)).numpy()
     np.testing.assert_array_equal(batched, eager)
     np.testing.assert_array_equal(batched, plain)
-    for b in range(12):
+    for b in range(8):
         single = matching.hungarian_matching(cost[b:b + 1], mask[b:b + 1]).numpy()
         np.testing.assert_array_equal(single[0], batched[b])
     _assert_optimal(cost, mask, batched)
@@ -220,7 +220,7 @@ def test_low_precision_input_is_solved_in_float32(dtype):
     rng = np.random.default_rng(4)
     cost = tf.cast(tf.constant(rng.normal(size=(64, 8, 5)).astype(np.float32)), dtype)
     mask = rng.random((64, 5)) < 0.8
-    out = _JIT(cost, tf.constant(mask)).numpy()
+    out = matching.hungarian_matching(cost, tf.constant(mask)).numpy()  # eager: no compile
     as_f32 = tf.cast(cost, tf.float32).numpy()
     _assert_optimal(as_f32, mask, out)
 
@@ -279,9 +279,10 @@ def test_iteration_count_is_bounded():
     # A worst-case style problem: every row prefers the same column, with graded alternatives.
     q = t = 12
     cost = np.add.outer(np.arange(q), np.arange(t) * 0.5).astype(np.float32)[None]
-    out, iterations = matching.hungarian_matching_with_stats(cost)
+    out, iterations, steps = matching.hungarian_matching_with_stats(cost)
     _assert_optimal(cost, np.ones((1, t), bool), out.numpy())
     assert int(iterations) <= t * (t + 1) + 1
+    assert int(steps[0]) == int(iterations)
 
 
 # ----------------------------------------------------------------------------------- match_cost
