@@ -164,6 +164,16 @@ def test_hidden_dim_mismatch_is_reported():
         build_model(hidden_dim=128, transformer=Transformer(d_model=64))
 
 
+def test_jit_compiled_forward_equals_eager():
+    """Fast version of the slow train-step check: the model alone compiles with XLA."""
+    model, _ = tiny()
+    images, mask = batch(np.random.default_rng(5), size=64, real=((64, 64), (40, 50)))
+    eager = model(images, mask, training=False)
+    jitted = tf.function(lambda x, m: model(x, m, training=False), jit_compile=True)(images, mask)
+    for k in ("pred_logits", "pred_boxes"):
+        np.testing.assert_allclose(jitted[k].numpy(), eager[k].numpy(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_jit_compiled_train_step_equals_eager():
     """The whole forward + criterion + backward compiles with XLA and gives the eager result."""
