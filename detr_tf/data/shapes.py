@@ -14,7 +14,7 @@ Category ids are 1..4 (0 unused, as in COCO); `label_map_from_coco_json` maps th
 """
 import json
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import gin
 import numpy as np
@@ -70,15 +70,26 @@ def _iou(a, b) -> float:
 
 
 def make_shapes_image(rng: np.random.Generator, image_size: int, max_objects: int = 6,
-                      max_iou: float = 0.4) -> Tuple[Image.Image, List[dict]]:
+                      max_iou: float = 0.4, size: Optional[Tuple[int, int]] = None
+                      ) -> Tuple[Image.Image, List[dict]]:
     """One image and its objects.
+
+    Args:
+      rng: numpy generator.
+      image_size: longer side; the shorter is drawn from [0.6, 1] of it (unless `size`).
+      max_objects: 1..max_objects objects.
+      max_iou: placements overlapping an earlier box more than this are redrawn.
+      size: optional exact (height, width).
 
     Returns:
       (PIL RGB image, list of {'category_id': 1..4, 'bbox': [x, y, w, h] pixels,
       'area': painted pixels}).
     """
-    short = int(rng.integers(int(0.6 * image_size), image_size + 1))
-    h, w = (short, image_size) if rng.random() < 0.5 else (image_size, short)
+    if size is None:
+        short = int(rng.integers(int(0.6 * image_size), image_size + 1))
+        h, w = (short, image_size) if rng.random() < 0.5 else (image_size, short)
+    else:
+        h, w = size
     img = Image.fromarray(_background(rng, h, w))
     draw = ImageDraw.Draw(img)
     objects, boxes = [], []
@@ -111,7 +122,8 @@ def make_shapes_image(rng: np.random.Generator, image_size: int, max_objects: in
 
 
 def make_shapes_dataset(output_dir: str, num_train: int, num_val: int, image_size: int = 128,
-                        seed: int = 0, max_objects: int = 6) -> Dict[str, str]:
+                        seed: int = 0, max_objects: int = 6,
+                        sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Dict[str, str]:
     """Writes the shapes dataset in COCO layout.
 
     Args:
@@ -120,6 +132,8 @@ def make_shapes_dataset(output_dir: str, num_train: int, num_val: int, image_siz
       image_size: longer image side in pixels (>= 32).
       seed: the dataset is a pure function of (seed, sizes).
       max_objects: objects per image are 1..max_objects.
+      sizes: optional (height, width) list; each image's size is drawn from it (used for
+        COCO-sized benchmark images); `image_size` is then ignored.
 
     Returns:
       {'train_images', 'val_images', 'train_annotations', 'val_annotations'} paths.
@@ -136,7 +150,8 @@ def make_shapes_dataset(output_dir: str, num_train: int, num_val: int, image_siz
         os.makedirs(image_dir, exist_ok=True)
         images, annotations = [], []
         for _ in range(count):
-            img, objects = make_shapes_image(rng, image_size, max_objects)
+            size = None if sizes is None else tuple(sizes[rng.integers(len(sizes))])
+            img, objects = make_shapes_image(rng, image_size, max_objects, size=size)
             name = f"{next_image_id:012d}.jpg"
             img.save(os.path.join(image_dir, name), quality=92)
             images.append({"id": next_image_id, "file_name": name, "height": img.height,
