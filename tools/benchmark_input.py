@@ -14,6 +14,9 @@ import os
 from absl import app, flags
 import gin
 
+# Imported before any gin parsing: gin locks its registry once a config is parsed.
+from detr_tf.data import benchmark, coco_converter, pipeline, shapes, sources
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("work_dir", "/tmp/detr_tf_bench_input", "Data is generated here once.")
 flags.DEFINE_enum("config", "both", ["coco", "shapes", "both"], "Which config to run.")
@@ -24,8 +27,6 @@ flags.DEFINE_integer("runs", 3, "Runs per setting; the report gives the median."
 
 
 def _data(config: str):
-    from detr_tf.data import benchmark, coco_converter, shapes
-
     root = os.path.join(FLAGS.work_dir, f"{config}_{FLAGS.num_images}")
     pattern = os.path.join(root, "tfrecords", "train-*.tfrecord")
     if not os.path.exists(os.path.join(root, "DONE")):
@@ -39,8 +40,6 @@ def _data(config: str):
 
 
 def _run(config: str, threads):
-    from detr_tf.data import benchmark, pipeline, sources
-
     gin.clear_config()
     gin_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gin_configs")
     gin.add_config_file_search_path(gin_dir)
@@ -58,8 +57,6 @@ def _run(config: str, threads):
 
 def main(argv):
     del argv
-    from detr_tf.data import benchmark, pipeline
-
     report = {"cores": benchmark.num_cores()}
     configs = ["coco", "shapes"] if FLAGS.config == "both" else [FLAGS.config]
     for config in configs:
