@@ -164,3 +164,17 @@ def test_padding_waste_hand_computed():
 def test_bad_buckets_are_named():
     with pytest.raises(ValueError, match=r"\(100, 128\)"):
         buckets_lib.validate_buckets([(100, 128)])
+
+
+def test_replicas_of_a_step_share_a_bucket(sources):
+    # One pipeline feeding 2 replicas: batches 2k and 2k+1 form one step and must match.
+    ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                     num_replicas_in_sync=2)
+    for is_training in (True, False):
+        shapes_seen = [tuple(f["images"].shape) for f, _ in
+                       _build(sources, is_training, batch=4, input_context=ctx, seed=0).take(8)]
+        assert len(shapes_seen) % 2 == 0 and shapes_seen[0][0] == 2
+        assert all(shapes_seen[i] == shapes_seen[i + 1] for i in range(0, len(shapes_seen), 2))
+    ids = [i for _, t in _build(sources, False, batch=4, input_context=ctx)
+           for i in t["image_id"].numpy() if i >= 0]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 10

@@ -24,7 +24,8 @@ The element_spec has None for H and W (the buckets differ) but each batch's actu
 of `buckets`, so a `tf.function` traced per input shape (iterating in Python) compiles once per
 bucket. Training batches are always full (drop_remainder inside each bucket). Evaluation drops
 nothing: each bucket's last partial batch is filled up to B with filler images (all-False
-pixel_mask and mask, image_id -1) that the evaluator skips.
+pixel_mask and mask, image_id -1) that the evaluator skips (with R replicas per pipeline, up to
+R whole filler batches, so that every replica of a step has the same bucket).
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -121,7 +122,9 @@ def build_dataset(is_training: bool, global_batch_size: int,
         one pass in source order, filler-padded last batches).
       global_batch_size: batch size over all replicas.
       input_context: from `strategy.distribute_datasets_from_function`; sets the sharding and
-        the per-replica batch size (global // replicas).
+        the per-replica batch size (global // replicas). With R replicas per input pipeline,
+        each run of R consecutive batches comes from one bucket, so the R replicas of a step
+        get the same shape.
       num_shards, shard_index: sharding without a tf.distribute strategy (Horovod: hvd.size(),
         hvd.rank()); the batch per pipeline is then global_batch_size // num_shards.
       deterministic: reproducible order and augmentation (tests, exact resume); slower.
@@ -144,6 +147,8 @@ def build_dataset(is_training: bool, global_batch_size: int,
         num_shards = input_context.num_input_pipelines
         shard_index = input_context.input_pipeline_id
         batch_size = input_context.get_per_replica_batch_size(global_batch_size)
+        replicas_per_pipeline = max(
+            1, input_context.num_replicas_in_sync // input_context.num_input_pipelines)
     else:
         num_shards = 1 if num_shards is None else num_shards
         shard_index = 0 if shard_index is None else shard_index
@@ -154,6 +159,7 @@ def build_dataset(is_training: bool, global_batch_size: int,
             raise ValueError(f"build_dataset: global_batch_size={global_batch_size} is not "
                              f"divisible by num_shards={num_shards}.")
         batch_size = global_batch_size // num_shards
+        replicas_per_pipeline = 1  # one process per replica (Horovod): no grouping needed
     if batch_size < 1:
         raise ValueError(f"build_dataset: per-replica batch size is {batch_size} "
                          f"(global_batch_size={global_batch_size}).")
@@ -194,14 +200,23 @@ def build_dataset(is_training: bool, global_batch_size: int,
         ds = tf.data.Dataset.zip((ds, seeds))
     ds = ds.map(prepare, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
+    # MirroredStrategy hands consecutive batches of one pipeline to its replicas in turn, so
+    # groups of `group` consecutive batches come from one bucket: all replicas of a step then
+    # share one shape (else a step would be traced for every combination of buckets).
+    group = replicas_per_pipeline
+
     def batch_bucket(_, window):
-        batched = window.batch(batch_size, drop_remainder=is_training)
+        batched = window.batch(group * batch_size, drop_remainder=is_training)
         if not is_training:
-            batched = batched.map(lambda b: _filler_pad(b, batch_size))
-        return batched
+            batched = batched.map(lambda b: _filler_pad(b, group * batch_size))
+        if group == 1:
+            return batched
+        return batched.map(lambda b: tf.nest.map_structure(
+            lambda t: tf.reshape(t, tf.concat([[group, batch_size], tf.shape(t)[1:]], 0)),
+            b)).unbatch()
 
     ds = ds.group_by_window(key_func=lambda ex: tf.cast(ex["bucket"], tf.int64),
-                            reduce_func=batch_bucket, window_size=batch_size)
+                            reduce_func=batch_bucket, window_size=group * batch_size)
     ds = ds.map(_split_features_targets)
     options = tf.data.Options()
     options.deterministic = deterministic
