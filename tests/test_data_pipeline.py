@@ -116,13 +116,15 @@ def test_deterministic_mode_repeats_exactly(sources):
             np.testing.assert_array_equal(u, v)
 
 
-def test_shards_are_disjoint_and_complete(sources):
+@pytest.mark.parametrize("num_shards", [2, 3])  # by file (2 files), by record (3 > 2 files)
+def test_shards_are_disjoint_and_complete(sources, num_shards):
     ids = []
-    for index in range(2):
-        ds = _build(sources, False, batch=4, num_shards=2, shard_index=index)
-        ids.append({i for _, t in ds for i in t["image_id"].numpy() if i >= 0})
-    assert not ids[0] & ids[1]
-    assert len(ids[0] | ids[1]) == 10
+    for index in range(num_shards):
+        ds = _build(sources, False, batch=2 * num_shards, num_shards=num_shards,
+                    shard_index=index)
+        ids.append([i for _, t in ds for i in t["image_id"].numpy() if i >= 0])
+    flat = [i for shard in ids for i in shard]
+    assert len(flat) == len(set(flat)) == 10
 
 
 def test_input_context_sets_per_replica_batch(sources):
