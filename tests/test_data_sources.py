@@ -35,3 +35,24 @@ def test_size_simulator_follows_the_tf_resize_rule():
         for short, cap in ((800, 1333), (480, 0), (128, 224)):
             tf_hw = augment.resized_shape(tf.constant(int(h)), tf.constant(int(w)), short, cap)
             assert tuple(tf_hw.numpy()) == benchmark._size_rule(int(h), int(w), short, cap)
+
+
+def test_tfds_source_with_mocked_coco(monkeypatch):
+    # tfds.testing.mock_data fakes coco/2017 from its feature spec (nothing is downloaded);
+    # it does not fake `is_prepared`, so that check is patched to pass.
+    import tensorflow_datasets as tfds
+
+    from detr_tf.data import label_map as label_map_lib
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "is_prepared", lambda self: True)
+    with tfds.testing.mock_data(num_examples=2, policy=tfds.testing.MockPolicy.USE_CODE):
+        src = sources.TFDSSource("coco/2017", "validation", data_dir="/nonexistent")
+        raw = next(iter(src.make(sources.ReadSpec())))
+        tfds_raw = next(iter(tfds.builder("coco/2017").as_dataset(split="validation")))
+    coco_ids = [cid for cid, _ in label_map_lib.COCO_CATEGORIES]
+    # TFDS's contiguous labels 0..79 come back as COCO ids, in sorted-id order.
+    expected = [coco_ids[i] for i in tfds_raw["objects"]["label"].numpy()]
+    np.testing.assert_array_equal(raw["classes"].numpy(), expected)
+    np.testing.assert_array_equal(raw["boxes"].numpy(), tfds_raw["objects"]["bbox"].numpy())
+    assert raw["image_id"].numpy() == tfds_raw["image/id"].numpy()
+    assert raw["image"].dtype == tf.uint8 and raw["image"].shape[-1] == 3
