@@ -238,6 +238,7 @@ class DatasetInfo:
       num_examples: images in the split (for epochs -> steps).
       num_classes: classes of the label map (the model adds "no object").
       class_names: names by class index (for drawing predictions).
+      category_ids: dataset category id of each class index (for COCO results files).
       annotations_file: COCO json for evaluation, or None.
       buckets: the canvas shapes batches can have.
     """
@@ -245,6 +246,7 @@ class DatasetInfo:
     num_examples: int
     num_classes: int
     class_names: List[str]
+    category_ids: List[int]
     annotations_file: Optional[str]
     buckets: List[Tuple[int, int]]
 
@@ -255,6 +257,10 @@ def dataset_info(is_training: bool, train_source=gin.REQUIRED, eval_source=gin.R
     """Size, label map and annotations file of the train or eval source (bind like
     build_dataset; the shipped gin files bind both through the TRAIN_DATA / EVAL_DATA macros)."""
     source = train_source if is_training else eval_source
-    return DatasetInfo(source.num_examples(), source.label_map.num_classes,
-                       list(source.label_map.class_names), source.annotations_file,
+    lm = source.label_map
+    category_of_class = {index: cid for cid, index in lm.class_of_id.items()}
+    # Classes no category maps to (COCO's unused ids) keep their index as id.
+    category_ids = [category_of_class.get(i, i) for i in range(lm.num_classes)]
+    return DatasetInfo(source.num_examples(), lm.num_classes, list(lm.class_names),
+                       category_ids, source.annotations_file,
                        buckets_lib.validate_buckets(buckets))

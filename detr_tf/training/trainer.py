@@ -25,7 +25,6 @@ import gin
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from tensorflow.python.trackable.base import Trackable
 
 from detr_tf.training import checkpointing, optimization
 from detr_tf.training import distribution as dist
@@ -245,7 +244,6 @@ def train(model_dir: str,
           ema_decay: Optional[float] = None,
           checkpoint_every: int = 1000,
           keep_checkpoints: int = 3,
-          checkpoint_input: bool = True,
           log_every: int = 50,
           eval_every: Optional[int] = None,
           eval_fn: Optional[Callable[..., Dict[str, float]]] = None,
@@ -278,8 +276,6 @@ def train(model_dir: str,
       ema_decay: keep an EMA of the weights (used for evaluation) when set, e.g. 0.9998.
       checkpoint_every: steps between checkpoints (one is also written at the end and on SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
-      checkpoint_input: also checkpoint the input iterator so a resumed run sees the data it
-        would have seen (symbolic checkpointing keeps it small).
       log_every: steps between TensorBoard / metrics.jsonl records.
       eval_every: steps between evaluations (also evaluates at the end when eval_fn is set).
       eval_fn: fn(model, model_dir, step) -> metrics dict, called on the chief with the EMA
@@ -324,22 +320,7 @@ def train(model_dir: str,
         print(f"detr_tf: engine={engine.name} replicas={engine.num_replicas} jit={jit} "
               f"precision={precision} steps={num_steps} model_dir={model_dir}", flush=True)
 
-    # The input pipeline is built before the model so a bad path fails before any compile.
-    def dataset_fn(input_context, num_shards, shard_index):
-        ds = dataset_fn(is_training=True, global_batch_size=global_batch_size,
-                        input_context=input_context, num_shards=num_shards,
-                        shard_index=shard_index, deterministic=deterministic, seed=seed)
-        if checkpoint_input:
-            options = tf.data.Options()
-            options.experimental_symbolic_checkpoint = True
-            ds = ds.with_options(options)
-        if resume_skip[0]:
-            ds = ds.skip(resume_skip[0])
-        return ds
-
-    resume_skip = [0]  # batches per replica to skip on resume when the iterator is not saved
     with engine.scope():
-        dataset = engine.distribute_dataset(dataset_fn)
         model = _build_model(model_fn)
         optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch or 1)
         for opt, vars_ in zip(optimizers, split_variables(model)):
@@ -351,33 +332,40 @@ def train(model_dir: str,
                if ema_decay else None)
         builder = StepBuilder(engine, model, criterion, optimizers, jit, clip_norm,
                               grad_accum_steps, loss_scale, ema, global_step)
-    iterator = iter(dataset)
     items = dict(model=model, backbone_optimizer=optimizers[0], optimizer=optimizers[1],
                  global_step=global_step)
     if ema is not None:
         items["ema"] = ema
     if loss_scale is not None:
         items["loss_scale"] = loss_scale
-    # Plain tf.data iterators (default strategy, Horovod) are checkpointable; tf.distribute's
-    # distributed iterators are not. For those, a deterministic run skips the batches it already
-    # consumed on resume (see dataset_fn), which reproduces the uninterrupted input exactly.
-    iterator_in_checkpoint = checkpoint_input and isinstance(iterator, Trackable)
-    if iterator_in_checkpoint:
-        items["input"] = iterator
     ckpt = tf.train.Checkpoint(**items)
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
         participates=engine.name != "horovod")
     if saver.latest:
         ckpt.restore(saver.latest).assert_existing_objects_matched()
-        if deterministic and checkpoint_input and not iterator_in_checkpoint:
-            resume_skip[0] = int(global_step.numpy()) * grad_accum_steps
-            iterator = iter(engine.distribute_dataset(dataset_fn))
         if engine.is_chief:
             print(f"detr_tf: resumed from {saver.latest} at step {int(global_step.numpy())}",
                   flush=True)
     else:
         engine.broadcast_variables(model.variables)
+    start_step = int(global_step.numpy())
+
+    # The input position is not saved in checkpoints: this pipeline's iterator state
+    # (group_by_window, shuffle buffers of encoded images) cannot be checkpointed symbolically
+    # and would put hundreds of MB of images into every checkpoint. A deterministic run instead
+    # replays its input and skips the batches already consumed, which reproduces an
+    # uninterrupted run exactly; any other run reseeds, so it does not repeat its first batches.
+    def replica_dataset_fn(input_context, num_shards, shard_index):
+        replay = deterministic and start_step > 0
+        ds = dataset_fn(is_training=True, global_batch_size=global_batch_size,
+                        input_context=input_context, num_shards=num_shards,
+                        shard_index=shard_index, deterministic=deterministic,
+                        seed=seed if (deterministic or not start_step) else seed + start_step)
+        return ds.skip(start_step * grad_accum_steps) if replay else ds
+
+    with engine.scope():
+        iterator = iter(engine.distribute_dataset(replica_dataset_fn))
 
     step_fn = builder.make_step_fn()
     step = int(global_step.numpy())
