@@ -1,7 +1,8 @@
 """The training loop: one step function for every engine, precision and XLA choice.
 
 A step, per replica:
-  1. count real boxes and all-reduce the count (outside XLA) -> the loss normalizer;
+  1. count real boxes and class weights and all-reduce them (outside XLA) -> the loss
+     normalizers;
   2. forward, set criterion (batched matching for all decoder layers) and backward, compiled
      with XLA as `jit` says;
   3. all-reduce the gradients (outside XLA: Horovod's ops cannot be compiled), clip by global
@@ -77,7 +78,8 @@ class StepBuilder:
     Args:
       engine: the distribution engine.
       model: a built DETR model with `backbone` exposing its trainable variables.
-      criterion: callable(outputs, targets, num_boxes=...) -> dict of scalar losses with 'loss'.
+      criterion: callable(outputs, targets, num_boxes=..., ce_weight=...) -> dict of scalar
+        losses with 'loss', with a `local_normalizers(targets, num_queries)` method.
       optimizers: (backbone_optimizer, main_optimizer).
       jit: 'step', 'loss' or 'none' (already resolved).
       clip_norm: global-norm gradient clipping (<= 0 disables).
@@ -108,10 +110,10 @@ class StepBuilder:
         self._grads_fn = (tf.function(self._losses_and_grads, jit_compile=True)
                           if jit == "step" else self._losses_and_grads)
 
-    def _losses_and_grads(self, inputs, targets, num_boxes, scale):
+    def _losses_and_grads(self, inputs, targets, norms, scale):
         with tf.GradientTape() as tape:
             outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True)
-            losses = self._criterion_fn(outputs, targets, num_boxes=num_boxes)
+            losses = self._criterion_fn(outputs, targets, **norms)
             scaled = tf.cast(losses["loss"], tf.float32) * scale
         grads = tape.gradient(scaled, self.variables)
         grads = [g / scale for g in _zeros_for_missing(grads, self.variables)]
@@ -123,10 +125,13 @@ class StepBuilder:
         scale = self.loss_scale.scale.read_value() if self.loss_scale else tf.constant(1.0)
         grad_sum, loss_sum = None, None
         for inputs, targets in micro_batches:
-            local_boxes = tf.reduce_sum(tf.cast(targets["mask"], tf.float32))
-            # DETR normalizes box losses by the average box count per replica (all-reduced).
-            num_boxes = tf.maximum(engine.all_reduce_sum(local_boxes) / engine.num_replicas, 1.0)
-            losses, grads = self._grads_fn(inputs, targets, num_boxes, scale)
+            # Loss normalizers averaged over replicas (all-reduced here, outside XLA): DETR's
+            # box count, and the class-weight sum, so that any replica count gives the loss and
+            # gradients of one device with the whole batch.
+            norms = engine.all_reduce_mean(
+                self.criterion.local_normalizers(targets, self.model.num_queries))
+            norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0)
+            losses, grads = self._grads_fn(inputs, targets, norms, scale)
             losses = {k: tf.cast(v, tf.float32) for k, v in losses.items()}
             if grad_sum is None:
                 grad_sum, loss_sum = grads, losses
