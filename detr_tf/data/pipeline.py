@@ -210,9 +210,13 @@ def build_dataset(is_training: bool, global_batch_size: int,
             batched = batched.map(lambda b: _filler_pad(b, group * batch_size))
         if group == 1:
             return batched
-        return batched.map(lambda b: tf.nest.map_structure(
-            lambda t: tf.reshape(t, tf.concat([[group, batch_size], tf.shape(t)[1:]], 0)),
-            b)).unbatch()
+
+        def split(t):  # [group * B, ...] -> [group, B, ...], keeping the static dims
+            out = tf.reshape(t, tf.concat([[group, batch_size], tf.shape(t)[1:]], 0))
+            out.set_shape([group, batch_size] + t.shape[1:].as_list())
+            return out
+
+        return batched.map(lambda b: tf.nest.map_structure(split, b)).unbatch()
 
     ds = ds.group_by_window(key_func=lambda ex: tf.cast(ex["bucket"], tf.int64),
                             reduce_func=batch_bucket, window_size=group * batch_size)
