@@ -106,7 +106,7 @@ def _batch(seed: int, shape, kinds, mask_mode: str):
     return cost, mask
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(_SHAPES), seed=st.integers(0, 2**31 - 1),
        kinds=st.lists(st.sampled_from(_KINDS), min_size=1, max_size=4),

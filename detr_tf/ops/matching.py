@@ -97,7 +97,8 @@ def _sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.T
 def _argmin_last(x: tf.Tensor) -> tf.Tensor:
     """[..., C] -> [...] int32 index of the first minimum.
 
-    Two plain reductions: XLA:CPU ran the variadic reduction behind tf.argmin ~2 ms here.
+    Two plain reductions: the variadic reduction behind tf.argmin took ~2 ms on XLA:CPU at
+    [384, 20, 100].
     """
     low = tf.reduce_min(x, axis=-1, keepdims=True)
     iota = tf.range(x.shape[-1], dtype=tf.int32)
@@ -244,8 +245,8 @@ def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int):
 
     def body(it, s):
         active = s["ptr"] < num_todo  # [n]
-        # The current row's costs [n, C], as a plain row gather from [n * R, C]: XLA:CPU ran
-        # the batch_dims gather ~4x slower.
+        # The current row's costs [n, C], as a plain row gather from [n * R, C]: the batch_dims
+        # gather was the costliest fusion of the loop on XLA:CPU.
         crow = tf.gather(flat_cost, tf.range(tf.shape(s["row"])[0]) * num_rows + s["row"])
         crow.set_shape(s["row"].shape.concatenate([num_cols]))
         v = s["v"]
