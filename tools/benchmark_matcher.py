@@ -87,7 +87,8 @@ def run_case(spec: str, rng: np.random.Generator) -> Dict:
 
     mg = None
     if full and q == t and n <= FLAGS.mg_max_n:
-        from official.projects.detr.ops import matchers as mg_matchers  # pylint: disable=g-import-not-at-top
+        # Imported only here: the package is heavy and only the square cases need it.
+        from official.projects.detr.ops import matchers as mg_matchers
         mg = tf.function(lambda c: mg_matchers.hungarian_matching(c)[1], jit_compile=True)
         mg_compile_s = timed(lambda: mg(cost_t).numpy())
 

@@ -213,7 +213,8 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
             global_index = tf.gather(global_index, pick)
         stop = capacities[stage + 1] if stage + 1 < len(capacities) else 0
         state, iterations = _run_stage(state, consts, iterations, stop, max_iterations)
-        row4col_out = tf.tensor_scatter_nd_update(row4col_out, global_index[:, None], state["row4col"])
+        row4col_out = tf.tensor_scatter_nd_update(row4col_out, global_index[:, None],
+                                                  state["row4col"])
         steps_out = tf.tensor_scatter_nd_update(steps_out, global_index[:, None], state["steps"])
     return row4col_out, iterations, steps_out
 
