@@ -213,14 +213,33 @@ def _set_precision(precision: str) -> None:
 
 
 def _build_model(model_fn, image_size=(64, 64)):
-    """Creates the model and its variables with one small eager call (never inside XLA)."""
+    """Creates the model and its variables with one small eager call (never inside XLA).
+
+    The call is in training mode so that dropout layers create their random generators now,
+    outside any compiled function, and `dropout_generators` can put them in the checkpoint.
+    """
     model = model_fn()
     h, w = image_size
-    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
+    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
     if not hasattr(model, "backbone"):
         raise TypeError(f"{type(model).__name__} has no `backbone` attribute; the trainer needs it "
                         "to give the backbone its own learning rate")
     return model
+
+
+def dropout_generators(model: tf_keras.Model) -> tf.Module:
+    """The model's dropout random generators, gathered so a checkpoint can hold them.
+
+    tf_keras leaves layers' random generators out of checkpoints on purpose (for compatibility
+    of old checkpoints); without their state a resumed run would restart every dropout stream
+    and drift from the uninterrupted run.
+    """
+    holder = tf.Module(name="dropout_rng")
+    holder.generators = [
+        layer._random_generator._generator  # pylint: disable=protected-access
+        for layer in model.submodules
+        if getattr(getattr(layer, "_random_generator", None), "_generator", None) is not None]
+    return holder
 
 
 def _write_text(path: str, text: str) -> None:
@@ -338,7 +357,7 @@ def train(model_dir: str,
         builder = StepBuilder(engine, model, criterion, optimizers, jit, clip_norm,
                               grad_accum_steps, loss_scale, ema, global_step)
     items = dict(model=model, backbone_optimizer=optimizers[0], optimizer=optimizers[1],
-                 global_step=global_step)
+                 global_step=global_step, dropout_rng=dropout_generators(model))
     if ema is not None:
         items["ema"] = ema
     if loss_scale is not None:
