@@ -84,6 +84,35 @@ def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
     _assert_same_training(engine_runs / "default", engine_runs / "horovod")
 
 
+def _free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = []
+    for index in range(2):
+        env = dict(ENV, TF_CONFIG=json.dumps({"cluster": cluster,
+                                              "task": {"type": "worker", "index": index}}))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(PROG), "multi_worker", str(engine_runs), shapes_cache],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    # Only the chief (worker 0) wrote checkpoints and logs.
+    assert not (engine_runs / "worker_1" / "metrics.jsonl").exists()
+    _assert_same_training(engine_runs / "default", engine_runs / "multi_worker")
+
+
 def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     common = ("train.deterministic = True", "train.num_steps = 4", "train.log_every = 1")

@@ -3,6 +3,7 @@
     python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR   (2 logical CPUs: default, mirrored)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
+    TF_CONFIG=... python tests/trainer_prog.py multi_worker OUT_DIR SHAPES_CACHE_DIR  (x2 workers)
 
 Every engine run trains the tiny model for STEPS steps on the same global batches: the eval
 pipeline's first batches (deterministic, source order), each replica taking its slice, so any
@@ -65,8 +66,8 @@ def run(model_dir, distribution, **kwargs):
     trainer.train(model_dir, dataset_fn=same_global_batches, global_batch_size=GLOBAL_BATCH,
                   num_steps=STEPS, distribution=distribution, cpu_devices=2, deterministic=True,
                   jit="loss", checkpoint_every=1, **kwargs)
-    if os.environ.get("HOROVOD_RANK", "0") != "0":
-        return None  # only the chief wrote checkpoints and metrics
+    if not os.path.exists(os.path.join(model_dir, "metrics.jsonl")):
+        return None  # not the chief: it wrote no checkpoints or metrics
     losses = [json.loads(line)["loss"] for line in open(os.path.join(model_dir, "metrics.jsonl"))]
     reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
     weights = {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(
@@ -82,6 +83,13 @@ def run(model_dir, distribution, **kwargs):
 if MODE == "engines":
     for name in ("default", "mirrored"):
         print(name, run(os.path.join(OUT, name), name), flush=True)
+elif MODE == "multi_worker":
+    import json as _json
+
+    task = _json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    losses = run(os.path.join(OUT, "multi_worker" if task == 0 else f"worker_{task}"),
+                 "multi_worker_mirrored")
+    print("multi_worker", task, losses, flush=True)
 elif MODE == "horovod":
     print("horovod", run(os.path.join(OUT, "horovod"), "default"), flush=True)
 elif MODE == "nan":
