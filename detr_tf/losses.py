@@ -1,0 +1,158 @@
+"""DETR's set criterion: Hungarian matching of every decoder layer, then the set losses.
+
+Semantics are those of the reference DETR SetCriterion (labels, boxes, cardinality losses):
+- loss_ce: cross-entropy over all B*Q queries, unmatched ones labelled no-object (the last
+  class), weighted per target class (no-object weight eos_coef) and normalized like torch's
+  weighted-mean F.cross_entropy: sum_i w_i * nll_i / sum_i w_i.
+- loss_bbox: L1 distance of matched (cx, cy, w, h) pairs, summed, divided by num_boxes.
+- loss_giou: 1 - GIoU of matched pairs, summed, divided by num_boxes.
+- class_error: 100 - top-1 accuracy (%) over the final layer's matched queries (100 when
+  there are none, as the reference's accuracy() returns 0 for an empty set).
+- cardinality_error: mean over images of |#queries whose argmax is not no-object - #targets|.
+All decoder layers are matched in one call of the batched matcher, and everything is computed
+in float32 whatever the model's precision policy.
+"""
+from typing import Dict, Optional, Sequence
+
+import gin
+import tensorflow as tf
+
+from detr_tf.ops import box_ops
+from detr_tf.ops import matching
+
+
+@gin.configurable
+class SetCriterion:
+    """Callable `criterion(outputs, targets, num_boxes=None) -> dict of scalar float32 tensors`.
+
+    Args:
+      num_classes: number of object classes C; logits have C + 1 entries, no-object last.
+      eos_coef: class weight of no-object in the cross-entropy.
+      cost_class, cost_bbox, cost_giou: matching cost weights.
+      weight_ce, weight_bbox, weight_giou: loss weights in the total `loss`.
+      aux_loss: whether the decoder layers before the last are matched and added to `loss`.
+    """
+
+    def __init__(self, num_classes: int, eos_coef: float = 0.1, cost_class: float = 1.0,
+                 cost_bbox: float = 5.0, cost_giou: float = 2.0, weight_ce: float = 1.0,
+                 weight_bbox: float = 5.0, weight_giou: float = 2.0, aux_loss: bool = True):
+        self.num_classes = num_classes
+        self.eos_coef = eos_coef
+        self.cost_class = cost_class
+        self.cost_bbox = cost_bbox
+        self.cost_giou = cost_giou
+        self.weight_ce = weight_ce
+        self.weight_bbox = weight_bbox
+        self.weight_giou = weight_giou
+        self.aux_loss = aux_loss
+
+    def _num_boxes(self, tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
+        if num_boxes is None:
+            num_boxes = tf.reduce_sum(tf.cast(tgt_mask, tf.float32))
+            ctx = tf.distribute.get_replica_context()
+            if ctx is not None and ctx.num_replicas_in_sync > 1:
+                num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
+                num_boxes = num_boxes / ctx.num_replicas_in_sync
+        return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
+
+    def match(self, pred_logits: tf.Tensor, pred_boxes: tf.Tensor,
+              targets: Dict[str, tf.Tensor]) -> tf.Tensor:
+        """Matches [N, B, Q, *] predictions (N layers) to the targets in one matcher call.
+
+        Returns:
+          [N, B, Q] int32 target index per query, -1 for unmatched.
+        """
+        # Matching is not differentiated through (the reference runs it under no_grad).
+        # The targets [B, T] broadcast against the layers [N, B, Q] inside match_cost.
+        cost = matching.match_cost(
+            tf.stop_gradient(pred_logits), tf.stop_gradient(pred_boxes),
+            targets["labels"], targets["boxes"],
+            self.cost_class, self.cost_bbox, self.cost_giou)  # [N, B, Q, T]
+        mask = tf.broadcast_to(targets["mask"][None],
+                               tf.concat([tf.shape(pred_logits)[:1], tf.shape(targets["mask"])],
+                                         0))  # [N, B, T]
+        idx = matching.hungarian_matching(cost, mask)  # [N, B, Q]
+        return tf.cast(idx, tf.int32)
+
+    def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
+                 num_boxes: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+        """Computes the losses.
+
+        Args:
+          outputs: the model's dict: 'pred_logits' [B, Q, C+1], 'pred_boxes' [B, Q, 4]
+            normalized cxcywh, 'aux_outputs' list of L-1 such dicts (used if aux_loss).
+          targets: 'labels' int [B, T] in [0, C), 'boxes' float [B, T, 4] normalized cxcywh,
+            'mask' bool [B, T] True on real boxes (targets padded to a fixed T, T may be 0).
+          num_boxes: optional float scalar, the box count to normalize by (the global count
+            divided by the number of replicas); computed from the targets when None.
+
+        Returns:
+          Scalars: 'loss' (weighted sum over all layers), 'loss_ce', 'loss_bbox', 'loss_giou'
+          (final layer, unweighted), the same for aux layer i with suffix '_{i}',
+          'class_error', 'cardinality_error'.
+        """
+        layers: Sequence[Dict[str, tf.Tensor]] = list(
+            outputs.get("aux_outputs", []) if self.aux_loss else [])
+        layers = layers + [outputs]
+        logits = tf.stack([tf.cast(o["pred_logits"], tf.float32) for o in layers])  # [L,B,Q,C+1]
+        boxes = tf.stack([tf.cast(o["pred_boxes"], tf.float32) for o in layers])  # [L, B, Q, 4]
+        if logits.shape[-1] is not None and logits.shape[-1] != self.num_classes + 1:
+            raise ValueError(f"SetCriterion: pred_logits has {logits.shape[-1]} classes but "
+                             f"SetCriterion.num_classes={self.num_classes} expects "
+                             f"{self.num_classes + 1} (no-object last)")
+        labels = tf.cast(targets["labels"], tf.int32)
+        tgt_boxes = tf.cast(targets["boxes"], tf.float32)
+        tgt_mask = tf.cast(targets["mask"], tf.bool)
+        if labels.shape[1] == 0:
+            # One padded dummy target keeps the gathers below in range.
+            bsz = tf.shape(labels)[0]
+            labels = tf.zeros([bsz, 1], tf.int32)
+            tgt_boxes = tf.zeros([bsz, 1, 4], tf.float32)
+            tgt_mask = tf.zeros([bsz, 1], tf.bool)
+        targets = {"labels": labels, "boxes": tgt_boxes, "mask": tgt_mask}
+        num_layers = len(layers)
+        n_box = self._num_boxes(tgt_mask, num_boxes)
+
+        idx = self.match(logits, boxes, targets)  # [L, B, Q]
+        matched = idx >= 0
+        safe_idx = tf.maximum(idx, 0)
+        tiled = lambda x: tf.tile(x[None], [num_layers] + [1] * len(x.shape))
+        matched_labels = tf.gather(tiled(labels), safe_idx, batch_dims=2)  # [L, B, Q]
+        matched_boxes = tf.gather(tiled(tgt_boxes), safe_idx, batch_dims=2)  # [L, B, Q, 4]
+        target_classes = tf.where(matched, matched_labels, self.num_classes)  # [L, B, Q]
+        matched_f = tf.cast(matched, tf.float32)
+
+        # Classification: class-weighted mean NLL over all B*Q queries of each layer.
+        class_weight = tf.concat([tf.ones([self.num_classes]), [self.eos_coef]], 0)
+        w = tf.gather(class_weight, target_classes)  # [L, B, Q]
+        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(target_classes, logits)
+        loss_ce = tf.reduce_sum(w * nll, [1, 2]) / tf.reduce_sum(w, [1, 2])  # [L]
+
+        # Boxes: summed over matched pairs, normalized by the (global) box count.
+        l1 = tf.reduce_sum(tf.abs(boxes - matched_boxes), -1)  # [L, B, Q]
+        loss_bbox = tf.reduce_sum(l1 * matched_f, [1, 2]) / n_box
+        giou = box_ops.generalized_box_iou(
+            box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
+            box_ops.box_cxcywh_to_xyxy(matched_boxes)[..., None, :])[..., 0, 0]  # [L, B, Q]
+        loss_giou = tf.reduce_sum((1.0 - giou) * matched_f, [1, 2]) / n_box
+
+        # Logging metrics of the final layer, as the reference.
+        pred_class = tf.argmax(logits[-1], axis=-1, output_type=tf.int32)  # [B, Q]
+        n_matched = tf.reduce_sum(matched_f[-1])
+        n_correct = tf.reduce_sum(
+            tf.cast(pred_class == matched_labels[-1], tf.float32) * matched_f[-1])
+        class_error = 100.0 - 100.0 * tf.math.divide_no_nan(n_correct, n_matched)
+        card_pred = tf.reduce_sum(tf.cast(pred_class != self.num_classes, tf.float32), -1)  # [B]
+        card_tgt = tf.reduce_sum(tf.cast(tgt_mask, tf.float32), -1)  # [B]
+        cardinality_error = tf.reduce_mean(tf.abs(card_pred - card_tgt))
+
+        per_layer = (self.weight_ce * loss_ce + self.weight_bbox * loss_bbox
+                     + self.weight_giou * loss_giou)  # [L]
+        out = {"loss": tf.reduce_sum(per_layer), "loss_ce": loss_ce[-1],
+               "loss_bbox": loss_bbox[-1], "loss_giou": loss_giou[-1],
+               "class_error": class_error, "cardinality_error": cardinality_error}
+        for i in range(num_layers - 1):
+            out[f"loss_ce_{i}"] = loss_ce[i]
+            out[f"loss_bbox_{i}"] = loss_bbox[i]
+            out[f"loss_giou_{i}"] = loss_giou[i]
+        return out

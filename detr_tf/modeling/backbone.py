@@ -1,0 +1,272 @@
+"""ResNet backbones for DETR, laid out like torchvision's so its weights can be loaded 1:1.
+
+What makes the numbers match torchvision (and so the reference DETR):
+- v1.5 bottlenecks: the stride sits on the 3x3 conv, not on the first 1x1.
+- Explicit symmetric zero padding (k // 2 * dilation on every side) followed by a 'valid' conv.
+  TF's 'same' pads asymmetrically (more at the bottom/right) for stride 2, which shifts the
+  sampling grid by one pixel relative to torchvision.
+- Frozen batch norm with epsilon 1e-5, every statistic and affine parameter fixed.
+- Layer names follow torchvision's state-dict keys (`conv1`, `bn1`, `layer2.0.conv2`,
+  `layer2.0.downsample.0`, ...), see `torchvision_variables`.
+
+Padding invariance. Images in a batch are padded at the bottom/right to a common size. The
+pixel mask is downsampled to every resolution (`mask[:, ::s, ::s]`) and padded positions are set
+to zero before every conv or pool with a spatial extent larger than 1. So the features on an
+image's real pixels equal those of the image run on its own, whatever padding the batch adds
+(the reference DETR lets border features see the neighbouring padding). For an unpadded image
+the two computations are identical.
+"""
+from typing import Dict, Optional, Sequence, Tuple, Type
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+
+@gin.configurable
+class FrozenBatchNorm(tf_keras.layers.Layer):
+    """Batch norm with fixed statistics and affine parameters (none of them trainable).
+
+    y = (x - running_mean) / sqrt(running_var + epsilon) * weight + bias, per channel (last axis).
+    Variable names match torchvision's BatchNorm2d buffers.
+    """
+
+    def __init__(self, epsilon: float = 1e-5, **kwargs):
+        super().__init__(**kwargs)
+        self.epsilon = epsilon
+
+    def build(self, input_shape):
+        c = int(input_shape[-1])
+        for name, init in (("weight", "ones"), ("bias", "zeros"),
+                           ("running_mean", "zeros"), ("running_var", "ones")):
+            setattr(self, name, self.add_weight(name=name, shape=[c], initializer=init,
+                                                trainable=False, dtype=tf.float32))
+        super().build(input_shape)
+
+    def call(self, x: tf.Tensor) -> tf.Tensor:
+        # Fold into one scale and shift in float32, then apply in the compute dtype.
+        scale = self.weight * tf.math.rsqrt(self.running_var + self.epsilon)
+        shift = self.bias - self.running_mean * scale
+        return x * tf.cast(scale, x.dtype) + tf.cast(shift, x.dtype)
+
+
+class TorchConv2D(tf_keras.layers.Conv2D):
+    """Conv2D without bias with torch's symmetric padding `dilation * (kernel // 2)`."""
+
+    def __init__(self, filters: int, kernel_size: int, strides: int = 1, dilation: int = 1,
+                 **kwargs):
+        super().__init__(filters, kernel_size, strides=strides, dilation_rate=dilation,
+                         padding="valid", use_bias=False,
+                         kernel_initializer=tf_keras.initializers.VarianceScaling(
+                             2.0, "fan_out", "untruncated_normal"), **kwargs)
+        self._pad = dilation * (kernel_size // 2)
+
+    def call(self, x: tf.Tensor) -> tf.Tensor:
+        if self._pad:
+            p = self._pad
+            x = tf.pad(x, [[0, 0], [p, p], [p, p], [0, 0]])
+        return super().call(x)
+
+
+def downsample_mask(pixel_mask: tf.Tensor, stride: int) -> tf.Tensor:
+    """Mask of a feature map at `stride`: [B, H, W] bool -> [B, ceil(H/s), ceil(W/s)] bool.
+
+    Feature position i covers input pixel s * i, which is real iff s * i < h; this is what
+    DETR's nearest-neighbour interpolation gives when H is a multiple of s.
+    """
+    return pixel_mask[:, ::stride, ::stride]
+
+
+def _zero_padding(x: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
+    """x: [B, h, w, C], mask: [B, h, w] bool -> x with padded positions set to 0."""
+    return x * tf.cast(mask, x.dtype)[..., None]
+
+
+@gin.configurable
+class BasicBlock(tf_keras.layers.Layer):
+    """ResNet-18/34 block: 3x3 (stride) -> 3x3, identity or 1x1 projection shortcut."""
+
+    expansion = 1
+
+    def __init__(self, planes: int, stride: int = 1, dilation: int = 1,
+                 first_dilation: Optional[int] = None, downsample: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        d1 = first_dilation or dilation
+        self.conv1 = TorchConv2D(planes, 3, stride, d1, name="conv1")
+        self.bn1 = FrozenBatchNorm(name="bn1")
+        self.conv2 = TorchConv2D(planes, 3, 1, dilation, name="conv2")
+        self.bn2 = FrozenBatchNorm(name="bn2")
+        self.stride = stride
+        self.downsample = None
+        if downsample:
+            self.downsample = [TorchConv2D(planes, 1, stride, name="downsample.0"),
+                               FrozenBatchNorm(name="downsample.1")]
+
+    def call(self, x: tf.Tensor, mask_in: tf.Tensor) -> tf.Tensor:
+        """x: [B, h, w, C_in], mask_in: [B, h, w] bool -> [B, h/stride, w/stride, planes]."""
+        out = tf.nn.relu(self.bn1(self.conv1(_zero_padding(x, mask_in))))
+        out = _zero_padding(out, downsample_mask(mask_in, self.stride))
+        out = self.bn2(self.conv2(out))
+        identity = x
+        if self.downsample is not None:
+            identity = self.downsample[1](self.downsample[0](x))
+        return tf.nn.relu(out + identity)
+
+
+@gin.configurable
+class Bottleneck(tf_keras.layers.Layer):
+    """ResNet v1.5 bottleneck: 1x1 -> 3x3 (stride, dilation) -> 1x1 (4x planes)."""
+
+    expansion = 4
+
+    def __init__(self, planes: int, stride: int = 1, dilation: int = 1,
+                 first_dilation: Optional[int] = None, downsample: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        del first_dilation  # Only the 3x3 conv is dilated; it uses `dilation`.
+        self.conv1 = TorchConv2D(planes, 1, name="conv1")
+        self.bn1 = FrozenBatchNorm(name="bn1")
+        self.conv2 = TorchConv2D(planes, 3, stride, dilation, name="conv2")
+        self.bn2 = FrozenBatchNorm(name="bn2")
+        self.conv3 = TorchConv2D(planes * 4, 1, name="conv3")
+        self.bn3 = FrozenBatchNorm(name="bn3")
+        self.downsample = None
+        if downsample:
+            self.downsample = [TorchConv2D(planes * 4, 1, stride, name="downsample.0"),
+                               FrozenBatchNorm(name="downsample.1")]
+
+    def call(self, x: tf.Tensor, mask_in: tf.Tensor) -> tf.Tensor:
+        """x: [B, h, w, C_in], mask_in: [B, h, w] bool -> [B, h/stride, w/stride, 4*planes]."""
+        out = tf.nn.relu(self.bn1(self.conv1(x)))
+        out = tf.nn.relu(self.bn2(self.conv2(_zero_padding(out, mask_in))))
+        out = self.bn3(self.conv3(out))
+        identity = x
+        if self.downsample is not None:
+            identity = self.downsample[1](self.downsample[0](x))
+        return tf.nn.relu(out + identity)
+
+
+@gin.configurable
+class ResNet(tf_keras.layers.Layer):
+    """ResNet feature extractor (no classifier) returning the last stage and its mask.
+
+    Defaults give ResNet-50. ResNet-101: layers=(3, 4, 23, 3). ResNet-18/34: block=BasicBlock,
+    layers=(2, 2, 2, 2) / (3, 4, 6, 3). A CPU-sized net: block=BasicBlock, layers=(1, 1, 1, 1),
+    width=16 (or fewer stages, e.g. layers=(1, 1, 1), output stride 16).
+
+    As in DETR, the stem and layer1 are never trained and all batch norms are frozen; with
+    train_backbone=False nothing is trained.
+
+    Args:
+      block: BasicBlock or Bottleneck (a class, e.g. Gin `@Bottleneck`).
+      layers: blocks per stage, 1 to 4 stages.
+      width: channels of the stem and of stage 1 (planes double per stage).
+      dilation: DC5; the last stage uses dilation 2 instead of stride 2.
+      train_backbone: whether layer2 onwards are trainable.
+    """
+
+    def __init__(self, block: Type[tf_keras.layers.Layer] = Bottleneck,
+                 layers: Sequence[int] = (3, 4, 6, 3), width: int = 64, dilation: bool = False,
+                 train_backbone: bool = True, **kwargs):
+        kwargs.setdefault("name", "backbone")
+        super().__init__(**kwargs)
+        layers = tuple(int(n) for n in layers)
+        if not 1 <= len(layers) <= 4 or min(layers) < 1:
+            raise ValueError(f"ResNet.layers must hold 1 to 4 positive block counts, got {layers}")
+        if dilation and len(layers) < 2:
+            raise ValueError("ResNet.dilation (DC5) needs at least 2 stages")
+        self.conv1 = TorchConv2D(width, 7, 2, name="conv1")
+        self.bn1 = FrozenBatchNorm(name="bn1")
+        self.conv1.trainable = False
+        self.stages = []
+        self._strides = []  # stride of each stage's first block
+        in_ch, cur_dilation = width, 1
+        output_stride = 4
+        for i, n in enumerate(layers):
+            planes = width * 2 ** i
+            stride = 1 if i == 0 else 2
+            prev_dilation = cur_dilation
+            if dilation and i == len(layers) - 1:
+                # torchvision's replace_stride_with_dilation: the first block keeps the
+                # previous dilation, the following ones use the doubled one.
+                cur_dilation *= stride
+                stride = 1
+            output_stride *= stride
+            out_ch = planes * block.expansion
+            stage = []
+            for j in range(n):
+                stage.append(block(
+                    planes,
+                    stride=stride if j == 0 else 1,
+                    dilation=prev_dilation if j == 0 else cur_dilation,
+                    first_dilation=prev_dilation,
+                    downsample=(j == 0 and (stride != 1 or in_ch != out_ch)),
+                    name=f"layer{i + 1}.{j}"))
+                in_ch = out_ch
+            for b in stage:
+                b.trainable = train_backbone and i > 0
+            self.stages.append(stage)
+            self._strides.append(stride)
+        self.num_channels = in_ch
+        self.output_stride = output_stride
+
+    def stem(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> tf.Tensor:
+        """conv1 7x7/2 -> bn1 -> ReLU -> max-pool 3x3/2: [B, H, W, 3] -> [B, H/4, W/4, width]."""
+        x = self.conv1(_zero_padding(images, pixel_mask))
+        x = tf.nn.relu(self.bn1(x))  # stride 2
+        # The max-pool pads with zeros rather than torch's -inf: its input is >= 0 after the
+        # ReLU and every window holds a real value, so the maximum is the same.
+        x = tf.pad(_zero_padding(x, downsample_mask(pixel_mask, 2)),
+                   [[0, 0], [1, 1], [1, 1], [0, 0]])
+        return tf.nn.max_pool2d(x, 3, 2, "VALID")
+
+    def call(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Runs the network on a padded batch.
+
+        Args:
+          images: [B, H, W, 3] float, ImageNet-normalized.
+          pixel_mask: [B, H, W] bool, True on real pixels.
+
+        Returns:
+          features: [B, H/s, W/s, num_channels] with s = output_stride (32, or 16 with DC5).
+          mask: [B, H/s, W/s] bool, True on real positions.
+        """
+        pixel_mask = tf.cast(pixel_mask, tf.bool)
+        x = self.stem(images, pixel_mask)
+        stride = 4
+        for stage, first_stride in zip(self.stages, self._strides):
+            for j, blk in enumerate(stage):
+                x = blk(x, downsample_mask(pixel_mask, stride))
+                if j == 0:
+                    stride *= first_stride
+        return x, downsample_mask(pixel_mask, stride)
+
+
+def torchvision_variables(backbone: ResNet) -> Dict[str, tf.Variable]:
+    """Maps torchvision state-dict keys to this backbone's variables, for loading weights.
+
+    Conv kernels here are [kh, kw, in, out]; torch's are [out, in, kh, kw], so a loader assigns
+    `np.transpose(w, (2, 3, 1, 0))`. Batch-norm vectors load as they are.
+
+    Returns:
+      {'conv1.weight': kernel, 'bn1.running_mean': ..., 'layer1.0.conv1.weight': ..., ...};
+      the backbone must have been built (called once).
+    """
+    out = {}
+
+    def add(prefix, layer):
+        if isinstance(layer, FrozenBatchNorm):
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                out[f"{prefix}{layer.name}.{name}"] = getattr(layer, name)
+        else:
+            out[f"{prefix}{layer.name}.weight"] = layer.kernel
+
+    add("", backbone.conv1)
+    add("", backbone.bn1)
+    for stage in backbone.stages:
+        for blk in stage:
+            for sub in (blk.conv1, blk.bn1, blk.conv2, blk.bn2,
+                        getattr(blk, "conv3", None), getattr(blk, "bn3", None),
+                        *(blk.downsample or [])):
+                if sub is not None:
+                    add(blk.name + ".", sub)
+    return out

@@ -1,0 +1,81 @@
+"""Position embeddings of a feature map, computed from its padding mask as in DETR.
+
+Both return float32 `[B, h, w, 2 * num_pos_feats]` whatever the precision policy; the
+transformer casts them to its compute dtype where they meet the features (Model Garden's DETR
+fails under mixed_bfloat16 precisely because a bfloat16 embedding met a float32 tensor).
+Channel layout follows the reference so weights and outputs line up: sine is [y feats, x feats]
+with sin/cos interleaved; learned is [column (x) embedding, row (y) embedding].
+"""
+import math
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+
+@gin.configurable
+class PositionEmbeddingSine(tf_keras.layers.Layer):
+    """Sine embedding of the cumulative count of real positions along each axis.
+
+    Normalized by the real extent of each row/column (times `scale`), so an image's embedding
+    does not depend on how much padding follows it.
+    """
+
+    def __init__(self, num_pos_feats: int = 128, temperature: float = 10000.0,
+                 normalize: bool = True, scale: float = 2 * math.pi, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        super().__init__(**kwargs)
+        self.num_pos_feats = num_pos_feats
+        self.temperature = temperature
+        self.normalize = normalize
+        self.scale = scale
+
+    def call(self, mask: tf.Tensor) -> tf.Tensor:
+        """mask: [B, h, w] bool, True on real positions -> [B, h, w, 2 * num_pos_feats] f32."""
+        not_pad = tf.cast(mask, tf.float32)
+        y_embed = tf.cumsum(not_pad, axis=1)  # [B, h, w], 1..h_real then constant
+        x_embed = tf.cumsum(not_pad, axis=2)
+        if self.normalize:
+            eps = 1e-6
+            y_embed = y_embed / (y_embed[:, -1:, :] + eps) * self.scale
+            x_embed = x_embed / (x_embed[:, :, -1:] + eps) * self.scale
+        i = tf.range(self.num_pos_feats, dtype=tf.float32)
+        dim_t = self.temperature ** (2 * tf.math.floordiv(i, 2) / self.num_pos_feats)
+        # Even channels take sin, odd ones cos (their dim_t equals the even neighbour's).
+        is_even = tf.equal(tf.math.floormod(tf.range(self.num_pos_feats), 2), 0)
+
+        def embed(e):
+            angle = e[..., None] / dim_t  # [B, h, w, F]
+            return tf.where(is_even, tf.sin(angle), tf.cos(angle))
+
+        return tf.concat([embed(y_embed), embed(x_embed)], axis=-1)
+
+
+@gin.configurable
+class PositionEmbeddingLearned(tf_keras.layers.Layer):
+    """Learned absolute embedding: one table for columns, one for rows (at most max_size each)."""
+
+    def __init__(self, num_pos_feats: int = 128, max_size: int = 50, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        super().__init__(**kwargs)
+        self.num_pos_feats = num_pos_feats
+        self.max_size = max_size
+        init = tf_keras.initializers.RandomUniform(0.0, 1.0)
+        self.row_embed = self.add_weight(name="row_embed", shape=[max_size, num_pos_feats],
+                                         initializer=init)
+        self.col_embed = self.add_weight(name="col_embed", shape=[max_size, num_pos_feats],
+                                         initializer=init)
+
+    def call(self, mask: tf.Tensor) -> tf.Tensor:
+        """mask: [B, h, w] bool -> [B, h, w, 2 * num_pos_feats] float32 (the mask's shape only)."""
+        for axis, size in (("height", mask.shape[1]), ("width", mask.shape[2])):
+            if size is not None and size > self.max_size:
+                raise ValueError(f"PositionEmbeddingLearned: feature map {axis} {size} exceeds "
+                                 f"max_size={self.max_size}; raise "
+                                 "PositionEmbeddingLearned.max_size")
+        b, h, w = tf.unstack(tf.shape(mask))
+        x_emb = tf.gather(self.col_embed, tf.range(w))  # [w, F]
+        y_emb = tf.gather(self.row_embed, tf.range(h))  # [h, F]
+        pos = tf.concat([tf.tile(x_emb[None, :, :], [h, 1, 1]),
+                         tf.tile(y_emb[:, None, :], [1, w, 1])], axis=-1)  # [h, w, 2F]
+        return tf.tile(pos[None], [b, 1, 1, 1])

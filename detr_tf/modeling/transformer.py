@@ -1,0 +1,170 @@
+"""DETR's encoder-decoder transformer (post-norm), batch-first.
+
+Follows the reference DETR: the position embedding is added to queries and keys (never values)
+in every attention; padded memory positions are masked out as keys; the decoder passes every
+layer's output through one shared final LayerNorm; the encoder has no final LayerNorm.
+LayerNorm epsilon is torch's 1e-5. Sequence tensors are [B, L, d].
+"""
+from typing import Callable, Optional, Tuple
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+
+def _layer_norm(name: str) -> tf_keras.layers.LayerNormalization:
+    return tf_keras.layers.LayerNormalization(epsilon=1e-5, name=name)
+
+
+class MultiHeadAttention(tf_keras.layers.Layer):
+    """torch.nn.MultiheadAttention: q/k/v/out projections with bias, dropout on the weights.
+
+    The softmax is taken in float32 so that low-precision policies cannot overflow it and a
+    masked key gets exactly zero weight.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        if d_model % num_heads:
+            raise ValueError(f"MultiHeadAttention: d_model={d_model} is not divisible by "
+                             f"num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.q_proj = tf_keras.layers.Dense(d_model, name="q_proj")
+        self.k_proj = tf_keras.layers.Dense(d_model, name="k_proj")
+        self.v_proj = tf_keras.layers.Dense(d_model, name="v_proj")
+        self.out_proj = tf_keras.layers.Dense(d_model, name="out_proj")
+        self.dropout = tf_keras.layers.Dropout(dropout)
+
+    def _split(self, x):
+        b, n = tf.shape(x)[0], tf.shape(x)[1]
+        return tf.reshape(x, [b, n, self.num_heads, self.head_dim])  # [B, L, h, dh]
+
+    def call(self, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,
+             key_mask: Optional[tf.Tensor] = None, training: Optional[bool] = None) -> tf.Tensor:
+        """Attends query [B, Lq, d] over key/value [B, Lk, d]; key_mask [B, Lk] bool True on keys
+        that may be attended (None: all). Returns [B, Lq, d]."""
+        q = self._split(self.q_proj(query)) * tf.cast(self.head_dim ** -0.5, query.dtype)
+        k = self._split(self.k_proj(key))
+        v = self._split(self.v_proj(value))
+        logits = tf.cast(tf.einsum("bqhd,bkhd->bhqk", q, k), tf.float32)  # [B, h, Lq, Lk]
+        if key_mask is not None:
+            # A finite fill keeps a fully padded row finite (uniform) instead of NaN.
+            logits = tf.where(key_mask[:, None, None, :], logits, -1e9)
+        weights = self.dropout(tf.nn.softmax(logits, axis=-1), training=training)
+        out = tf.einsum("bhqk,bkhd->bqhd", tf.cast(weights, v.dtype), v)  # [B, Lq, h, dh]
+        b, n = tf.shape(out)[0], tf.shape(out)[1]
+        return self.out_proj(tf.reshape(out, [b, n, self.num_heads * self.head_dim]))
+
+
+class _FeedForward(tf_keras.layers.Layer):
+    """linear1 -> activation -> dropout -> linear2."""
+
+    def __init__(self, d_model, dim_feedforward, dropout, activation, **kwargs):
+        super().__init__(**kwargs)
+        self.linear1 = tf_keras.layers.Dense(dim_feedforward, name="linear1")
+        self.linear2 = tf_keras.layers.Dense(d_model, name="linear2")
+        self.dropout = tf_keras.layers.Dropout(dropout)
+        self.activation = activation
+
+    def call(self, x, training=None):
+        return self.linear2(self.dropout(self.activation(self.linear1(x)), training=training))
+
+
+class EncoderLayer(tf_keras.layers.Layer):
+    """Post-norm: x = norm1(x + SA(x + pos, x + pos, x)); x = norm2(x + FFN(x))."""
+
+    def __init__(self, d_model, num_heads, dim_feedforward, dropout, activation, **kwargs):
+        super().__init__(**kwargs)
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
+        self.ffn = _FeedForward(d_model, dim_feedforward, dropout, activation, name="ffn")
+        self.norm1 = _layer_norm("norm1")
+        self.norm2 = _layer_norm("norm2")
+        self.dropout1 = tf_keras.layers.Dropout(dropout)
+        self.dropout2 = tf_keras.layers.Dropout(dropout)
+
+    def call(self, src, pos, key_mask, training=None):
+        """src, pos: [B, S, d]; key_mask: [B, S] bool -> [B, S, d]."""
+        qk = src + pos
+        x = self.self_attn(qk, qk, src, key_mask, training=training)
+        src = self.norm1(src + self.dropout1(x, training=training))
+        x = self.ffn(src, training=training)
+        return self.norm2(src + self.dropout2(x, training=training))
+
+
+class DecoderLayer(tf_keras.layers.Layer):
+    """Post-norm: self-attention over queries, cross-attention to memory, FFN."""
+
+    def __init__(self, d_model, num_heads, dim_feedforward, dropout, activation, **kwargs):
+        super().__init__(**kwargs)
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
+        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout, name="cross_attn")
+        self.ffn = _FeedForward(d_model, dim_feedforward, dropout, activation, name="ffn")
+        self.norm1 = _layer_norm("norm1")
+        self.norm2 = _layer_norm("norm2")
+        self.norm3 = _layer_norm("norm3")
+        self.dropout1 = tf_keras.layers.Dropout(dropout)
+        self.dropout2 = tf_keras.layers.Dropout(dropout)
+        self.dropout3 = tf_keras.layers.Dropout(dropout)
+
+    def call(self, tgt, memory, pos, query_pos, memory_mask, training=None):
+        """tgt, query_pos: [B, Q, d]; memory, pos: [B, S, d]; memory_mask: [B, S] bool."""
+        qk = tgt + query_pos
+        x = self.self_attn(qk, qk, tgt, training=training)
+        tgt = self.norm1(tgt + self.dropout1(x, training=training))
+        x = self.cross_attn(tgt + query_pos, memory + pos, memory, memory_mask, training=training)
+        tgt = self.norm2(tgt + self.dropout2(x, training=training))
+        x = self.ffn(tgt, training=training)
+        return self.norm3(tgt + self.dropout3(x, training=training))
+
+
+@gin.configurable
+class Transformer(tf_keras.layers.Layer):
+    """DETR transformer. Defaults are the paper's: 6+6 layers, d 256, 8 heads, FFN 2048."""
+
+    def __init__(self, d_model: int = 256, num_heads: int = 8, num_encoder_layers: int = 6,
+                 num_decoder_layers: int = 6, dim_feedforward: int = 2048,
+                 dropout: float = 0.1, activation: Callable = tf.nn.relu, **kwargs):
+        kwargs.setdefault("name", "transformer")
+        super().__init__(**kwargs)
+        if num_decoder_layers < 1:
+            raise ValueError(f"Transformer.num_decoder_layers must be >= 1, got "
+                             f"{num_decoder_layers}")
+        self.d_model = d_model
+        self.num_decoder_layers = num_decoder_layers
+        args = (d_model, num_heads, dim_feedforward, dropout, activation)
+        self.encoder_layers = [EncoderLayer(*args, name=f"encoder.layers.{i}")
+                               for i in range(num_encoder_layers)]
+        self.decoder_layers = [DecoderLayer(*args, name=f"decoder.layers.{i}")
+                               for i in range(num_decoder_layers)]
+        self.decoder_norm = _layer_norm("decoder.norm")
+
+    def call(self, src: tf.Tensor, mask: tf.Tensor, query_embed: tf.Tensor, pos_embed: tf.Tensor,
+             training: Optional[bool] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Encodes the feature map and decodes the queries.
+
+        Args:
+          src: [B, h, w, d] projected features.
+          mask: [B, h, w] bool, True on real positions.
+          query_embed: [Q, d] learned query positions.
+          pos_embed: [B, h, w, d] position embedding (any float dtype).
+
+        Returns:
+          hs: [L, B, Q, d] every decoder layer's output after the shared final norm.
+          memory: [B, h, w, d] encoder output.
+        """
+        b, h, w = tf.shape(src)[0], tf.shape(src)[1], tf.shape(src)[2]
+        d = self.d_model
+        x = tf.reshape(src, [b, h * w, d])  # [B, S, d]
+        pos = tf.cast(tf.reshape(pos_embed, [b, h * w, d]), x.dtype)
+        key_mask = tf.reshape(mask, [b, h * w])
+        for layer in self.encoder_layers:
+            x = layer(x, pos, key_mask, training=training)
+        memory = x
+        query_pos = tf.tile(tf.cast(query_embed, x.dtype)[None], [b, 1, 1])  # [B, Q, d]
+        tgt = tf.zeros_like(query_pos)
+        hs = []
+        for layer in self.decoder_layers:
+            tgt = layer(tgt, memory, pos, query_pos, key_mask, training=training)
+            hs.append(self.decoder_norm(tgt))
+        return tf.stack(hs), tf.reshape(memory, [b, h, w, d])

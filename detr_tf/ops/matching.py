@@ -1,0 +1,363 @@
+"""Batched exact one-to-one matching (linear sum assignment) in TensorFlow ops, and the DETR cost.
+
+`hungarian_matching` solves many independent assignment problems in one call, entirely in TF ops
+(no host round trip, no py_function), so it compiles into the XLA train step. `match_cost` builds
+the DETR matching cost for all decoder layers and images at once.
+
+Algorithm: shortest augmenting paths with dual potentials (the Jonker-Volgenant / Crouse scheme
+that scipy.optimize.linear_sum_assignment uses), written as ONE flat `tf.while_loop` over a batch
+of problems. "Rows" are the items inserted one at a time (targets), "columns" are what they are
+matched to (queries). Each loop iteration advances every unfinished problem by one Dijkstra step:
+relax the current row, pick the cheapest unscanned column (one min-reduction over a packed int64
+key), and either move on to the row that owns it or, if the column is free, augment and start the
+next row of that problem's own list. A greedy start places most rows before the loop. Why this
+shape, and the measurements behind it: /work/shared/notes/matcher-feasibility.md and
+docs/PERFORMANCE.md.
+
+Row potentials are never stored: an assigned row's potential is implied by its tight edge,
+u[i] = C[i, col(i)] - v[col(i)], which saves one state tensor and its updates.
+"""
+from typing import Optional, Tuple
+
+import gin
+import tensorflow as tf
+
+from detr_tf.ops import box_ops
+
+_INT64_MAX = tf.int64.max
+# Column indices are packed into the low 16 bits of the search key.
+_MAX_COLUMNS = 1 << 16
+
+
+def _sortable_int64(x: tf.Tensor) -> tf.Tensor:
+    """float32 -> int64 whose signed order is the float order, shifted into the high 32 bits."""
+    bits = tf.bitcast(x, tf.int32)
+    # For negative floats the magnitude bits run backwards; flipping them makes the int order
+    # match the float order (sign bit kept, so negatives stay below positives).
+    flipped = tf.bitwise.bitwise_xor(
+        bits, tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 31), 0x7FFFFFFF))
+    return tf.bitwise.left_shift(tf.cast(flipped, tf.int64), 32)
+
+
+def _float_from_key(key: tf.Tensor) -> tf.Tensor:
+    """Inverse of `_sortable_int64` on the high 32 bits of a packed key."""
+    flipped = tf.cast(tf.bitwise.right_shift(key, 32), tf.int32)
+    bits = tf.bitwise.bitwise_xor(
+        flipped, tf.bitwise.bitwise_and(tf.bitwise.right_shift(flipped, 31), 0x7FFFFFFF))
+    return tf.bitcast(bits, tf.float32)
+
+
+def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
+    """[...] int32 row indices (or -1) -> [..., W] int64 one-bit masks (zero for -1)."""
+    word = tf.range(num_words, dtype=tf.int32)
+    rows = rows[..., None]
+    hit = (rows >= 0) & (rows // 64 == word)
+    shift = tf.cast(tf.math.floormod(tf.maximum(rows, 0), 64), tf.int64)
+    return tf.where(hit, tf.bitwise.left_shift(tf.ones_like(shift), shift), tf.zeros_like(shift))
+
+
+def _sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
+    """Replaces non-finite entries by a finite cost worse than every finite one of the problem.
+
+    Args:
+      cost: [N, R, C] float32.
+      row_mask, col_mask: [N, R], [N, C] bool; only real entries set the worst value.
+
+    Returns:
+      [N, R, C] float32, all finite. Finite values are clipped to +-1e15 so that the worst cost
+      (max + range + 1) and the potentials built from it stay far from float32 overflow.
+    """
+    finite = tf.math.is_finite(cost)
+    real = row_mask[:, :, None] & col_mask[:, None, :] & finite
+    clipped = tf.clip_by_value(tf.where(finite, cost, 0.0), -1e15, 1e15)
+    hi = tf.reduce_max(tf.where(real, clipped, -1e15), axis=[1, 2], keepdims=True)
+    lo = tf.reduce_min(tf.where(real, clipped, 1e15), axis=[1, 2], keepdims=True)
+    worst = hi + tf.maximum(hi - lo, 0.0) + 1.0
+    return tf.where(finite, clipped, worst)
+
+
+def _greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
+    """Every real row takes its cheapest column; on collisions the lowest row index wins.
+
+    With all column potentials at 0 and u[i] = min_j C[i, j], every assigned edge is tight and
+    every reduced cost is >= 0, so this is a valid starting point for the augmenting-path phase.
+
+    Args:
+      cost: [N, R, C] float32, finite.
+      row_mask, col_mask: [N, R], [N, C] bool.
+
+    Returns:
+      row4col: [N, C] int32, the row owning each column or -1.
+    """
+    num_rows = cost.shape[1]
+    masked = tf.where(col_mask[:, None, :], cost, tf.float32.max)
+    best = tf.argmin(masked, axis=2, output_type=tf.int32)  # [N, R]
+    cols = tf.range(cost.shape[2], dtype=tf.int32)
+    wants = row_mask[:, :, None] & (best[:, :, None] == cols)  # [N, R, C]
+    rows = tf.range(num_rows, dtype=tf.int32)[None, :, None]
+    winner = tf.reduce_min(tf.where(wants, rows, num_rows), axis=1)  # [N, C]
+    return tf.where(winner < num_rows, winner, -1)
+
+
+def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
+           ) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Min-cost assignment of every masked row to a distinct masked column, for N problems.
+
+    Requires, per problem, no more real rows than real columns.
+
+    Args:
+      cost: [N, R, C] float32, finite.
+      row_mask: [N, R] bool, rows that must be assigned.
+      col_mask: [N, C] bool, columns that may be used.
+
+    Returns:
+      row4col: [N, C] int32, the row assigned to each column, -1 for unused columns.
+      iterations: scalar int32, while-loop iterations taken (the cost driver; see the benchmark).
+    """
+    n = tf.shape(cost)[0]
+    num_rows, num_cols = cost.shape[1], cost.shape[2]
+    if num_cols >= _MAX_COLUMNS:
+        raise ValueError(f"hungarian_matching: at most {_MAX_COLUMNS - 1} columns are supported, "
+                         f"got cost with {num_cols} (the larger of Q and T).")
+    num_words = (num_rows + 63) // 64
+    col_iota = tf.range(num_cols, dtype=tf.int32)
+
+    row4col = _greedy_start(cost, row_mask, col_mask)
+    placed = tf.reduce_any(row4col[:, None, :] == tf.range(num_rows)[None, :, None], axis=2)
+    # Each problem walks its own list of rows still to insert: the unplaced real rows first.
+    todo = row_mask & ~placed  # [N, R]
+    order = tf.argsort(tf.cast(~todo, tf.int32), axis=1, stable=True, direction="ASCENDING")
+    order = tf.cast(order, tf.int32)  # [N, R]
+    num_todo = tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)  # [N]
+    # A search scans at most min(R, C) columns before it reaches a free one, plus the sink step.
+    max_iterations = num_rows * (min(num_rows, num_cols) + 1) + 1
+
+    inf = tf.fill([n, num_cols], tf.constant(float("inf"), tf.float32))
+    unusable = tf.logical_not(col_mask)
+
+    def start_row(ptr):
+        row = tf.gather(order, tf.minimum(ptr, num_rows - 1), batch_dims=1)  # [N]
+        return row, _row_bit(row, num_words)
+
+    ptr0 = tf.zeros([n], tf.int32)
+    row0, rowbits0 = start_row(ptr0)
+    state = dict(
+        it=tf.constant(0, tf.int32),
+        ptr=ptr0,
+        row=row0,  # [N] current row of the search
+        entry_col=tf.fill([n], -1),  # [N] column through which `row` was reached, -1 at the root
+        entry_dist=tf.zeros([n], tf.float32),  # [N] shortest-path label of entry_col
+        rowbits=rowbits0,  # [N, W] rows on the tree path from the root to `row`
+        row4col=row4col,  # [N, C]
+        v=tf.zeros([n, num_cols], tf.float32),  # [N, C] column potentials
+        shortest=inf,  # [N, C] Dijkstra labels
+        path=tf.fill([n, num_cols], -1),  # [N, C] row that set each label
+        pathbits=tf.zeros([n, num_cols, num_words], tf.int64),  # [N, C, W] tree path of that row
+        scanned=unusable,  # [N, C]
+    )
+
+    def cond(s):
+        return (s["it"] < max_iterations) & tf.reduce_any(s["ptr"] < num_todo)
+
+    def body(s):
+        active = s["ptr"] < num_todo  # [N]
+        crow = tf.gather(cost, s["row"], batch_dims=1)  # [N, C] the current row's costs
+        v = s["v"]
+        # Offset that turns C[row, :] - v into labels: entry label minus the row's potential.
+        entry = tf.maximum(s["entry_col"], 0)
+        u_row = (tf.gather(crow, entry[:, None], batch_dims=1)[:, 0]
+                 - tf.gather(v, entry[:, None], batch_dims=1)[:, 0])
+        offset = tf.where(s["entry_col"] >= 0, s["entry_dist"] - u_row, 0.0)
+        reduced = crow - v + offset[:, None]
+        better = active[:, None] & ~s["scanned"] & (reduced < s["shortest"])
+        shortest = tf.where(better, reduced, s["shortest"])
+        path = tf.where(better, s["row"][:, None], s["path"])
+        pathbits = tf.where(better[:, :, None], s["rowbits"][:, None, :], s["pathbits"])
+
+        # One reduction picks the cheapest unscanned column, free columns first on ties, then
+        # the lowest index: key = [label (32 bits) | owned flag | column index].
+        owned = s["row4col"] >= 0
+        low = tf.cast(tf.bitwise.bitwise_or(tf.cast(owned, tf.int32) * 65536, col_iota), tf.int64)
+        key = tf.where(s["scanned"], _INT64_MAX, _sortable_int64(shortest) + low)
+        best = tf.reduce_min(key, axis=1)  # [N]
+        col = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
+        dist = _float_from_key(best)
+        is_sink = active & (tf.bitwise.bitwise_and(best, 65536) == 0)
+        step = active & ~is_sink
+
+        # Augment: the rows on the path to the sink each take the column that reached them.
+        sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [N, W]
+        owner = s["row4col"]
+        owner_bits = _row_bit(owner, num_words)  # [N, C, W]
+        on_path = tf.reduce_any(
+            tf.bitwise.bitwise_and(owner_bits, sink_bits[:, None, :]) != 0, axis=2)
+        on_path |= col_iota == col[:, None]
+        new_row4col = tf.where(is_sink[:, None] & on_path, path, owner)
+        # Dual update over the columns scanned in this search (the sink's change is zero).
+        new_v = tf.where(is_sink[:, None] & s["scanned"] & col_mask,
+                         v - (dist[:, None] - shortest), v)
+
+        # Next search state: either continue from the row owning `col`, or start the next row.
+        next_ptr = s["ptr"] + tf.cast(is_sink, tf.int32)
+        root, root_bits = start_row(next_ptr)
+        scanned_col = col_iota == col[:, None]
+        next_row = tf.gather(owner, col[:, None], batch_dims=1)[:, 0]
+        step_bits = tf.bitwise.bitwise_or(sink_bits, _row_bit(next_row, num_words))
+        return [dict(
+            it=s["it"] + 1,
+            ptr=next_ptr,
+            row=tf.where(step, next_row, tf.where(is_sink, root, s["row"])),
+            entry_col=tf.where(step, col, -1),
+            entry_dist=tf.where(step, dist, 0.0),
+            rowbits=tf.where(step[:, None], step_bits,
+                             tf.where(is_sink[:, None], root_bits, s["rowbits"])),
+            row4col=new_row4col,
+            v=new_v,
+            shortest=tf.where(is_sink[:, None], inf, shortest),
+            path=path,
+            pathbits=pathbits,
+            scanned=tf.where(is_sink[:, None], unusable,
+                             s["scanned"] | (step[:, None] & scanned_col)),
+        )]
+
+    final = tf.while_loop(cond, body, [state], maximum_iterations=max_iterations)[0]
+    return final["row4col"], final["it"]
+
+
+def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """[N, Q, T] float32, [N, T] bool -> ([N, Q] int32 query -> target or -1, iterations)."""
+    n = tf.shape(cost)[0]
+    num_queries, num_targets = cost.shape[1], cost.shape[2]
+    query_mask = tf.ones([n, num_queries], tf.bool)
+    if num_targets <= num_queries:
+        # Rows are targets, columns queries: [N, T, Q], so a target's row is one contiguous read.
+        rows_first = tf.transpose(cost, [0, 2, 1])
+        rows_first = _sanitize(rows_first, target_mask, query_mask)
+        return _solve(rows_first, target_mask, query_mask)
+
+    # More target slots than queries. A problem with more real targets than queries is solved
+    # transposed (rows = queries, columns = real targets); the others as usual, padded to the
+    # same [T, T] shape with unusable extra columns / rows that are never inserted.
+    size = num_targets
+    pad_q = size - num_queries
+    transposed = tf.reduce_sum(tf.cast(target_mask, tf.int32), axis=1) > num_queries  # [N]
+    normal = tf.pad(tf.transpose(cost, [0, 2, 1]), [[0, 0], [0, 0], [0, pad_q]])  # [N, T, T]
+    swapped = tf.pad(cost, [[0, 0], [0, pad_q], [0, 0]])  # [N, T(queries), T(targets)]
+    padded_queries = tf.pad(query_mask, [[0, 0], [0, pad_q]])  # [N, T]
+    t = transposed[:, None]
+    rows = tf.where(t, padded_queries, target_mask)
+    cols = tf.where(t, target_mask, padded_queries)
+    square = tf.where(transposed[:, None, None], swapped, normal)
+    square = _sanitize(square, rows, cols)
+    row4col, iterations = _solve(square, rows, cols)  # [N, T]
+    # Normal problems: the first Q columns are the queries. Transposed ones: column = target,
+    # row4col = its query; invert it so every query names its target.
+    direct = row4col[:, :num_queries]
+    hit = row4col[:, None, :] == tf.range(num_queries)[None, :, None]  # [N, Q, T]
+    inverse = tf.where(tf.reduce_any(hit, axis=2),
+                       tf.argmax(tf.cast(hit, tf.int32), axis=2, output_type=tf.int32), -1)
+    return tf.where(t, inverse, direct), iterations
+
+
+def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None
+                                  ) -> Tuple[tf.Tensor, tf.Tensor]:
+    """`hungarian_matching` that also returns the number of while-loop iterations (scalar int32).
+
+    The iteration count is what a batched call pays for (every iteration costs as much as the
+    hardest problem in the batch); the benchmark reports it.
+    """
+    cost = tf.convert_to_tensor(cost)
+    if cost.shape.rank is None or cost.shape.rank < 2:
+        raise ValueError(f"hungarian_matching: cost must be [..., Q, T], got shape {cost.shape}.")
+    num_queries, num_targets = cost.shape[-2], cost.shape[-1]
+    if num_queries is None or num_targets is None:
+        raise ValueError(f"hungarian_matching: Q and T must be static, got shape {cost.shape}.")
+    if not (cost.dtype.is_floating):
+        raise ValueError(f"hungarian_matching: cost must be floating point, got {cost.dtype}.")
+    lead = tf.shape(cost)[:-2]
+    # Matching is a discrete decision: no gradient, and low-precision costs are solved in float32
+    # (bf16 has 8 mantissa bits, too few to order close costs).
+    flat = tf.reshape(tf.cast(tf.stop_gradient(cost), tf.float32), [-1, num_queries, num_targets])
+    if target_mask is None:
+        mask = tf.ones([tf.shape(flat)[0], num_targets], tf.bool)
+    else:
+        target_mask = tf.convert_to_tensor(target_mask)
+        if target_mask.dtype != tf.bool:
+            raise ValueError(f"hungarian_matching: target_mask must be bool, got "
+                             f"{target_mask.dtype}.")
+        if target_mask.shape.rank is not None and target_mask.shape[-1] not in (None, num_targets):
+            raise ValueError(f"hungarian_matching: target_mask shape {target_mask.shape} does not "
+                             f"end in T={num_targets} of cost shape {cost.shape}.")
+        mask = tf.reshape(tf.broadcast_to(target_mask, tf.concat([lead, [num_targets]], 0)),
+                          [-1, num_targets])
+    if num_queries == 0 or num_targets == 0:
+        out = tf.fill(tf.concat([lead, [num_queries]], 0), -1)
+        return out, tf.constant(0, tf.int32)
+    matched, iterations = _hungarian_flat(flat, mask)
+    return tf.reshape(matched, tf.concat([lead, [num_queries]], 0)), iterations
+
+
+def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """Batched exact minimum-cost matching of queries to targets.
+
+    Args:
+      cost: [..., Q, T] float (float32, bfloat16 or float16; solved in float32), any leading
+        batch dims, e.g. [L*B, Q, T] or [L, B, Q, T]. Q and T must be static. Non-finite entries
+        (NaN, +-inf) count as a cost worse than every finite entry of their problem.
+      target_mask: [..., T] bool, True for real targets; padded targets never influence the
+        result. None means every target is real.
+
+    Returns:
+      [..., Q] int32: the target index matched to each query, -1 for an unmatched query. With no
+      more real targets than Q, each real target is matched to exactly one query; with more,
+      every query gets a distinct real target. The matched total cost is minimal (equal to
+      scipy.optimize.linear_sum_assignment's optimum over the real targets, to float32 rounding).
+    """
+    return hungarian_matching_with_stats(cost, target_mask)[0]
+
+
+@gin.configurable
+def match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: tf.Tensor,
+               tgt_boxes: tf.Tensor, cost_class: float = 1., cost_bbox: float = 5.,
+               cost_giou: float = 2.) -> tf.Tensor:
+    """The DETR matching cost for any leading batch dims (e.g. decoder layers x images).
+
+    cost = cost_class * -softmax(pred_logits)[label] + cost_bbox * L1(cxcywh)
+           + cost_giou * -GIoU(xyxy)
+
+    The class term uses -probability rather than the NLL, as the reference DETR does: it is
+    bounded, so one confident wrong class cannot swamp the box terms.
+
+    Args:
+      pred_logits: [..., Q, K] class logits (K includes the no-object class).
+      pred_boxes: [..., Q, 4] normalized cx, cy, w, h.
+      tgt_labels: [..., T] int class ids in [0, K); padded targets may hold any value.
+      tgt_boxes: [..., T, 4] normalized cx, cy, w, h.
+      cost_class, cost_bbox, cost_giou: term weights (Gin-bindable).
+      The targets' leading dims may be a suffix of the predictions' (e.g. predictions
+      [L, B, Q, ...] with targets [B, T, ...]); they are broadcast.
+
+    Returns:
+      [..., Q, T] float32 cost, leading dims those of the predictions.
+    """
+    logits = tf.cast(pred_logits, tf.float32)
+    pred_boxes = tf.cast(pred_boxes, tf.float32)
+    tgt_boxes = tf.cast(tgt_boxes, tf.float32)
+    lead = tf.shape(logits)[:-2]
+    num_classes = logits.shape[-1]
+    num_targets = tgt_labels.shape[-1]
+    tgt_labels = tf.broadcast_to(tf.cast(tgt_labels, tf.int32),
+                                 tf.concat([lead, [tf.shape(tgt_labels)[-1]]], 0))
+    tgt_boxes = tf.broadcast_to(tgt_boxes, tf.concat([lead, tf.shape(tgt_boxes)[-2:]], 0))
+
+    prob = tf.nn.softmax(logits, axis=-1)  # [..., Q, K]
+    onehot = tf.one_hot(tgt_labels, num_classes, dtype=tf.float32)  # [..., T, K]
+    class_cost = -tf.linalg.matmul(prob, onehot, transpose_b=True)  # [..., Q, T]
+    l1 = tf.reduce_sum(tf.abs(pred_boxes[..., :, None, :] - tgt_boxes[..., None, :, :]),
+                       axis=-1)  # [..., Q, T]
+    giou = box_ops.generalized_box_iou(box_ops.box_cxcywh_to_xyxy(pred_boxes),
+                                       box_ops.box_cxcywh_to_xyxy(tgt_boxes))  # [..., Q, T]
+    cost = cost_class * class_cost + cost_bbox * l1 - cost_giou * giou
+    if num_targets is not None:
+        cost = tf.ensure_shape(cost, logits.shape[:-1].concatenate([num_targets]))
+    return cost
