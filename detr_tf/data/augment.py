@@ -1,0 +1,193 @@
+"""The DETR augmentations as TF ops on one image.
+
+Every op works on an image `[H, W, 3]` (float32 pixel values in [0, 255]; uint8 accepted where
+noted) and absolute-pixel boxes `[N, 4]` (x0, y0, x1, y1). Random ops take a `seed`: int32/int64
+`[2]` for TF's stateless random ops, so a given seed gives the same result eagerly, inside
+`Dataset.map` and on every run (the pipeline derives one seed per example).
+
+The recipe (`detr_train_transform`) follows the reference DETR: random horizontal flip; then with
+probability 0.5 a multi-scale resize (shorter side drawn from `scales`, longer side at most
+`max_size`), otherwise resize to one of `crop_scales` -> random size crop -> the multi-scale
+resize. Boxes are clipped to the crop and dropped when empty; `labels` follow their boxes.
+"""
+from typing import Sequence, Tuple
+
+import gin
+import tensorflow as tf
+
+DETR_SCALES = tuple(range(480, 801, 32))  # 480, 512, ..., 800
+
+
+def hflip(image: tf.Tensor, boxes: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Mirrors left-right. image [H, W, C] (any dtype), boxes [N, 4] xyxy -> same shapes."""
+    width = tf.cast(tf.shape(image)[1], boxes.dtype)
+    x0, y0, x1, y1 = tf.unstack(boxes, 4, axis=-1)
+    return image[:, ::-1, :], tf.stack([width - x1, y0, width - x0, y1], axis=-1)
+
+
+def random_hflip(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor,
+                 prob: float = 0.5) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Applies `hflip` with probability `prob`. Shapes as `hflip`."""
+    flip = tf.random.stateless_uniform([], seed) < prob
+    return tf.cond(flip, lambda: hflip(image, boxes), lambda: (image, boxes))
+
+
+def resized_shape(height: tf.Tensor, width: tf.Tensor, short_side: tf.Tensor,
+                  max_size: int = 0) -> tf.Tensor:
+    """Size after resizing the shorter side to `short_side`, longer side capped at `max_size`.
+
+    Same rule as the reference DETR's `get_size`: when the longer side would exceed `max_size`
+    the shorter side is reduced (rounded) so that it does not; sides are then floored.
+
+    Args:
+      height, width: int scalars, the current size.
+      short_side: int scalar, the target shorter side.
+      max_size: cap on the longer side; 0 means no cap.
+
+    Returns:
+      int32 [2] (new_height, new_width).
+    """
+    h = tf.cast(height, tf.float64)
+    w = tf.cast(width, tf.float64)
+    size = tf.cast(short_side, tf.float64)
+    short = tf.minimum(h, w)
+    long = tf.maximum(h, w)
+    if max_size:
+        cap = float(max_size)
+        size = tf.where(long / short * size > cap, tf.round(cap * short / long), size)
+    new_h = tf.where(w < h, tf.floor(size * h / w), size)
+    new_w = tf.where(w < h, size, tf.floor(size * w / h))
+    return tf.cast(tf.stack([new_h, new_w]), tf.int32)
+
+
+def resize(image: tf.Tensor, boxes: tf.Tensor, short_side: tf.Tensor,
+           max_size: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Bilinear resize by the `resized_shape` rule.
+
+    Args:
+      image: [H, W, 3] float32 (or uint8).
+      boxes: [N, 4] absolute xyxy.
+      short_side: int scalar.
+      max_size: cap on the longer side, 0 for none.
+
+    Returns:
+      image [H', W', 3] float32, boxes [N, 4] scaled to the new size.
+    """
+    shape = tf.shape(image)
+    new_size = resized_shape(shape[0], shape[1], short_side, max_size)
+    out = tf.image.resize(image, new_size, method="bilinear")
+    scale = tf.cast(new_size, tf.float32) / tf.cast(shape[:2], tf.float32)  # [sy, sx]
+    return out, boxes * tf.stack([scale[1], scale[0], scale[1], scale[0]])
+
+
+def random_resize(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor,
+                  scales: Sequence[int], max_size: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
+    """`resize` with the shorter side drawn uniformly from `scales`. Shapes as `resize`."""
+    index = tf.random.stateless_uniform([], seed, 0, len(scales), dtype=tf.int32)
+    return resize(image, boxes, tf.gather(tf.constant(scales, tf.int32), index), max_size)
+
+
+def crop(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor, top: tf.Tensor,
+         left: tf.Tensor, height: tf.Tensor,
+         width: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Crops a window; boxes are shifted, clipped to it, and dropped when empty.
+
+    Args:
+      image: [H, W, C].
+      boxes: [N, 4] absolute xyxy.
+      labels: [N] (any dtype; kept or dropped with its box).
+      top, left, height, width: int scalars, the window.
+
+    Returns:
+      image [height, width, C], boxes [M, 4], labels [M] with M <= N.
+    """
+    image = image[top:top + height, left:left + width, :]
+    offset = tf.cast(tf.stack([left, top, left, top]), boxes.dtype)
+    limit = tf.cast(tf.stack([width, height, width, height]), boxes.dtype)
+    boxes = tf.clip_by_value(boxes - offset, 0.0, limit)
+    keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+    return image, tf.boolean_mask(boxes, keep), tf.boolean_mask(labels, keep)
+
+
+def random_size_crop(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor,
+                     min_size: int, max_size: int) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Crops a window with each side drawn from [min_size, min(side, max_size)].
+
+    An image side shorter than `min_size` is kept whole along that axis (the reference would
+    fail there; small-image configs can hit it). Shapes as `crop`.
+    """
+    seeds = tf.random.experimental.stateless_split(seed, 4)
+    shape = tf.shape(image)
+
+    def draw(i, low, high):  # uniform integer in [low, high]
+        return tf.random.stateless_uniform([], seeds[i], low, high + 1, dtype=tf.int32)
+
+    h_max = tf.minimum(shape[0], max_size)
+    w_max = tf.minimum(shape[1], max_size)
+    height = draw(0, tf.minimum(min_size, h_max), h_max)
+    width = draw(1, tf.minimum(min_size, w_max), w_max)
+    top = draw(2, 0, shape[0] - height)
+    left = draw(3, 0, shape[1] - width)
+    return crop(image, boxes, labels, top, left, height, width)
+
+
+@gin.configurable(denylist=["image", "boxes", "labels", "seed"])
+def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
+                         seed: tf.Tensor, scales: Sequence[int] = DETR_SCALES,
+                         max_size: int = 1333, crop_scales: Sequence[int] = (400, 500, 600),
+                         crop_min_size: int = 384, crop_max_size: int = 600,
+                         flip_prob: float = 0.5,
+                         multiscale_only_prob: float = 0.5
+                         ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The DETR train augmentation.
+
+    Args:
+      image: [H, W, 3] uint8 or float32 in [0, 255].
+      boxes: [N, 4] absolute xyxy.
+      labels: [N] int32.
+      seed: [2] int seed.
+      scales: shorter sides of the multi-scale resize.
+      max_size: cap on the longer side of the multi-scale resize.
+      crop_scales: shorter sides of the resize before the crop (no cap).
+      crop_min_size, crop_max_size: side range of the random crop.
+      flip_prob: probability of the horizontal flip.
+      multiscale_only_prob: probability of the plain multi-scale branch.
+
+    Returns:
+      image [H', W', 3] float32, boxes [M, 4] absolute xyxy in the new image, labels [M].
+    """
+    s = tf.random.experimental.stateless_split(seed, 6)
+    image = tf.cast(image, tf.float32)
+    image, boxes = random_hflip(image, boxes, s[0], flip_prob)
+
+    def multiscale():
+        img, bxs = random_resize(image, boxes, s[2], scales, max_size)
+        return img, bxs, labels
+
+    def crop_then_multiscale():
+        img, bxs = random_resize(image, boxes, s[3], crop_scales)
+        img, bxs, lbl = random_size_crop(img, bxs, labels, s[4], crop_min_size, crop_max_size)
+        img, bxs = random_resize(img, bxs, s[5], scales, max_size)
+        return img, bxs, lbl
+
+    use_multiscale = tf.random.stateless_uniform([], s[1]) < multiscale_only_prob
+    return tf.cond(use_multiscale, multiscale, crop_then_multiscale)
+
+
+@gin.configurable(denylist=["image", "boxes", "labels"])
+def detr_eval_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
+                        short_side: int = 800,
+                        max_size: int = 1333) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The DETR eval resize (shorter side 800, longer at most 1333). Shapes as the train one."""
+    image, boxes = resize(tf.cast(image, tf.float32), boxes, short_side, max_size)
+    return image, boxes, labels
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def normalize_image(image: tf.Tensor) -> tf.Tensor:
+    """[H, W, 3] pixel values in [0, 255] -> float32 ImageNet-normalized, same shape."""
+    image = tf.cast(image, tf.float32) / 255.0
+    return (image - tf.constant(IMAGENET_MEAN)) / tf.constant(IMAGENET_STD)

@@ -1,0 +1,245 @@
+"""The input pipeline the trainer calls: `build_dataset` (and `dataset_info`).
+
+Flow per example: source (raw example) -> drop crowd / unknown-class / empty boxes -> DETR train
+augmentation (or eval resize) -> ImageNet normalize -> pad onto a canvas bucket -> pad targets to
+`max_boxes`. Then examples are batched within their bucket, so every batch has one of the bucket
+shapes and an XLA step compiles once per bucket.
+
+Batch element (B = per-replica batch size, T = max_boxes, H x W = one of the buckets):
+
+    features = {
+        'images':     float32 [B, H, W, 3]  ImageNet-normalized; padding is 0
+        'pixel_mask': bool    [B, H, W]     True on real pixels, False on padding
+    }
+    targets = {
+        'labels':    int32   [B, T]     class index from the label map (0 where mask is False)
+        'boxes':     float32 [B, T, 4]  normalized cx, cy, w, h relative to the unpadded image
+        'mask':      bool    [B, T]     True for real boxes
+        'image_id':  int64   [B]        COCO image id; -1 for eval filler images
+        'orig_size': int32   [B, 2]     (h, w) of the original image; 0 for filler
+        'size':      int32   [B, 2]     (h, w) of the resized image before padding; 0 for filler
+    }
+
+The element_spec has None for H and W (the buckets differ) but each batch's actual shape is one
+of `buckets`, so a `tf.function` traced per input shape (iterating in Python) compiles once per
+bucket. Training batches are always full (drop_remainder inside each bucket). Evaluation drops
+nothing: each bucket's last partial batch is filled up to B with filler images (all-False
+pixel_mask and mask, image_id -1) that the evaluator skips.
+"""
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import gin
+import tensorflow as tf
+
+from detr_tf.data import augment
+from detr_tf.data import buckets as buckets_lib
+from detr_tf.data import sources as sources_lib
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+# Canvases for the DETR COCO recipe (shorter side <= 800, longer <= 1333): 21 buckets.
+COCO_BUCKETS = tuple(buckets_lib.canvas_buckets((576, 704, 832), (704, 896, 1088, 1344)))
+
+
+def raw_to_instance(raw: Dict[str, tf.Tensor], label_map
+                    ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Raw example -> (image uint8 [H, W, 3], boxes [N, 4] absolute xyxy, labels int32 [N]).
+
+    Crowd boxes, boxes of classes the label map does not know, and boxes with no area are
+    dropped: none of them is a training target (the reference DETR drops crowd boxes too).
+    """
+    image = raw["image"]
+    hw = tf.cast(tf.shape(image)[:2], tf.float32)
+    ymin, xmin, ymax, xmax = tf.unstack(tf.reshape(raw["boxes"], [-1, 4]), 4, axis=-1)
+    boxes = tf.stack([xmin * hw[1], ymin * hw[0], xmax * hw[1], ymax * hw[0]], axis=-1)
+    boxes = tf.clip_by_value(boxes, 0.0, tf.stack([hw[1], hw[0], hw[1], hw[0]]))
+    labels = label_map.lookup(raw["classes"])
+    keep = (~raw["is_crowd"]) & (labels >= 0) & (boxes[:, 2] > boxes[:, 0]) & (
+        boxes[:, 3] > boxes[:, 1])
+    return image, tf.boolean_mask(boxes, keep), tf.boolean_mask(labels, keep)
+
+
+def pad_targets(boxes: tf.Tensor, labels: tf.Tensor, size: tf.Tensor,
+                max_boxes: int) -> Dict[str, tf.Tensor]:
+    """Normalizes and pads the targets of one image.
+
+    Args:
+      boxes: [N, 4] absolute xyxy in an image of `size`.
+      labels: [N] int32.
+      size: int32 [2] (h, w) of that image.
+      max_boxes: T; boxes beyond T are cut (COCO train has at most ~93 non-crowd per image).
+
+    Returns:
+      labels int32 [T], boxes float32 [T, 4] normalized cxcywh, mask bool [T].
+    """
+    hw = tf.cast(size, tf.float32)
+    x0, y0, x1, y1 = tf.unstack(boxes[:max_boxes], 4, axis=-1)
+    cxcywh = tf.stack([(x0 + x1) / 2 / hw[1], (y0 + y1) / 2 / hw[0],
+                       (x1 - x0) / hw[1], (y1 - y0) / hw[0]], axis=-1)
+    n = tf.shape(cxcywh)[0]
+    pad = max_boxes - n
+    out = {
+        "labels": tf.pad(tf.cast(labels[:max_boxes], tf.int32), [[0, pad]]),
+        "boxes": tf.pad(cxcywh, [[0, pad], [0, 0]]),
+        "mask": tf.pad(tf.ones([n], tf.bool), [[0, pad]]),
+    }
+    out["labels"].set_shape([max_boxes])
+    out["boxes"].set_shape([max_boxes, 4])
+    out["mask"].set_shape([max_boxes])
+    return out
+
+
+def _filler_pad(batch: Dict[str, tf.Tensor], batch_size: int) -> Dict[str, tf.Tensor]:
+    """Pads a partial eval batch to batch_size with filler images (zeros; image_id -1)."""
+    n = tf.shape(batch["image_id"])[0]
+    out = {}
+    for key, value in batch.items():
+        paddings = [[0, batch_size - n]] + [[0, 0]] * (len(value.shape) - 1)
+        fill = -1 if key == "image_id" else 0
+        out[key] = tf.pad(value, paddings, constant_values=tf.cast(fill, value.dtype)
+                          if value.dtype != tf.bool else False)
+        out[key].set_shape([batch_size] + value.shape[1:].as_list())
+    return out
+
+
+@gin.configurable(denylist=["is_training", "global_batch_size", "input_context", "num_shards",
+                            "shard_index", "deterministic", "seed"])
+def build_dataset(is_training: bool, global_batch_size: int,
+                  input_context: Optional[tf.distribute.InputContext] = None,
+                  num_shards: Optional[int] = None, shard_index: Optional[int] = None,
+                  deterministic: bool = False, seed: Optional[int] = None,
+                  train_source=gin.REQUIRED, eval_source=gin.REQUIRED,
+                  train_transform=augment.detr_train_transform,
+                  eval_transform=augment.detr_eval_transform,
+                  buckets: Sequence[Tuple[int, int]] = COCO_BUCKETS, max_boxes: int = 100,
+                  shuffle_buffer: int = 1000, prefetch: int = AUTOTUNE) -> tf.data.Dataset:
+    """Builds the train or eval dataset of batches (see the module docstring for the layout).
+
+    Args:
+      is_training: train (augment, shuffle, repeat forever, full batches only) or eval (resize,
+        one pass in source order, filler-padded last batches).
+      global_batch_size: batch size over all replicas.
+      input_context: from `strategy.distribute_datasets_from_function`; sets the sharding and
+        the per-replica batch size (global // replicas).
+      num_shards, shard_index: sharding without a tf.distribute strategy (Horovod: hvd.size(),
+        hvd.rank()); the batch per pipeline is then global_batch_size // num_shards.
+      deterministic: reproducible order and augmentation (tests, exact resume); slower.
+      seed: seed for shuffles and augmentation; None draws a fresh one.
+      train_source, eval_source: sources (Gin references, e.g. @train/TFRecordSource()).
+      train_transform: (image, boxes, labels, seed) -> (image, boxes, labels).
+      eval_transform: (image, boxes, labels) -> (image, boxes, labels).
+      buckets: canvas (height, width) list, multiples of 64.
+      max_boxes: T, targets per image.
+      shuffle_buffer: examples in the train shuffle buffer.
+      prefetch: batches prefetched (AUTOTUNE by default).
+
+    Returns:
+      tf.data.Dataset of (features, targets) batches.
+    """
+    if input_context is not None:
+        if num_shards is not None or shard_index is not None:
+            raise ValueError("build_dataset: give input_context or (num_shards, shard_index), "
+                             f"not both (got num_shards={num_shards}, shard_index={shard_index}).")
+        num_shards = input_context.num_input_pipelines
+        shard_index = input_context.input_pipeline_id
+        batch_size = input_context.get_per_replica_batch_size(global_batch_size)
+    else:
+        num_shards = 1 if num_shards is None else num_shards
+        shard_index = 0 if shard_index is None else shard_index
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"build_dataset: shard_index={shard_index} is outside "
+                             f"[0, num_shards={num_shards}).")
+        if global_batch_size % num_shards:
+            raise ValueError(f"build_dataset: global_batch_size={global_batch_size} is not "
+                             f"divisible by num_shards={num_shards}.")
+        batch_size = global_batch_size // num_shards
+    if batch_size < 1:
+        raise ValueError(f"build_dataset: per-replica batch size is {batch_size} "
+                         f"(global_batch_size={global_batch_size}).")
+    buckets = buckets_lib.validate_buckets(buckets)
+    source = train_source if is_training else eval_source
+    label_map = source.label_map
+    if seed is None:
+        seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
+
+    spec = sources_lib.ReadSpec(num_shards, shard_index, shuffle=is_training,
+                                deterministic=deterministic, seed=seed)
+    ds = source.make(spec)
+
+    def prepare(raw, example_seed=None):
+        image, boxes, labels = raw_to_instance(raw, label_map)
+        orig_size = tf.shape(image)[:2]
+        if is_training:
+            image, boxes, labels = train_transform(image, boxes, labels, example_seed)
+        else:
+            image, boxes, labels = eval_transform(image, boxes, labels)
+        resized = tf.shape(image)[:2]
+        canvas, pixel_mask, size, bucket = buckets_lib.fit_and_pad(
+            augment.normalize_image(image), buckets)
+        # Boxes are normalized by the image before any shrink-to-fit: same relative values.
+        targets = pad_targets(boxes, labels, resized, max_boxes)
+        targets.update({
+            "image_id": tf.cast(raw["image_id"], tf.int64),
+            "orig_size": tf.cast(orig_size, tf.int32),
+            "size": size,
+        })
+        return {"images": canvas, "pixel_mask": pixel_mask, **targets, "bucket": bucket}
+
+    if is_training:
+        ds = ds.repeat()
+        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        # One stateless seed pair per example: reproducible in deterministic mode.
+        seeds = tf.data.Dataset.random(seed=seed * 7919 + shard_index).batch(2)
+        ds = tf.data.Dataset.zip((ds, seeds))
+    ds = ds.map(prepare, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+
+    def batch_bucket(_, window):
+        batched = window.batch(batch_size, drop_remainder=is_training)
+        if not is_training:
+            batched = batched.map(lambda b: _filler_pad(b, batch_size))
+        return batched
+
+    ds = ds.group_by_window(key_func=lambda ex: tf.cast(ex["bucket"], tf.int64),
+                            reduce_func=batch_bucket, window_size=batch_size)
+    ds = ds.map(_split_features_targets)
+    options = tf.data.Options()
+    options.deterministic = deterministic
+    ds = ds.with_options(options)
+    return ds.prefetch(prefetch)
+
+
+def _split_features_targets(batch):
+    features = {"images": batch["images"], "pixel_mask": batch["pixel_mask"]}
+    targets = {k: batch[k] for k in ("labels", "boxes", "mask", "image_id", "orig_size", "size")}
+    return features, targets
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    """What the trainer and evaluator need to know about a split.
+
+    Attributes:
+      num_examples: images in the split (for epochs -> steps).
+      num_classes: classes of the label map (the model adds "no object").
+      class_names: names by class index (for drawing predictions).
+      annotations_file: COCO json for evaluation, or None.
+      buckets: the canvas shapes batches can have.
+    """
+
+    num_examples: int
+    num_classes: int
+    class_names: List[str]
+    annotations_file: Optional[str]
+    buckets: List[Tuple[int, int]]
+
+
+@gin.configurable(denylist=["is_training"])
+def dataset_info(is_training: bool, train_source=gin.REQUIRED, eval_source=gin.REQUIRED,
+                 buckets: Sequence[Tuple[int, int]] = COCO_BUCKETS) -> DatasetInfo:
+    """Size, label map and annotations file of the train or eval source (bind like
+    build_dataset; the shipped gin files bind both through the TRAIN_DATA / EVAL_DATA macros)."""
+    source = train_source if is_training else eval_source
+    return DatasetInfo(source.num_examples(), source.label_map.num_classes,
+                       list(source.label_map.class_names), source.annotations_file,
+                       buckets_lib.validate_buckets(buckets))

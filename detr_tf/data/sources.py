@@ -1,0 +1,159 @@
+"""Data sources: where raw examples come from.
+
+A source yields "raw examples" (the dict documented in `tfexample.decode_example`: uint8 image,
+int64 image_id, normalized ymin/xmin/ymax/xmax boxes, int64 category ids, bool is_crowd) and
+knows its label map, its size and, when it has one, its COCO annotations json for evaluation.
+Sources are plain classes the pipeline receives by Gin reference.
+"""
+import dataclasses
+from typing import List, Optional
+
+import gin
+import tensorflow as tf
+
+from detr_tf.data import label_map as label_map_lib
+from detr_tf.data import tfexample
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSpec:
+    """How a source should read: sharding, order and seed.
+
+    Attributes:
+      num_shards: number of input pipelines (workers / Horovod ranks) splitting the data.
+      shard_index: this pipeline's index in [0, num_shards).
+      shuffle: shuffle file order (training).
+      deterministic: keep a reproducible element order.
+      seed: seed for the file shuffle, or None.
+    """
+
+    num_shards: int = 1
+    shard_index: int = 0
+    shuffle: bool = False
+    deterministic: bool = False
+    seed: Optional[int] = None
+
+
+@gin.configurable
+class TFRecordSource:
+    """TFRecord files of tf.Examples (our converter's or Model Garden's).
+
+    Args:
+      file_pattern: glob, or several globs separated by commas.
+      num_examples: size of the split; when None `num_examples()` counts the records (one pass
+        over the files: fine for small sets, minutes for COCO train, so COCO configs set it).
+      label_map: maps category ids to classes; default COCO's 91-id identity.
+      annotations_file: the COCO json of this split, for evaluation (optional).
+      cycle_length: files read in parallel.
+    """
+
+    def __init__(self, file_pattern: str = gin.REQUIRED, num_examples: Optional[int] = None,
+                 label_map: Optional[label_map_lib.LabelMap] = None,
+                 annotations_file: Optional[str] = None, cycle_length: int = 8):
+        self.file_pattern = file_pattern
+        self._num_examples = num_examples
+        self.label_map = label_map or label_map_lib.coco_label_map()
+        self.annotations_file = annotations_file
+        self.cycle_length = cycle_length
+
+    def files(self) -> List[str]:
+        """Sorted matching files; raises FileNotFoundError naming the pattern if none."""
+        files = []
+        for pattern in self.file_pattern.split(","):
+            files.extend(tf.io.gfile.glob(pattern.strip()))
+        if not files:
+            raise FileNotFoundError(f"TFRecordSource.file_pattern={self.file_pattern!r} "
+                                    "matches no file.")
+        return sorted(set(files))
+
+    def num_examples(self) -> int:
+        if self._num_examples is None:
+            ds = tf.data.TFRecordDataset(self.files(), num_parallel_reads=AUTOTUNE)
+            self._num_examples = int(ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+        return self._num_examples
+
+    def make(self, spec: ReadSpec) -> tf.data.Dataset:
+        """Dataset of raw examples for one shard (finite; the pipeline repeats it)."""
+        files = self.files()
+        ds = tf.data.Dataset.from_tensor_slices(files)
+        by_file = len(files) >= spec.num_shards
+        if by_file:
+            # Each pipeline reads its own files: no pipeline reads a byte it does not use.
+            ds = ds.shard(spec.num_shards, spec.shard_index)
+            if spec.shuffle:
+                ds = ds.shuffle(len(files), seed=spec.seed, reshuffle_each_iteration=True)
+        ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(self.cycle_length,
+                                                                       len(files)),
+                           num_parallel_calls=AUTOTUNE,
+                           # Record-level sharding needs the same order in every pipeline.
+                           deterministic=spec.deterministic or not by_file)
+        if not by_file:
+            ds = ds.shard(spec.num_shards, spec.shard_index)
+        return ds.map(tfexample.decode_example, num_parallel_calls=AUTOTUNE,
+                      deterministic=spec.deterministic)
+
+
+@gin.configurable
+class TFDSSource:
+    """A prepared TFDS COCO dataset (`coco/2017` by default). Never downloads.
+
+    TFDS stores COCO classes as contiguous 0..79; they are turned back into COCO category ids
+    (sorted-id order, the order of COCO's categories list) so the same label maps apply.
+
+    Args:
+      name: TFDS name.
+      split: e.g. 'train' or 'validation'.
+      data_dir: TFDS data directory (None: TFDS's default, usually ~/tensorflow_datasets).
+      annotations_file: COCO json of the split, for evaluation (optional).
+      label_map: default COCO's 91-id identity.
+    """
+
+    def __init__(self, name: str = "coco/2017", split: str = "train",
+                 data_dir: Optional[str] = None, annotations_file: Optional[str] = None,
+                 label_map: Optional[label_map_lib.LabelMap] = None):
+        self.name = name
+        self.split = split
+        self.data_dir = data_dir
+        self.annotations_file = annotations_file
+        self.label_map = label_map or label_map_lib.coco_label_map()
+
+    def _builder(self):
+        import tensorflow_datasets as tfds  # imported here: only this source needs it
+
+        builder = tfds.builder(self.name, data_dir=self.data_dir)
+        if not builder.is_prepared():
+            raise FileNotFoundError(
+                f"TFDSSource: dataset {self.name!r} is not prepared under data_dir="
+                f"{self.data_dir!r} (looked in {builder.data_dir}). Prepare it with TFDS first; "
+                "this project never downloads.")
+        return builder
+
+    def num_examples(self) -> int:
+        return int(self._builder().info.splits[self.split].num_examples)
+
+    def make(self, spec: ReadSpec) -> tf.data.Dataset:
+        import tensorflow_datasets as tfds
+
+        context = tf.distribute.InputContext(num_input_pipelines=spec.num_shards,
+                                             input_pipeline_id=spec.shard_index)
+        options = tf.data.Options()
+        options.deterministic = spec.deterministic
+        read_config = tfds.ReadConfig(input_context=context, shuffle_seed=spec.seed,
+                                      options=options)
+        ds = self._builder().as_dataset(split=self.split, shuffle_files=spec.shuffle,
+                                        read_config=read_config)
+        coco_ids = tf.constant([cid for cid, _ in label_map_lib.COCO_CATEGORIES], tf.int64)
+
+        def to_raw(ex):
+            objects = ex["objects"]
+            return {
+                "image": ex["image"],
+                "image_id": tf.cast(ex["image/id"], tf.int64),
+                "boxes": tf.reshape(tf.cast(objects["bbox"], tf.float32), [-1, 4]),
+                "classes": tf.gather(coco_ids, objects["label"]),
+                "is_crowd": tf.cast(objects["is_crowd"], tf.bool),
+            }
+
+        return ds.map(to_raw, num_parallel_calls=AUTOTUNE, deterministic=spec.deterministic)

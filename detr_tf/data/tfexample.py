@@ -1,0 +1,119 @@
+"""tf.Example codec in the layout of TF Model Garden and the TF Object Detection API.
+
+Keys written (all readable by `official.vision.dataloaders.tf_example_decoder.TfExampleDecoder`):
+
+    image/encoded            bytes   the JPEG (or PNG) file as stored on disk
+    image/format             bytes   b'jpeg' / b'png'
+    image/height, image/width int64  pixel size of the encoded image
+    image/filename           bytes
+    image/source_id          bytes   the COCO image id as decimal text, e.g. b'139'
+    image/key/sha256         bytes
+    image/object/bbox/{xmin,ymin,xmax,ymax}  float  normalized to [0, 1] by width / height
+    image/object/class/label int64   the dataset's category id (COCO: 1..90)
+    image/object/class/text  bytes   category name
+    image/object/is_crowd    int64   0 / 1
+    image/object/area        float   COCO annotation area, in pixels
+
+Decoding reuses Model Garden's decoder and reshapes its output into the "raw example" every
+source in this package yields (see `decode_example`).
+"""
+import hashlib
+from typing import Dict, Optional, Sequence
+
+import tensorflow as tf
+from official.vision.dataloaders import tf_example_decoder
+
+
+def _bytes(values):
+    return tf.train.Feature(bytes_list=tf.train.BytesList(value=list(values)))
+
+
+def _floats(values):
+    return tf.train.Feature(float_list=tf.train.FloatList(value=list(values)))
+
+
+def _ints(values):
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=list(values)))
+
+
+def build_tf_example(encoded_image: bytes, image_format: str, height: int, width: int,
+                     image_id: int, filename: str, boxes: Sequence[Sequence[float]],
+                     category_ids: Sequence[int], is_crowd: Sequence[int],
+                     areas: Sequence[float],
+                     category_names: Optional[Sequence[str]] = None) -> tf.train.Example:
+    """Builds one tf.Example from an encoded image and its boxes.
+
+    Args:
+      encoded_image: the image file's bytes.
+      image_format: 'jpeg' or 'png'.
+      height: image height in pixels.
+      width: image width in pixels.
+      image_id: dataset image id (COCO image id); stored as decimal text in image/source_id.
+      filename: image file name.
+      boxes: [N, 4] normalized (xmin, ymin, xmax, ymax), each in [0, 1].
+      category_ids: [N] category ids.
+      is_crowd: [N] 0 / 1.
+      areas: [N] annotation areas in pixels.
+      category_names: optional [N] names, stored in image/object/class/text.
+
+    Returns:
+      The tf.train.Example.
+    """
+    n = len(boxes)
+    if not (len(category_ids) == len(is_crowd) == len(areas) == n):
+        raise ValueError(f"{filename}: per-object lists differ in length: boxes {n}, "
+                         f"category_ids {len(category_ids)}, is_crowd {len(is_crowd)}, "
+                         f"areas {len(areas)}.")
+    feature = {
+        "image/encoded": _bytes([encoded_image]),
+        "image/format": _bytes([image_format.encode()]),
+        "image/height": _ints([height]),
+        "image/width": _ints([width]),
+        "image/filename": _bytes([filename.encode()]),
+        "image/source_id": _bytes([str(int(image_id)).encode()]),
+        "image/key/sha256": _bytes([hashlib.sha256(encoded_image).hexdigest().encode()]),
+        "image/object/bbox/xmin": _floats([b[0] for b in boxes]),
+        "image/object/bbox/ymin": _floats([b[1] for b in boxes]),
+        "image/object/bbox/xmax": _floats([b[2] for b in boxes]),
+        "image/object/bbox/ymax": _floats([b[3] for b in boxes]),
+        "image/object/class/label": _ints([int(c) for c in category_ids]),
+        "image/object/is_crowd": _ints([int(c) for c in is_crowd]),
+        "image/object/area": _floats([float(a) for a in areas]),
+    }
+    if category_names is not None:
+        feature["image/object/class/text"] = _bytes([s.encode() for s in category_names])
+    return tf.train.Example(features=tf.train.Features(feature=feature))
+
+
+_DECODER = None
+
+
+def decode_example(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
+    """Decodes one serialized tf.Example into a raw example.
+
+    Args:
+      serialized: scalar string tensor.
+
+    Returns:
+      Raw example dict:
+        image: uint8 [H, W, 3]
+        image_id: int64 [] (image/source_id parsed as an integer)
+        boxes: float32 [N, 4] normalized (ymin, xmin, ymax, xmax), Model Garden's order
+        classes: int64 [N] category ids
+        is_crowd: bool [N]
+    """
+    global _DECODER
+    if _DECODER is None:
+        _DECODER = tf_example_decoder.TfExampleDecoder(include_mask=False)
+    decoded = _DECODER.decode(serialized)
+    image = decoded["image"]
+    image.set_shape([None, None, 3])
+    return {
+        "image": image,
+        # Model Garden stores the id as text; a non-numeric id fails here with TF's
+        # "StringToNumberOp could not correctly convert string" naming the value.
+        "image_id": tf.strings.to_number(decoded["source_id"], tf.int64),
+        "boxes": tf.reshape(tf.cast(decoded["groundtruth_boxes"], tf.float32), [-1, 4]),
+        "classes": tf.cast(decoded["groundtruth_classes"], tf.int64),
+        "is_crowd": tf.cast(decoded["groundtruth_is_crowd"], tf.bool),
+    }

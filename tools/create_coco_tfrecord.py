@@ -1,0 +1,38 @@
+"""Converts a COCO-format dataset (images + instances json) to sharded TFRecords.
+
+    python tools/create_coco_tfrecord.py --image_dir coco/train2017 \
+        --annotations_file coco/annotations/instances_train2017.json \
+        --output_prefix data/coco/train --num_shards 128
+
+Writes PREFIX-00000-of-00128.tfrecord ... in the Model Garden / Object Detection API layout,
+prints a summary of every bad-input count, and exits non-zero only if no image was written.
+"""
+import sys
+
+from absl import app, flags
+
+from detr_tf.data import coco_converter
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("image_dir", None, "Directory of the images named in the json.")
+flags.DEFINE_string("annotations_file", None, "COCO instances json.")
+flags.DEFINE_string("output_prefix", None, "Shards go to PREFIX-0000i-of-0000N.tfrecord.")
+flags.DEFINE_integer("num_shards", 32, "Number of output shards.")
+flags.DEFINE_integer("num_processes", None, "Worker processes (default: all CPUs).")
+flags.mark_flags_as_required(["image_dir", "annotations_file", "output_prefix"])
+
+
+def main(argv):
+    del argv
+    stats = coco_converter.convert_coco(FLAGS.image_dir, FLAGS.annotations_file,
+                                        FLAGS.output_prefix, FLAGS.num_shards,
+                                        FLAGS.num_processes)
+    print(stats.summary())
+    if stats.counts["images_written"] == 0:
+        print(f"No usable image was written from {FLAGS.annotations_file}.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
