@@ -279,9 +279,10 @@ def test_iteration_count_is_bounded():
     # A worst-case style problem: every row prefers the same column, with graded alternatives.
     q = t = 12
     cost = np.add.outer(np.arange(q), np.arange(t) * 0.5).astype(np.float32)[None]
-    out, iterations = matching.hungarian_matching_with_stats(cost)
+    out, iterations, steps = matching.hungarian_matching_with_stats(cost)
     _assert_optimal(cost, np.ones((1, t), bool), out.numpy())
     assert int(iterations) <= t * (t + 1) + 1
+    assert int(steps[0]) == int(iterations)
 
 
 # ----------------------------------------------------------------------------------- match_cost

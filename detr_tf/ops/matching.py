@@ -76,7 +76,8 @@ def _sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.T
     return tf.where(finite, clipped, worst)
 
 
-def _greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
+def _greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
+                  ) -> Tuple[tf.Tensor, tf.Tensor]:
     """Every real row takes its cheapest column; on collisions the lowest row index wins.
 
     With all column potentials at 0 and u[i] = min_j C[i, j], every assigned edge is tight and
@@ -88,6 +89,7 @@ def _greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> 
 
     Returns:
       row4col: [N, C] int32, the row owning each column or -1.
+      placed: [N, R] bool, the rows that got their column.
     """
     num_rows = cost.shape[1]
     masked = tf.where(col_mask[:, None, :], cost, tf.float32.max)
@@ -96,11 +98,14 @@ def _greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> 
     wants = row_mask[:, :, None] & (best[:, :, None] == cols)  # [N, R, C]
     rows = tf.range(num_rows, dtype=tf.int32)[None, :, None]
     winner = tf.reduce_min(tf.where(wants, rows, num_rows), axis=1)  # [N, C]
-    return tf.where(winner < num_rows, winner, -1)
+    row4col = tf.where(winner < num_rows, winner, -1)
+    # A row is placed iff it won the column it wanted.
+    placed = tf.gather(row4col, best, batch_dims=1) == tf.range(num_rows)
+    return row4col, placed
 
 
 def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
-           ) -> Tuple[tf.Tensor, tf.Tensor]:
+           ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Min-cost assignment of every masked row to a distinct masked column, for N problems.
 
     Requires, per problem, no more real rows than real columns.
@@ -113,6 +118,7 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
     Returns:
       row4col: [N, C] int32, the row assigned to each column, -1 for unused columns.
       iterations: scalar int32, while-loop iterations taken (the cost driver; see the benchmark).
+      steps: [N] int32, the iterations each problem needed on its own.
     """
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
@@ -120,10 +126,8 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
         raise ValueError(f"hungarian_matching: at most {_MAX_COLUMNS - 1} columns are supported, "
                          f"got cost with {num_cols} (the larger of Q and T).")
     num_words = (num_rows + 63) // 64
-    col_iota = tf.range(num_cols, dtype=tf.int32)
 
-    row4col = _greedy_start(cost, row_mask, col_mask)
-    placed = tf.reduce_any(row4col[:, None, :] == tf.range(num_rows)[None, :, None], axis=2)
+    row4col, placed = _greedy_start(cost, row_mask, col_mask)
     # Each problem walks its own list of rows still to insert: the unplaced real rows first.
     todo = row_mask & ~placed  # [N, R]
     order = tf.argsort(tf.cast(~todo, tf.int32), axis=1, stable=True, direction="ASCENDING")
@@ -132,41 +136,81 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
     # A search scans at most min(R, C) columns before it reaches a free one, plus the sink step.
     max_iterations = num_rows * (min(num_rows, num_cols) + 1) + 1
 
-    inf = tf.fill([n, num_cols], tf.constant(float("inf"), tf.float32))
-    unusable = tf.logical_not(col_mask)
-
-    def start_row(ptr):
-        row = tf.gather(order, tf.minimum(ptr, num_rows - 1), batch_dims=1)  # [N]
-        return row, _row_bit(row, num_words)
-
+    consts = dict(cost=cost, order=order, num_todo=num_todo, col_mask=col_mask)
     ptr0 = tf.zeros([n], tf.int32)
-    row0, rowbits0 = start_row(ptr0)
+    row0 = tf.gather(order, ptr0, batch_dims=1)
     state = dict(
-        it=tf.constant(0, tf.int32),
-        ptr=ptr0,
+        ptr=ptr0,  # [N] position in the problem's list of rows to insert
         row=row0,  # [N] current row of the search
         entry_col=tf.fill([n], -1),  # [N] column through which `row` was reached, -1 at the root
         entry_dist=tf.zeros([n], tf.float32),  # [N] shortest-path label of entry_col
-        rowbits=rowbits0,  # [N, W] rows on the tree path from the root to `row`
+        rowbits=_row_bit(row0, num_words),  # [N, W] rows on the tree path from the root to `row`
         row4col=row4col,  # [N, C]
         v=tf.zeros([n, num_cols], tf.float32),  # [N, C] column potentials
-        shortest=inf,  # [N, C] Dijkstra labels
+        shortest=tf.fill([n, num_cols], float("inf")),  # [N, C] Dijkstra labels
         path=tf.fill([n, num_cols], -1),  # [N, C] row that set each label
         pathbits=tf.zeros([n, num_cols, num_words], tf.int64),  # [N, C, W] tree path of that row
-        scanned=unusable,  # [N, C]
+        scanned=~col_mask,  # [N, C]
+        steps=tf.zeros([n], tf.int32),  # [N] iterations each problem needed (statistics only)
     )
+    iterations = tf.constant(0, tf.int32)
+    static_n = cost.shape[0]
+    if static_n is None:
+        state, iterations = _run_stage(state, consts, iterations, 0, max_iterations)
+        return state["row4col"], iterations, state["steps"]
 
-    def cond(s):
-        return (s["it"] < max_iterations) & tf.reduce_any(s["ptr"] < num_todo)
+    # Most problems finish within a few iterations while a few need many more, and every
+    # iteration costs as much as the whole batch. So once few problems are left, they are
+    # gathered into a smaller batch (static size), solved on, and scattered back.
+    capacities = sorted({static_n, max(1, static_n // 8), max(1, static_n // 64)}, reverse=True)
+    row4col_out, steps_out = state["row4col"], state["steps"]
+    global_index = tf.range(static_n)  # [n_stage] global index of each problem in the stage
+    for stage, capacity in enumerate(capacities):
+        if stage > 0:
+            active = tf.cast(state["ptr"] < consts["num_todo"], tf.int32)
+            pick = tf.math.top_k(active, k=capacity, sorted=False).indices  # [capacity]
+            state = {k: tf.gather(x, pick) for k, x in state.items()}
+            consts = {k: tf.gather(x, pick) for k, x in consts.items()}
+            global_index = tf.gather(global_index, pick)
+        stop = capacities[stage + 1] if stage + 1 < len(capacities) else 0
+        state, iterations = _run_stage(state, consts, iterations, stop, max_iterations)
+        row4col_out = tf.tensor_scatter_nd_update(row4col_out, global_index[:, None], state["row4col"])
+        steps_out = tf.tensor_scatter_nd_update(steps_out, global_index[:, None], state["steps"])
+    return row4col_out, iterations, steps_out
 
-    def body(s):
-        active = s["ptr"] < num_todo  # [N]
-        crow = tf.gather(cost, s["row"], batch_dims=1)  # [N, C] the current row's costs
+
+def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int):
+    """Runs the search loop until at most `stop_count` problems are unfinished.
+
+    Args:
+      state: the loop state of `_solve` for n problems (see there for shapes).
+      consts: cost [n, R, C], order [n, R], num_todo [n], col_mask [n, C].
+      iterations: scalar int32 iterations so far (the loop also stops at `max_iterations`).
+      stop_count: leave the loop once no more than this many problems are unfinished.
+      max_iterations: a bound that the algorithm never reaches; it only guarantees termination.
+
+    Returns:
+      (state, iterations) after the loop.
+    """
+    cost, order, num_todo, col_mask = (consts[k] for k in ("cost", "order", "num_todo",
+                                                             "col_mask"))
+    num_rows, num_cols = cost.shape[1], cost.shape[2]
+    num_words = (num_rows + 63) // 64
+    col_iota = tf.range(num_cols, dtype=tf.int32)
+    unusable = ~col_mask
+
+    def cond(it, s):
+        unfinished = tf.reduce_sum(tf.cast(s["ptr"] < num_todo, tf.int32))
+        return (it < max_iterations) & (unfinished > stop_count)
+
+    def body(it, s):
+        active = s["ptr"] < num_todo  # [n]
+        crow = tf.gather(cost, s["row"], batch_dims=1)  # [n, C] the current row's costs
         v = s["v"]
         # Offset that turns C[row, :] - v into labels: entry label minus the row's potential.
-        entry = tf.maximum(s["entry_col"], 0)
-        u_row = (tf.gather(crow, entry[:, None], batch_dims=1)[:, 0]
-                 - tf.gather(v, entry[:, None], batch_dims=1)[:, 0])
+        entry = tf.maximum(s["entry_col"], 0)[:, None]
+        u_row = (tf.gather(crow, entry, batch_dims=1)[:, 0]
+                 - tf.gather(v, entry, batch_dims=1)[:, 0])
         offset = tf.where(s["entry_col"] >= 0, s["entry_dist"] - u_row, 0.0)
         reduced = crow - v + offset[:, None]
         better = active[:, None] & ~s["scanned"] & (reduced < s["shortest"])
@@ -176,21 +220,25 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
 
         # One reduction picks the cheapest unscanned column, free columns first on ties, then
         # the lowest index: key = [label (32 bits) | owned flag | column index].
-        owned = s["row4col"] >= 0
-        low = tf.cast(tf.bitwise.bitwise_or(tf.cast(owned, tf.int32) * 65536, col_iota), tf.int64)
+        owner = s["row4col"]
+        low = tf.cast(tf.bitwise.bitwise_or(tf.cast(owner >= 0, tf.int32) * 65536, col_iota),
+                      tf.int64)
         key = tf.where(s["scanned"], _INT64_MAX, _sortable_int64(shortest) + low)
-        best = tf.reduce_min(key, axis=1)  # [N]
+        best = tf.reduce_min(key, axis=1)  # [n]
         col = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
         dist = _float_from_key(best)
         is_sink = active & (tf.bitwise.bitwise_and(best, 65536) == 0)
         step = active & ~is_sink
 
         # Augment: the rows on the path to the sink each take the column that reached them.
-        sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [N, W]
-        owner = s["row4col"]
-        owner_bits = _row_bit(owner, num_words)  # [N, C, W]
-        on_path = tf.reduce_any(
-            tf.bitwise.bitwise_and(owner_bits, sink_bits[:, None, :]) != 0, axis=2)
+        # A column is on the path iff its owner's bit is set in the sink's path mask.
+        sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [n, W]
+        word = tf.zeros_like(owner, tf.int64)
+        for w in range(num_words):
+            word = tf.where(owner // 64 == w, sink_bits[:, w:w + 1], word)
+        shift = tf.cast(tf.math.floormod(tf.maximum(owner, 0), 64), tf.int64)
+        on_path = (owner >= 0) & (tf.bitwise.bitwise_and(
+            tf.bitwise.right_shift(word, shift), 1) != 0)
         on_path |= col_iota == col[:, None]
         new_row4col = tf.where(is_sink[:, None] & on_path, path, owner)
         # Dual update over the columns scanned in this search (the sink's change is zero).
@@ -199,33 +247,34 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
 
         # Next search state: either continue from the row owning `col`, or start the next row.
         next_ptr = s["ptr"] + tf.cast(is_sink, tf.int32)
-        root, root_bits = start_row(next_ptr)
-        scanned_col = col_iota == col[:, None]
+        root = tf.gather(order, tf.minimum(next_ptr, num_rows - 1), batch_dims=1)  # [n]
         next_row = tf.gather(owner, col[:, None], batch_dims=1)[:, 0]
         step_bits = tf.bitwise.bitwise_or(sink_bits, _row_bit(next_row, num_words))
-        return [dict(
-            it=s["it"] + 1,
+        return it + 1, dict(
             ptr=next_ptr,
             row=tf.where(step, next_row, tf.where(is_sink, root, s["row"])),
             entry_col=tf.where(step, col, -1),
             entry_dist=tf.where(step, dist, 0.0),
             rowbits=tf.where(step[:, None], step_bits,
-                             tf.where(is_sink[:, None], root_bits, s["rowbits"])),
+                             tf.where(is_sink[:, None], _row_bit(root, num_words),
+                                      s["rowbits"])),
             row4col=new_row4col,
             v=new_v,
-            shortest=tf.where(is_sink[:, None], inf, shortest),
+            shortest=tf.where(is_sink[:, None], float("inf"), shortest),
             path=path,
             pathbits=pathbits,
             scanned=tf.where(is_sink[:, None], unusable,
-                             s["scanned"] | (step[:, None] & scanned_col)),
-        )]
+                             s["scanned"] | (step[:, None] & (col_iota == col[:, None]))),
+            steps=s["steps"] + tf.cast(active, tf.int32),
+        )
 
-    final = tf.while_loop(cond, body, [state], maximum_iterations=max_iterations)[0]
-    return final["row4col"], final["it"]
+    iterations, state = tf.while_loop(cond, body, [iterations, state])
+    return state, iterations
 
 
-def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """[N, Q, T] float32, [N, T] bool -> ([N, Q] int32 query -> target or -1, iterations)."""
+def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor
+                    ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """[N, Q, T] float32, [N, T] bool -> ([N, Q] query -> target or -1, iterations, [N] steps)."""
     n = tf.shape(cost)[0]
     num_queries, num_targets = cost.shape[1], cost.shape[2]
     query_mask = tf.ones([n, num_queries], tf.bool)
@@ -249,22 +298,26 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor) -> Tuple[tf.Tensor,
     cols = tf.where(t, target_mask, padded_queries)
     square = tf.where(transposed[:, None, None], swapped, normal)
     square = _sanitize(square, rows, cols)
-    row4col, iterations = _solve(square, rows, cols)  # [N, T]
+    row4col, iterations, steps = _solve(square, rows, cols)  # [N, T]
     # Normal problems: the first Q columns are the queries. Transposed ones: column = target,
     # row4col = its query; invert it so every query names its target.
     direct = row4col[:, :num_queries]
     hit = row4col[:, None, :] == tf.range(num_queries)[None, :, None]  # [N, Q, T]
     inverse = tf.where(tf.reduce_any(hit, axis=2),
                        tf.argmax(tf.cast(hit, tf.int32), axis=2, output_type=tf.int32), -1)
-    return tf.where(t, inverse, direct), iterations
+    return tf.where(t, inverse, direct), iterations, steps
 
 
 def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None
-                                  ) -> Tuple[tf.Tensor, tf.Tensor]:
-    """`hungarian_matching` that also returns the number of while-loop iterations (scalar int32).
+                                  ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """`hungarian_matching` plus loop statistics.
 
-    The iteration count is what a batched call pays for (every iteration costs as much as the
-    hardest problem in the batch); the benchmark reports it.
+    Returns:
+      matching: [..., Q] int32, as `hungarian_matching`.
+      iterations: scalar int32, while-loop iterations of the batched solve. This is what a call
+        pays for: every iteration costs as much as for the hardest problem in the batch.
+      steps: [...] int32, the iterations each problem needed on its own (their max is
+        `iterations` unless the batch was split).
     """
     cost = tf.convert_to_tensor(cost)
     if cost.shape.rank is None or cost.shape.rank < 2:
@@ -292,9 +345,10 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
                           [-1, num_targets])
     if num_queries == 0 or num_targets == 0:
         out = tf.fill(tf.concat([lead, [num_queries]], 0), -1)
-        return out, tf.constant(0, tf.int32)
-    matched, iterations = _hungarian_flat(flat, mask)
-    return tf.reshape(matched, tf.concat([lead, [num_queries]], 0)), iterations
+        return out, tf.constant(0, tf.int32), tf.zeros(lead, tf.int32)
+    matched, iterations, steps = _hungarian_flat(flat, mask)
+    return (tf.reshape(matched, tf.concat([lead, [num_queries]], 0)), iterations,
+            tf.reshape(steps, lead))
 
 
 def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
