@@ -11,6 +11,16 @@ import tensorflow as tf
 import tf_keras
 
 
+def import_model_garden() -> None:
+    """Imports Model Garden's DETR modules.
+
+    Model Garden registers Gin configurables on import, so this must run before detr_tf's Gin
+    configuration is parsed and locked.
+    """
+    from official.projects.detr import optimization  # noqa: F401
+    from official.projects.detr.tasks import detection  # noqa: F401
+
+
 def build_train_step(image_size: Tuple[int, int], resnet_depth: int = 50,
                      num_queries: int = 100, num_classes: int = 91, num_encoder_layers: int = 6,
                      num_decoder_layers: int = 6, hidden_size: int = 256,
@@ -26,7 +36,7 @@ def build_train_step(image_size: Tuple[int, int], resnet_depth: int = 50,
       (step, model): step(images, labels) runs one optimizer step and returns the loss.
     """
     # Imported here so the rest of detr_tf never needs Model Garden.
-    from official.modeling import optimization
+    from official.projects.detr import optimization
     from official.projects.detr.configs import detr as detr_cfg
     from official.projects.detr.tasks import detection
     from official.vision.configs import backbones
