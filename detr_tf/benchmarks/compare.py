@@ -139,12 +139,13 @@ def ratios(results: Dict[str, Dict]) -> Dict[str, Optional[float]]:
 
 def table(report: Dict[str, object]) -> str:
     """A markdown table of the variants."""
-    rows = ["| variant | step median (ms) | images/s | first call (s) | compile ~ (s) |",
-            "|---|---|---|---|---|"]
+    rows = ["| variant | step median (ms) | images/s | first call (s) | compile ~ (s) | GFLOP/s |",
+            "|---|---|---|---|---|---|"]
     for name, r in report["variants"].items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'][:90]} | | | |")
+            rows.append(f"| {name} | failed: {r['error'][:90]} | | | | |")
             continue
         rows.append(f"| {name} | {r['step_time_ms']:.0f} | {r['images_per_sec']:.2f} | "
-                    f"{r['first_call_s']:.1f} | {r['compile_time_s']:.1f} |")
+                    f"{r['first_call_s']:.1f} | {r['compile_time_s']:.1f} | "
+                    f"{1e3 * (r['achieved_tflops'] or 0):.1f} |")
     return "\n".join(rows)
