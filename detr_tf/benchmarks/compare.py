@@ -12,7 +12,6 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import tensorflow as tf
 import tf_keras
 
 from detr_tf.benchmarks import flops as flops_lib
