@@ -43,7 +43,8 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
     Keys: images_per_sec, step_time_ms (median compute + wait), compute_time_ms, compile_time_s
     (first call minus a median step: tracing and compilation), first_call_s, input_wait_share,
     matching_ms, matching_share, matching_first_call_s, flops_per_step (XLA HLO count),
-    flops_per_step_analytic (both at the first batch's shape), achieved_tflops, peak_tflops, mfu, peak_host_memory_mb, image_shapes.
+    flops_per_step_analytic (both at the first batch's shape), achieved_tflops, peak_tflops,
+    mfu, peak_host_memory_mb, image_shapes.
     """
     ts = ours.build_train_step(model_fn, criterion, jit, precision)
     t0 = time.perf_counter()
