@@ -193,3 +193,35 @@ def test_ratios_pick_the_best_of_each_side():
     assert r["float32/jit=none/images_per_sec_ratio"] == pytest.approx(4.0)
     assert "mixed_bfloat16/jit=none/images_per_sec_ratio" not in r
     assert math.isclose(r["float32/jit=none/first_call_ratio"], 30.0 / 80.0)
+
+
+@pytest.mark.slow
+def test_benchmark_train_and_infer_reports_on_the_tiny_model():
+    import gin
+
+    from detr_tf import config
+    from detr_tf.benchmarks import run
+
+    gin.clear_config()
+    config.parse_gin_config(["models/detr_tiny.gin"], ["NUM_CLASSES=3"], finalize=False)
+    from detr_tf.losses import SetCriterion
+    from detr_tf.modeling.detr import build_model
+
+    batches = run.synthetic_batches(2, (64, 96), 3, 10, 3)
+    r = run.benchmark_train(build_model, SetCriterion(), batches, steps=3, warmup=1,
+                            jit="none", precision="float32", peak_tflops=1.0,
+                            log=lambda s: None)
+    for key in ("images_per_sec", "step_time_ms", "compile_time_s", "flops_per_step", "mfu",
+                "input_wait_share", "matching_share", "peak_host_memory_mb"):
+        assert r[key] is not None, key
+    assert r["images_per_sec_median_step"] == pytest.approx(2e3 / r["step_time_ms"])
+    assert r["input_wait_share"] < 0.05  # synthetic input never waits
+    assert r["flops_hlo_over_analytic"] == pytest.approx(1.0, rel=5e-3)
+    assert r["mfu"] == pytest.approx(r["flops_per_step"] / (r["step_time_ms"] / 1e3) / 1e12)
+    inf = run.benchmark_infer(build_model, [1, 2], (64, 64), steps=3, warmup=1, jit=False,
+                              precision="float32", log=lambda s: None)
+    assert [row["batch_size"] for row in inf["results"]] == [1, 2]
+    for row in inf["results"]:
+        assert row["p50_ms"] <= row["p90_ms"] <= row["p95_ms"] <= row["p99_ms"]
+        assert inf["peak_tflops"] is None and row["mfu"] is None
+    gin.clear_config()
