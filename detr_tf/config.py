@@ -4,6 +4,7 @@ Every entry script goes through `parse_gin_config`, so a typo in a binding or a 
 fails the same way everywhere: a one-paragraph message that names the file, the binding and what
 was expected, and no traceback.
 """
+import logging
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -88,6 +89,12 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
     for path in gin_search_paths():
         gin.add_config_file_search_path(str(path))
     paths = [resolve_gin_file(f) for f in gin_files]
+    # Gin logs an ERROR line for every search path an `include` is not in before the one it
+    # is in; those lines are noise, and real failures still raise below.
+    loggers = [logging.getLogger(), logging.getLogger("absl")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
         gin.parse_config_files_and_bindings(
             paths, list(gin_params), skip_unknown=False, finalize_config=finalize)
@@ -95,4 +102,7 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
         where = f"gin files {paths}" if paths else "gin bindings"
         raise ConfigError(f"invalid gin configuration ({where}, bindings {list(gin_params)}):\n"
                           f"  {type(e).__name__}: {e}") from e
+    finally:
+        for lg, lvl in zip(loggers, levels):
+            lg.setLevel(lvl)
     return paths

@@ -1,7 +1,6 @@
 """tf.Example codec: round trip, and interchange with TF Model Garden both ways."""
 import io
 import json
-import os
 
 import numpy as np
 import pytest

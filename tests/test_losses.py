@@ -219,3 +219,71 @@ def test_jit_compiled_equals_eager():
     for k in eager:
         np.testing.assert_allclose(float(jitted[k]), float(eager[k]), rtol=1e-5, atol=1e-6,
                                    err_msg=k)
+
+
+_MIRRORED_SCRIPT = r"""
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from detr_tf.losses import SetCriterion
+from tests.test_losses import make_case, to_tf, NUM_CLASSES
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+# Replica 0 holds 3 + 0 boxes, replica 1 holds 1 box: the global mean per replica is 2.
+cases = [to_tf(*make_case(np.random.default_rng(20 + r), batch=2, counts=c))
+         for r, c in enumerate([(3, 0), (1, 0)])]
+values = strategy.experimental_distribute_values_from_function(
+    lambda ctx: cases[ctx.replica_id_in_sync_group])
+crit = SetCriterion(NUM_CLASSES)
+per_replica = strategy.run(tf.function(lambda v: crit(*v)), args=(values,))
+for r, got in enumerate(strategy.experimental_local_results(per_replica)):
+    want = crit(*cases[r], num_boxes=tf.constant(2.0))
+    for k in want:
+        np.testing.assert_allclose(got[k].numpy(), want[k].numpy(), rtol=1e-6, err_msg=k)
+print("MIRRORED_OK")
+"""
+
+
+def test_num_boxes_is_all_reduced_across_replicas():
+    """Under MirroredStrategy (2 logical CPUs, own process) num_boxes = global count / 2."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "MIRRORED_OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def _split(d, sl):
+    out = {k: v[sl] for k, v in d.items() if k != "aux_outputs"}
+    if "aux_outputs" in d:
+        out["aux_outputs"] = [_split(a, sl) for a in d["aux_outputs"]]
+    return out
+
+
+@pytest.mark.parametrize("queries,counts", [(8, (3, 0, 5, 1)), (4, (5, 0, 2, 4))])
+def test_global_normalizers_make_split_batches_equal_one_batch(queries, counts):
+    """Halves normalized by the all-reduced (mean) normalizers average to the whole-batch loss,
+    which is the reference loss; T > Q (more targets than queries) included."""
+    outputs, targets = make_case(np.random.default_rng(7), batch=4, queries=queries,
+                                 counts=counts)
+    crit = criterion()
+    whole = reference_loss(outputs, targets, NUM_CLASSES)
+    out, tg = to_tf(outputs, targets)
+    norms = {k: float(v) for k, v in crit.local_normalizers(tg, queries).items()}
+    assert norms["num_boxes"] == sum(counts)
+    assert_matches(crit(out, tg, **norms), whole, rtol=1e-5, atol=1e-5)
+
+    halves = [to_tf(_split(outputs, sl), _split(targets, sl))
+              for sl in (slice(0, 2), slice(2, 4))]
+    local = [crit.local_normalizers(t, queries) for _, t in halves]
+    mean = {k: (float(local[0][k]) + float(local[1][k])) / 2 for k in local[0]}
+    got = [crit(o, t, **mean) for o, t in halves]
+    # Only the additive terms average exactly; class_error/cardinality_error are per-replica.
+    for k in whole:
+        if k.startswith("loss"):
+            np.testing.assert_allclose((float(got[0][k]) + float(got[1][k])) / 2, whole[k],
+                                       rtol=1e-5, atol=1e-5, err_msg=k)

@@ -9,16 +9,6 @@ from hypothesis import strategies as st
 
 from detr_tf.ops import matching
 
-# Two logical CPUs so the replica-context test can use a real MirroredStrategy. This only works
-# before TensorFlow initialises its devices; if another test module got there first, the test
-# falls back to the devices that exist.
-try:
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
-except RuntimeError:
-    pass
-
 _JIT = tf.function(matching.hungarian_matching, jit_compile=True)
 _PLAIN = tf.function(matching.hungarian_matching)
 
@@ -106,7 +96,7 @@ def _batch(seed: int, shape, kinds, mask_mode: str):
     return cost, mask
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(_SHAPES), seed=st.integers(0, 2**31 - 1),
        kinds=st.lists(st.sampled_from(_KINDS), min_size=1, max_size=4),
@@ -130,7 +120,7 @@ def test_every_kind_and_shape(shape, kind):
 
 def test_no_mask_means_all_targets_real():
     cost, _ = _batch(1, (64, 8, 5), ["uniform"], "all")
-    out = _JIT(tf.constant(cost)).numpy()
+    out = matching.hungarian_matching(tf.constant(cost)).numpy()  # eager: no extra compile
     _assert_optimal(cost, np.ones((64, 5), bool), out)
     assert np.all(np.sort(out, axis=1)[:, -5:] == np.arange(5))
 
@@ -138,14 +128,18 @@ def test_no_mask_means_all_targets_real():
 def test_batched_equals_one_at_a_time_and_modes_agree():
     # Continuous random costs have a unique optimum, so the assignments themselves must agree.
     rng = np.random.default_rng(7)
-    cost = rng.normal(size=(12, 9, 6)).astype(np.float32)
-    mask = rng.random((12, 6)) < 0.7
+    cost = rng.normal(size=(8, 9, 6)).astype(np.float32)
+    mask = rng.random((8, 6)) < 0.7
     batched = _JIT(tf.constant(cost), tf.constant(mask)).numpy()
     eager = matching.hungarian_matching(tf.constant(cost), tf.constant(mask)).numpy()
     plain = _PLAIN(tf.constant(cost), tf.constant(mask)).numpy()
     np.testing.assert_array_equal(batched, eager)
     np.testing.assert_array_equal(batched, plain)
-    for b in range(12):
+    # An unknown batch size (no static N) takes the path without batch shrinking.
+    dynamic = tf.function(matching.hungarian_matching, input_signature=[
+        tf.TensorSpec([None, 9, 6], tf.float32), tf.TensorSpec([None, 6], tf.bool)])
+    np.testing.assert_array_equal(dynamic(cost, mask).numpy(), batched)
+    for b in range(8):
         single = matching.hungarian_matching(cost[b:b + 1], mask[b:b + 1]).numpy()
         np.testing.assert_array_equal(single[0], batched[b])
     _assert_optimal(cost, mask, batched)
@@ -220,7 +214,7 @@ def test_low_precision_input_is_solved_in_float32(dtype):
     rng = np.random.default_rng(4)
     cost = tf.cast(tf.constant(rng.normal(size=(64, 8, 5)).astype(np.float32)), dtype)
     mask = rng.random((64, 5)) < 0.8
-    out = _JIT(cost, tf.constant(mask)).numpy()
+    out = matching.hungarian_matching(cost, tf.constant(mask)).numpy()  # eager: no compile
     as_f32 = tf.cast(cost, tf.float32).numpy()
     _assert_optimal(as_f32, mask, out)
 
@@ -242,7 +236,8 @@ def test_no_gradient_flows_through_the_matching():
 
 
 def test_replica_context():
-    cpus = tf.config.list_logical_devices("CPU")
+    cpus = tf.config.list_logical_devices("CPU")  # two of them: see tests/conftest.py
+    assert len(cpus) >= 2
     strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
     rng = np.random.default_rng(8)
     per_replica_cost = rng.normal(size=(strategy.num_replicas_in_sync, 8, 10, 6)).astype(

@@ -63,6 +63,7 @@ def test_learned_layout_is_column_then_row():
     got = emb(tf.ones([2, 4, 5], bool)).numpy()
     col, row = emb.col_embed.numpy(), emb.row_embed.numpy()
     assert got.shape == (2, 4, 5, 6)
+    assert not np.allclose(col, row)  # independently initialized tables
     for i in range(4):
         for j in range(5):
             np.testing.assert_array_equal(got[1, i, j], np.concatenate([col[j], row[i]]))

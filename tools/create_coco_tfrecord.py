@@ -7,8 +7,6 @@
 Writes PREFIX-00000-of-00128.tfrecord ... in the Model Garden / Object Detection API layout,
 prints a summary of every bad-input count, and exits non-zero only if no image was written.
 """
-import sys
-
 from absl import app, flags
 
 from detr_tf.data import coco_converter
@@ -24,14 +22,9 @@ flags.mark_flags_as_required(["image_dir", "annotations_file", "output_prefix"])
 
 def main(argv):
     del argv
-    stats = coco_converter.convert_coco(FLAGS.image_dir, FLAGS.annotations_file,
-                                        FLAGS.output_prefix, FLAGS.num_shards,
-                                        FLAGS.num_processes)
-    print(stats.summary())
-    if stats.counts["images_written"] == 0:
-        print(f"No usable image was written from {FLAGS.annotations_file}.", file=sys.stderr)
-        return 1
-    return 0
+    return coco_converter.run_conversion(FLAGS.image_dir, FLAGS.annotations_file,
+                                         FLAGS.output_prefix, FLAGS.num_shards,
+                                         FLAGS.num_processes)
 
 
 if __name__ == "__main__":

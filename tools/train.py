@@ -8,7 +8,7 @@ Gin files are looked up in the working directory, $DETR_TF_GIN_PATH and the ship
 """
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 flags.DEFINE_multi_string("gin_file", [], "Gin file(s) to parse, in order.")
 flags.DEFINE_multi_string("gin_param", [], "Gin binding(s) applied after the files, "
@@ -19,6 +19,8 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+    # TensorFlow's INFO chatter (checkpoint sharding timings...) would bury the progress line.
+    logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"train.py: unexpected arguments {argv[1:]}; use --gin_file/--gin_param")
     from detr_tf import config

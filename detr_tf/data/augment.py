@@ -189,5 +189,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def normalize_image(image: tf.Tensor) -> tf.Tensor:
     """[H, W, 3] pixel values in [0, 255] -> float32 ImageNet-normalized, same shape."""
-    image = tf.cast(image, tf.float32) / 255.0
-    return (image - tf.constant(IMAGENET_MEAN)) / tf.constant(IMAGENET_STD)
+    # One multiply-add per pixel instead of a divide, subtract and divide: this runs on
+    # every pixel of every image and is among the costliest steps of the pipeline.
+    scale = [1.0 / (255.0 * s) for s in IMAGENET_STD]
+    offset = [-m / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)]
+    return tf.cast(image, tf.float32) * tf.constant(scale) + tf.constant(offset)

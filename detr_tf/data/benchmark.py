@@ -51,6 +51,16 @@ def simulate_train_sizes(orig_sizes: Sequence[Tuple[int, int]], n: int, seed: in
     return np.asarray(out)
 
 
+def simulate_eval_sizes(orig_sizes: Sequence[Tuple[int, int]], short_side: int = 800,
+                        max_size: int = 1333) -> np.ndarray:
+    """Sizes after the eval resize, one per distinct entry of `orig_sizes` (weighted by count).
+
+    Returns:
+      [len(orig_sizes), 2] int (h, w).
+    """
+    return np.asarray([_size_rule(h, w, short_side, max_size) for h, w in orig_sizes])
+
+
 def images_per_second(ds: tf.data.Dataset, num_batches: int, warmup: int = 5,
                       window: int = 10) -> Dict[str, float]:
     """Median images/s over windows of `window` batches, after `warmup` batches.

@@ -101,8 +101,10 @@ def fit_and_pad(image: tf.Tensor, buckets: Sequence[Bucket]
         hw = tf.cast(shape[:2], tf.float32)
         scale = tf.reduce_min(tf.cast(table, tf.float32) / hw, axis=1)  # [K]
         best = tf.cast(tf.argmax(scale), tf.int32)
-        new = tf.minimum(tf.cast(tf.floor(hw * scale[best]), tf.int32), table[best])
-        return tf.image.resize(image, tf.maximum(new, 1)), best
+        new = tf.maximum(tf.minimum(tf.cast(tf.floor(hw * scale[best]), tf.int32),
+                                    table[best]), 1)
+        # Several buckets can allow the same scale; take the smallest one the result fits.
+        return tf.image.resize(image, new), select_bucket(new[0], new[1], buckets)
 
     image, index = tf.cond(index < 0, shrink, lambda: (image, index))
     size = tf.shape(image)[:2]

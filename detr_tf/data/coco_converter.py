@@ -24,6 +24,7 @@ import json
 import math
 import multiprocessing
 import os
+import sys
 from typing import Dict, List, Optional, Tuple
 
 from PIL import Image
@@ -218,3 +219,18 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
             pool.close()
             pool.join()
     return stats
+
+
+def run_conversion(image_dir: str, annotations_file: str, output_prefix: str,
+                   num_shards: int = 32, num_processes: Optional[int] = None) -> int:
+    """`convert_coco` with the summary printed; returns the exit code for the tool.
+
+    Returns:
+      0 when at least one image was written, 1 when nothing usable was.
+    """
+    stats = convert_coco(image_dir, annotations_file, output_prefix, num_shards, num_processes)
+    print(stats.summary())
+    if stats.counts["images_written"] == 0:
+        print(f"No usable image was written from {annotations_file}.", file=sys.stderr)
+        return 1
+    return 0

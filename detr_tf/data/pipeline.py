@@ -24,7 +24,8 @@ The element_spec has None for H and W (the buckets differ) but each batch's actu
 of `buckets`, so a `tf.function` traced per input shape (iterating in Python) compiles once per
 bucket. Training batches are always full (drop_remainder inside each bucket). Evaluation drops
 nothing: each bucket's last partial batch is filled up to B with filler images (all-False
-pixel_mask and mask, image_id -1) that the evaluator skips.
+pixel_mask and mask, image_id -1) that the evaluator skips (with R replicas per pipeline, up to
+R whole filler batches, so that every replica of a step has the same bucket).
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -121,7 +122,9 @@ def build_dataset(is_training: bool, global_batch_size: int,
         one pass in source order, filler-padded last batches).
       global_batch_size: batch size over all replicas.
       input_context: from `strategy.distribute_datasets_from_function`; sets the sharding and
-        the per-replica batch size (global // replicas).
+        the per-replica batch size (global // replicas). With R replicas per input pipeline,
+        each run of R consecutive batches comes from one bucket, so the R replicas of a step
+        get the same shape.
       num_shards, shard_index: sharding without a tf.distribute strategy (Horovod: hvd.size(),
         hvd.rank()); the batch per pipeline is then global_batch_size // num_shards.
       deterministic: reproducible order and augmentation (tests, exact resume); slower.
@@ -131,7 +134,7 @@ def build_dataset(is_training: bool, global_batch_size: int,
       eval_transform: (image, boxes, labels) -> (image, boxes, labels).
       buckets: canvas (height, width) list, multiples of 64.
       max_boxes: T, targets per image.
-      shuffle_buffer: examples in the train shuffle buffer.
+      shuffle_buffer: records in the train shuffle buffer (shuffled before decoding).
       prefetch: batches prefetched (AUTOTUNE by default).
 
     Returns:
@@ -144,6 +147,8 @@ def build_dataset(is_training: bool, global_batch_size: int,
         num_shards = input_context.num_input_pipelines
         shard_index = input_context.input_pipeline_id
         batch_size = input_context.get_per_replica_batch_size(global_batch_size)
+        replicas_per_pipeline = max(
+            1, input_context.num_replicas_in_sync // input_context.num_input_pipelines)
     else:
         num_shards = 1 if num_shards is None else num_shards
         shard_index = 0 if shard_index is None else shard_index
@@ -154,6 +159,7 @@ def build_dataset(is_training: bool, global_batch_size: int,
             raise ValueError(f"build_dataset: global_batch_size={global_batch_size} is not "
                              f"divisible by num_shards={num_shards}.")
         batch_size = global_batch_size // num_shards
+        replicas_per_pipeline = 1  # one process per replica (Horovod): no grouping needed
     if batch_size < 1:
         raise ValueError(f"build_dataset: per-replica batch size is {batch_size} "
                          f"(global_batch_size={global_batch_size}).")
@@ -164,7 +170,8 @@ def build_dataset(is_training: bool, global_batch_size: int,
         seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
 
     spec = sources_lib.ReadSpec(num_shards, shard_index, shuffle=is_training,
-                                deterministic=deterministic, seed=seed)
+                                deterministic=deterministic, seed=seed,
+                                shuffle_buffer=shuffle_buffer, repeat=is_training)
     ds = source.make(spec)
 
     def prepare(raw, example_seed=None):
@@ -187,21 +194,32 @@ def build_dataset(is_training: bool, global_batch_size: int,
         return {"images": canvas, "pixel_mask": pixel_mask, **targets, "bucket": bucket}
 
     if is_training:
-        ds = ds.repeat()
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         # One stateless seed pair per example: reproducible in deterministic mode.
         seeds = tf.data.Dataset.random(seed=seed * 7919 + shard_index).batch(2)
         ds = tf.data.Dataset.zip((ds, seeds))
     ds = ds.map(prepare, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
+    # MirroredStrategy hands consecutive batches of one pipeline to its replicas in turn, so
+    # groups of `group` consecutive batches come from one bucket: all replicas of a step then
+    # share one shape (else a step would be traced for every combination of buckets).
+    group = replicas_per_pipeline
+
     def batch_bucket(_, window):
-        batched = window.batch(batch_size, drop_remainder=is_training)
+        batched = window.batch(group * batch_size, drop_remainder=is_training)
         if not is_training:
-            batched = batched.map(lambda b: _filler_pad(b, batch_size))
-        return batched
+            batched = batched.map(lambda b: _filler_pad(b, group * batch_size))
+        if group == 1:
+            return batched
+
+        def split(t):  # [group * B, ...] -> [group, B, ...], keeping the static dims
+            out = tf.reshape(t, tf.concat([[group, batch_size], tf.shape(t)[1:]], 0))
+            out.set_shape([group, batch_size] + t.shape[1:].as_list())
+            return out
+
+        return batched.map(lambda b: tf.nest.map_structure(split, b)).unbatch()
 
     ds = ds.group_by_window(key_func=lambda ex: tf.cast(ex["bucket"], tf.int64),
-                            reduce_func=batch_bucket, window_size=batch_size)
+                            reduce_func=batch_bucket, window_size=group * batch_size)
     ds = ds.map(_split_features_targets)
     options = tf.data.Options()
     options.deterministic = deterministic
@@ -223,6 +241,7 @@ class DatasetInfo:
       num_examples: images in the split (for epochs -> steps).
       num_classes: classes of the label map (the model adds "no object").
       class_names: names by class index (for drawing predictions).
+      category_ids: dataset category id of each class index (for COCO results files).
       annotations_file: COCO json for evaluation, or None.
       buckets: the canvas shapes batches can have.
     """
@@ -230,6 +249,7 @@ class DatasetInfo:
     num_examples: int
     num_classes: int
     class_names: List[str]
+    category_ids: List[int]
     annotations_file: Optional[str]
     buckets: List[Tuple[int, int]]
 
@@ -240,6 +260,10 @@ def dataset_info(is_training: bool, train_source=gin.REQUIRED, eval_source=gin.R
     """Size, label map and annotations file of the train or eval source (bind like
     build_dataset; the shipped gin files bind both through the TRAIN_DATA / EVAL_DATA macros)."""
     source = train_source if is_training else eval_source
-    return DatasetInfo(source.num_examples(), source.label_map.num_classes,
-                       list(source.label_map.class_names), source.annotations_file,
+    lm = source.label_map
+    category_of_class = {index: cid for cid, index in lm.class_of_id.items()}
+    # Classes no category maps to (COCO's unused ids) keep their index as id.
+    category_ids = [category_of_class.get(i, i) for i in range(lm.num_classes)]
+    return DatasetInfo(source.num_examples(), lm.num_classes, list(lm.class_names),
+                       category_ids, source.annotations_file,
                        buckets_lib.validate_buckets(buckets))

@@ -225,7 +225,8 @@ def shapes_source(split: str, cache_dir: str = gin.REQUIRED, num_train: int = 20
     from detr_tf.data import label_map as label_map_lib
     from detr_tf.data import sources
 
-    paths = ensure_shapes_tfrecords(cache_dir, num_train, num_val, image_size, seed)
+    paths = ensure_shapes_tfrecords(os.path.expanduser(cache_dir), num_train, num_val,
+                                    image_size, seed)
     annotations = paths[f"{split}_annotations"]
     return sources.TFRecordSource(
         file_pattern=paths[f"{split}_pattern"],

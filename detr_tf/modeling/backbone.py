@@ -39,8 +39,10 @@ class FrozenBatchNorm(tf_keras.layers.Layer):
         c = int(input_shape[-1])
         for name, init in (("weight", "ones"), ("bias", "zeros"),
                            ("running_mean", "zeros"), ("running_var", "ones")):
+            # autocast=False: the scale and shift are folded in float32 under any policy.
             setattr(self, name, self.add_weight(name=name, shape=[c], initializer=init,
-                                                trainable=False, dtype=tf.float32))
+                                                trainable=False, dtype=tf.float32,
+                                                autocast=False))
         super().build(input_shape)
 
     def call(self, x: tf.Tensor) -> tf.Tensor:

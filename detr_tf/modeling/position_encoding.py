@@ -60,11 +60,13 @@ class PositionEmbeddingLearned(tf_keras.layers.Layer):
         super().__init__(**kwargs)
         self.num_pos_feats = num_pos_feats
         self.max_size = max_size
-        init = tf_keras.initializers.RandomUniform(0.0, 1.0)
-        self.row_embed = self.add_weight(name="row_embed", shape=[max_size, num_pos_feats],
-                                         initializer=init)
-        self.col_embed = self.add_weight(name="col_embed", shape=[max_size, num_pos_feats],
-                                         initializer=init)
+        # One initializer instance per table: tf_keras repeats an unseeded instance's values.
+        self.row_embed = self.add_weight(
+            name="row_embed", shape=[max_size, num_pos_feats],
+            initializer=tf_keras.initializers.RandomUniform(0.0, 1.0))
+        self.col_embed = self.add_weight(
+            name="col_embed", shape=[max_size, num_pos_feats],
+            initializer=tf_keras.initializers.RandomUniform(0.0, 1.0))
 
     def call(self, mask: tf.Tensor) -> tf.Tensor:
         """mask: [B, h, w] bool -> [B, h, w, 2 * num_pos_feats] float32 (the mask's shape only)."""

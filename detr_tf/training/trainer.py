@@ -1,7 +1,8 @@
 """The training loop: one step function for every engine, precision and XLA choice.
 
 A step, per replica:
-  1. count real boxes and all-reduce the count (outside XLA) -> the loss normalizer;
+  1. count real boxes and class weights and all-reduce them (outside XLA) -> the loss
+     normalizers;
   2. forward, set criterion (batched matching for all decoder layers) and backward, compiled
      with XLA as `jit` says;
   3. all-reduce the gradients (outside XLA: Horovod's ops cannot be compiled), clip by global
@@ -25,7 +26,6 @@ import gin
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from tensorflow.python.trackable.base import Trackable
 
 from detr_tf.training import checkpointing, optimization
 from detr_tf.training import distribution as dist
@@ -78,7 +78,8 @@ class StepBuilder:
     Args:
       engine: the distribution engine.
       model: a built DETR model with `backbone` exposing its trainable variables.
-      criterion: callable(outputs, targets, num_boxes=...) -> dict of scalar losses with 'loss'.
+      criterion: callable(outputs, targets, num_boxes=..., ce_weight=...) -> dict of scalar
+        losses with 'loss', with a `local_normalizers(targets, num_queries)` method.
       optimizers: (backbone_optimizer, main_optimizer).
       jit: 'step', 'loss' or 'none' (already resolved).
       clip_norm: global-norm gradient clipping (<= 0 disables).
@@ -109,10 +110,10 @@ class StepBuilder:
         self._grads_fn = (tf.function(self._losses_and_grads, jit_compile=True)
                           if jit == "step" else self._losses_and_grads)
 
-    def _losses_and_grads(self, inputs, targets, num_boxes, scale):
+    def _losses_and_grads(self, inputs, targets, norms, scale):
         with tf.GradientTape() as tape:
             outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True)
-            losses = self._criterion_fn(outputs, targets, num_boxes=num_boxes)
+            losses = self._criterion_fn(outputs, targets, **norms)
             scaled = tf.cast(losses["loss"], tf.float32) * scale
         grads = tape.gradient(scaled, self.variables)
         grads = [g / scale for g in _zeros_for_missing(grads, self.variables)]
@@ -124,10 +125,13 @@ class StepBuilder:
         scale = self.loss_scale.scale.read_value() if self.loss_scale else tf.constant(1.0)
         grad_sum, loss_sum = None, None
         for inputs, targets in micro_batches:
-            local_boxes = tf.reduce_sum(tf.cast(targets["mask"], tf.float32))
-            # DETR normalizes box losses by the average box count per replica (all-reduced).
-            num_boxes = tf.maximum(engine.all_reduce_sum(local_boxes) / engine.num_replicas, 1.0)
-            losses, grads = self._grads_fn(inputs, targets, num_boxes, scale)
+            # Loss normalizers averaged over replicas (all-reduced here, outside XLA): DETR's
+            # box count, and the class-weight sum, so that any replica count gives the loss and
+            # gradients of one device with the whole batch.
+            norms = engine.all_reduce_mean(
+                self.criterion.local_normalizers(targets, self.model.num_queries))
+            norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0)
+            losses, grads = self._grads_fn(inputs, targets, norms, scale)
             losses = {k: tf.cast(v, tf.float32) for k, v in losses.items()}
             if grad_sum is None:
                 grad_sum, loss_sum = grads, losses
@@ -209,14 +213,33 @@ def _set_precision(precision: str) -> None:
 
 
 def _build_model(model_fn, image_size=(64, 64)):
-    """Creates the model and its variables with one small eager call (never inside XLA)."""
+    """Creates the model and its variables with one small eager call (never inside XLA).
+
+    The call is in training mode so that dropout layers create their random generators now,
+    outside any compiled function, and `dropout_generators` can put them in the checkpoint.
+    """
     model = model_fn()
     h, w = image_size
-    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
+    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
     if not hasattr(model, "backbone"):
         raise TypeError(f"{type(model).__name__} has no `backbone` attribute; the trainer needs it "
                         "to give the backbone its own learning rate")
     return model
+
+
+def dropout_generators(model: tf_keras.Model) -> tf.Module:
+    """The model's dropout random generators, gathered so a checkpoint can hold them.
+
+    tf_keras leaves layers' random generators out of checkpoints on purpose (for compatibility
+    of old checkpoints); without their state a resumed run would restart every dropout stream
+    and drift from the uninterrupted run.
+    """
+    holder = tf.Module(name="dropout_rng")
+    holder.generators = [
+        layer._random_generator._generator  # pylint: disable=protected-access
+        for layer in model.submodules
+        if getattr(getattr(layer, "_random_generator", None), "_generator", None) is not None]
+    return holder
 
 
 def _write_text(path: str, text: str) -> None:
@@ -230,11 +253,12 @@ def _write_text(path: str, text: str) -> None:
 def train(model_dir: str,
           model_fn: Callable[[], tf_keras.Model] = gin.REQUIRED,
           criterion: Any = gin.REQUIRED,
-          train_input_fn: Callable[..., tf.data.Dataset] = gin.REQUIRED,
+          dataset_fn: Callable[..., tf.data.Dataset] = gin.REQUIRED,
           global_batch_size: int = gin.REQUIRED,
           num_steps: Optional[int] = None,
           num_epochs: Optional[float] = None,
           train_examples: Optional[int] = None,
+          dataset_info_fn: Optional[Callable[..., Any]] = None,
           distribution: str = "default",
           cpu_devices: int = 0,
           precision: str = "float32",
@@ -244,7 +268,6 @@ def train(model_dir: str,
           ema_decay: Optional[float] = None,
           checkpoint_every: int = 1000,
           keep_checkpoints: int = 3,
-          checkpoint_input: bool = True,
           log_every: int = 50,
           eval_every: Optional[int] = None,
           eval_fn: Optional[Callable[..., Dict[str, float]]] = None,
@@ -258,13 +281,15 @@ def train(model_dir: str,
       model_dir: checkpoints, TensorBoard logs, metrics.jsonl, config.gin, operative_config.gin.
       model_fn: builds the model (e.g. `@build_model`, passed uncalled).
       criterion: the set criterion (e.g. `@SetCriterion()`).
-      train_input_fn: fn(global_batch_size, input_context, num_shards, shard_index,
-        deterministic, seed) -> per-replica batches (e.g. `@train/build_dataset`).
+      dataset_fn: fn(is_training, global_batch_size, input_context, num_shards, shard_index,
+        deterministic, seed) -> per-replica batches (e.g. `@build_dataset`, passed uncalled).
       global_batch_size: images per optimizer step over all replicas (per micro-batch when
         grad_accum_steps > 1).
       num_steps: total optimizer steps; overrides num_epochs when set.
       num_epochs: epochs, with train_examples to turn them into steps.
       train_examples: images per epoch; also places the epoch-based learning-rate drops.
+        Taken from dataset_info_fn when not given.
+      dataset_info_fn: fn(is_training) -> object with `num_examples` (e.g. `@dataset_info`).
       distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod' (automatic under
         horovodrun).
       cpu_devices: with 'mirrored' on a CPU-only machine, logical CPU devices to mirror over.
@@ -275,11 +300,10 @@ def train(model_dir: str,
       ema_decay: keep an EMA of the weights (used for evaluation) when set, e.g. 0.9998.
       checkpoint_every: steps between checkpoints (one is also written at the end and on SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
-      checkpoint_input: also checkpoint the input iterator so a resumed run sees the data it
-        would have seen (symbolic checkpointing keeps it small).
       log_every: steps between TensorBoard / metrics.jsonl records.
       eval_every: steps between evaluations (also evaluates at the end when eval_fn is set).
-      eval_fn: fn(model, step) -> metrics dict, called on the chief (e.g. `@coco_evaluate`).
+      eval_fn: fn(model, model_dir, step) -> metrics dict, called on the chief with the EMA
+        weights when there are any (e.g. `@coco_evaluate`).
       deterministic: seeded, deterministic ops and input, for tests and exact resumption.
       seed: the seed for weights, dropout and input order.
       nan_policy: 'stop' (raise, naming the step and the loss terms) or 'skip' the step.
@@ -294,6 +318,8 @@ def train(model_dir: str,
     if grad_accum_steps < 1:
         raise ValueError(f"train.grad_accum_steps must be >= 1, got {grad_accum_steps}")
     check_model_dir(model_dir)
+    if train_examples is None and dataset_info_fn is not None:
+        train_examples = dataset_info_fn(is_training=True).num_examples
     engine = dist.make_engine(distribution=distribution, cpu_devices=cpu_devices)
     if global_batch_size % engine.num_replicas:
         raise ValueError(f"train.global_batch_size={global_batch_size} is not divisible by the "
@@ -318,22 +344,7 @@ def train(model_dir: str,
         print(f"detr_tf: engine={engine.name} replicas={engine.num_replicas} jit={jit} "
               f"precision={precision} steps={num_steps} model_dir={model_dir}", flush=True)
 
-    # The input pipeline is built before the model so a bad path fails before any compile.
-    def dataset_fn(input_context, num_shards, shard_index):
-        ds = train_input_fn(global_batch_size=global_batch_size, input_context=input_context,
-                            num_shards=num_shards, shard_index=shard_index,
-                            deterministic=deterministic, seed=seed)
-        if checkpoint_input:
-            options = tf.data.Options()
-            options.experimental_symbolic_checkpoint = True
-            ds = ds.with_options(options)
-        if resume_skip[0]:
-            ds = ds.skip(resume_skip[0])
-        return ds
-
-    resume_skip = [0]  # batches per replica to skip on resume when the iterator is not saved
     with engine.scope():
-        dataset = engine.distribute_dataset(dataset_fn)
         model = _build_model(model_fn)
         optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch or 1)
         for opt, vars_ in zip(optimizers, split_variables(model)):
@@ -345,33 +356,40 @@ def train(model_dir: str,
                if ema_decay else None)
         builder = StepBuilder(engine, model, criterion, optimizers, jit, clip_norm,
                               grad_accum_steps, loss_scale, ema, global_step)
-    iterator = iter(dataset)
     items = dict(model=model, backbone_optimizer=optimizers[0], optimizer=optimizers[1],
-                 global_step=global_step)
+                 global_step=global_step, dropout_rng=dropout_generators(model))
     if ema is not None:
         items["ema"] = ema
     if loss_scale is not None:
         items["loss_scale"] = loss_scale
-    # Plain tf.data iterators (default strategy, Horovod) are checkpointable; tf.distribute's
-    # distributed iterators are not. For those, a deterministic run skips the batches it already
-    # consumed on resume (see dataset_fn), which reproduces the uninterrupted input exactly.
-    iterator_in_checkpoint = checkpoint_input and isinstance(iterator, Trackable)
-    if iterator_in_checkpoint:
-        items["input"] = iterator
     ckpt = tf.train.Checkpoint(**items)
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
         participates=engine.name != "horovod")
     if saver.latest:
         ckpt.restore(saver.latest).assert_existing_objects_matched()
-        if deterministic and checkpoint_input and not iterator_in_checkpoint:
-            resume_skip[0] = int(global_step.numpy()) * grad_accum_steps
-            iterator = iter(engine.distribute_dataset(dataset_fn))
         if engine.is_chief:
             print(f"detr_tf: resumed from {saver.latest} at step {int(global_step.numpy())}",
                   flush=True)
     else:
         engine.broadcast_variables(model.variables)
+    start_step = int(global_step.numpy())
+
+    # The input position is not saved in checkpoints: this pipeline's iterator state
+    # (group_by_window, shuffle buffers of encoded images) cannot be checkpointed symbolically
+    # and would put hundreds of MB of images into every checkpoint. A deterministic run instead
+    # replays its input and skips the batches already consumed, which reproduces an
+    # uninterrupted run exactly; any other run reseeds, so it does not repeat its first batches.
+    def replica_dataset_fn(input_context, num_shards, shard_index):
+        replay = deterministic and start_step > 0
+        ds = dataset_fn(is_training=True, global_batch_size=global_batch_size,
+                        input_context=input_context, num_shards=num_shards,
+                        shard_index=shard_index, deterministic=deterministic,
+                        seed=seed if (deterministic or not start_step) else seed + start_step)
+        return ds.skip(start_step * grad_accum_steps) if replay else ds
+
+    with engine.scope():
+        iterator = iter(engine.distribute_dataset(replica_dataset_fn))
 
     step_fn = builder.make_step_fn()
     step = int(global_step.numpy())
@@ -430,7 +448,7 @@ def train(model_dir: str,
                 save()
             if eval_fn is not None and engine.is_chief and eval_every and step % eval_every == 0 \
                     and step != num_steps:
-                eval_metrics = _evaluate(eval_fn, model, ema, step, writer)
+                eval_metrics = _evaluate(eval_fn, model, model_dir, ema, step, writer)
             if term.received:
                 path = save()
                 writer.close()
@@ -440,7 +458,7 @@ def train(model_dir: str,
         if saver.latest is None or not saver.latest.endswith(f"-{step}"):
             save()
     if eval_fn is not None and engine.is_chief:
-        eval_metrics = _evaluate(eval_fn, model, ema, step, writer)
+        eval_metrics = _evaluate(eval_fn, model, model_dir, ema, step, writer)
     if after_train_fn is not None and engine.is_chief:
         with _ema_weights(ema):
             after_train_fn(model=model, model_dir=model_dir)
@@ -474,9 +492,9 @@ class _ema_weights:
         return False
 
 
-def _evaluate(eval_fn, model, ema, step, writer) -> Dict[str, float]:
+def _evaluate(eval_fn, model, model_dir, ema, step, writer) -> Dict[str, float]:
     with _ema_weights(ema):
-        metrics = eval_fn(model=model, step=step)
+        metrics = eval_fn(model=model, model_dir=model_dir, step=step)
     writer.write(step, metrics, split="eval")
     return metrics
 

@@ -1,0 +1,152 @@
+"""DETR augmentation ops: hand-computed cases, numpy references, invariants, eager == map."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from detr_tf.data import augment
+
+
+def _rand_boxes(rng, n, h, w):
+    xy0 = rng.uniform(0, 0.5, (n, 2)) * [w, h]
+    wh = rng.uniform(0.1, 0.6, (n, 2)) * [w, h]
+    return np.concatenate([xy0, np.minimum(xy0 + wh, [w, h])], 1).astype(np.float32)
+
+
+def test_hflip_matches_numpy_and_twice_is_identity():
+    rng = np.random.default_rng(0)
+    img = rng.uniform(0, 255, (5, 7, 3)).astype(np.float32)
+    boxes = np.array([[1, 2, 3, 4], [0, 0, 7, 5]], np.float32)
+    out_img, out_boxes = augment.hflip(tf.constant(img), tf.constant(boxes))
+    np.testing.assert_array_equal(out_img.numpy(), img[:, ::-1])
+    np.testing.assert_allclose(out_boxes.numpy(), [[4, 2, 6, 4], [0, 0, 7, 5]])
+    back_img, back_boxes = augment.hflip(out_img, out_boxes)
+    np.testing.assert_array_equal(back_img.numpy(), img)
+    np.testing.assert_allclose(back_boxes.numpy(), boxes)
+
+
+@pytest.mark.parametrize("hw,short,cap,expected", [
+    ((480, 640), 800, 1333, (800, 1066)),   # 800 * 640 / 480 = 1066.7, floored
+    ((640, 480), 800, 1333, (1066, 800)),
+    ((480, 640), 800, 1000, (750, 1000)),   # capped: shorter = round(1000 * 480 / 640)
+    ((100, 1000), 800, 1333, (133, 1330)),  # shorter = round(133.3) = 133, longer 1330
+    ((300, 300), 512, 0, (512, 512)),
+])
+def test_resized_shape_hand_computed(hw, short, cap, expected):
+    out = augment.resized_shape(tf.constant(hw[0]), tf.constant(hw[1]), short, cap)
+    assert tuple(out.numpy()) == expected
+
+
+def test_resize_scales_boxes():
+    img = tf.zeros([480, 640, 3])
+    boxes = tf.constant([[64.0, 48.0, 640.0, 480.0]])
+    out, out_boxes = augment.resize(img, boxes, 240, 0)
+    assert out.shape == (240, 320, 3)
+    np.testing.assert_allclose(out_boxes.numpy(), [[32, 24, 320, 240]], rtol=1e-6)
+
+
+def test_crop_clips_and_drops_like_numpy():
+    img = np.arange(20 * 30 * 3, dtype=np.float32).reshape(20, 30, 3)
+    boxes = np.array([[0, 0, 10, 10], [12, 6, 28, 19], [25, 0, 30, 5], [5, 12, 9, 18]],
+                     np.float32)
+    labels = np.array([1, 2, 3, 4], np.int32)
+    top, left, h, w = 4, 3, 10, 20
+    out_img, out_boxes, out_labels = augment.crop(tf.constant(img), tf.constant(boxes),
+                                                  tf.constant(labels), top, left, h, w)
+    ref = np.clip(boxes - [left, top, left, top], 0, [w, h, w, h])
+    keep = (ref[:, 2] > ref[:, 0]) & (ref[:, 3] > ref[:, 1])
+    np.testing.assert_array_equal(out_img.numpy(), img[top:top + h, left:left + w])
+    np.testing.assert_allclose(out_boxes.numpy(), ref[keep])
+    np.testing.assert_array_equal(out_labels.numpy(), labels[keep])
+    assert list(out_labels.numpy()) == [1, 2, 4]  # box 3 falls outside the window
+
+
+def _check_invariants(img, boxes, labels, in_labels, scales, max_size):
+    h, w = img.shape[:2]
+    assert img.dtype == np.float32
+    assert img.min() >= 0 and img.max() <= 255.001
+    assert min(h, w) in scales or max(h, w) <= max_size
+    assert max(h, w) <= max_size
+    assert np.all(boxes[:, 0] >= 0) and np.all(boxes[:, 2] <= w + 1e-3)
+    assert np.all(boxes[:, 1] >= 0) and np.all(boxes[:, 3] <= h + 1e-3)
+    assert np.all(boxes[:, 2] > boxes[:, 0]) and np.all(boxes[:, 3] > boxes[:, 1])
+    # Labels are preserved in order: the output is a subsequence of the input.
+    it = iter(in_labels.tolist())
+    assert all(any(lbl == x for x in it) for lbl in labels.tolist())
+
+
+SMALL = dict(scales=(80, 96, 112, 128), max_size=224, crop_scales=(64, 80, 96),
+             crop_min_size=64, crop_max_size=96)
+
+
+def test_train_transform_invariants_over_seeds():
+    rng = np.random.default_rng(1)
+    for i in range(12):
+        h, w = int(rng.integers(60, 160)), int(rng.integers(60, 160))
+        img = rng.integers(0, 256, (h, w, 3)).astype(np.uint8)
+        boxes = _rand_boxes(rng, 6, h, w)
+        labels = np.arange(6, dtype=np.int32) + 1
+        out = augment.detr_train_transform(tf.constant(img), tf.constant(boxes),
+                                           tf.constant(labels), tf.constant([i, 3]), **SMALL)
+        _check_invariants(*(t.numpy() for t in out), labels, SMALL["scales"],
+                          SMALL["max_size"])
+
+
+def test_train_transform_keeps_all_boxes_without_crop():
+    # With the crop branch disabled nothing can be dropped: labels come back unchanged.
+    rng = np.random.default_rng(2)
+    img = rng.integers(0, 256, (90, 120, 3)).astype(np.uint8)
+    boxes = _rand_boxes(rng, 5, 90, 120)
+    labels = np.array([5, 1, 4, 1, 3], np.int32)
+    for i in range(4):
+        _, out_boxes, out_labels = augment.detr_train_transform(
+            tf.constant(img), tf.constant(boxes), tf.constant(labels), tf.constant([i, 0]),
+            multiscale_only_prob=1.0, **SMALL)
+        np.testing.assert_array_equal(out_labels.numpy(), labels)
+        areas = (out_boxes[:, 2] - out_boxes[:, 0]) * (out_boxes[:, 3] - out_boxes[:, 1])
+        assert np.all(areas.numpy() > 0)
+
+
+def _eager_vs_map(fn, *args):
+    eager = fn(*args)
+    mapped = next(iter(tf.data.Dataset.from_tensors(args).map(fn)))
+    for e, m in zip(tf.nest.flatten(eager), tf.nest.flatten(mapped)):
+        np.testing.assert_allclose(e.numpy(), m.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_each_op_same_eagerly_and_in_dataset_map():
+    rng = np.random.default_rng(3)
+    img = tf.constant(rng.uniform(0, 255, (70, 110, 3)).astype(np.float32))
+    boxes = tf.constant(_rand_boxes(rng, 4, 70, 110))
+    labels = tf.constant([1, 2, 3, 4], tf.int32)
+    seed = tf.constant([11, 5], tf.int64)
+    _eager_vs_map(augment.hflip, img, boxes)
+    _eager_vs_map(lambda i, b, s: augment.random_hflip(i, b, s), img, boxes, seed)
+    _eager_vs_map(lambda i, b: augment.resize(i, b, 96, 150), img, boxes)
+    _eager_vs_map(lambda i, b, s: augment.random_resize(i, b, s, (64, 96), 150), img, boxes,
+                  seed)
+    _eager_vs_map(lambda i, b, l, s: augment.random_size_crop(i, b, l, s, 40, 60), img, boxes,
+                  labels, seed)
+    _eager_vs_map(lambda i, b, l, s: augment.detr_train_transform(i, b, l, s, **SMALL), img,
+                  boxes, labels, seed)
+    _eager_vs_map(lambda i, b, l: augment.detr_eval_transform(i, b, l, 96, 150), img, boxes,
+                  labels)
+    _eager_vs_map(augment.normalize_image, img)
+
+
+def test_random_size_crop_ranges():
+    img = tf.zeros([200, 300, 3])
+    for i in range(10):
+        out, _, _ = augment.random_size_crop(img, tf.zeros([0, 4]), tf.zeros([0], tf.int32),
+                                             tf.constant([i, 1]), 64, 96)
+        assert 64 <= out.shape[0] <= 96 and 64 <= out.shape[1] <= 96
+    # A side shorter than min_size is kept whole instead of failing.
+    out, _, _ = augment.random_size_crop(tf.zeros([30, 300, 3]), tf.zeros([0, 4]),
+                                         tf.zeros([0], tf.int32), tf.constant([0, 1]), 64, 96)
+    assert out.shape[0] == 30
+
+
+def test_normalize_matches_numpy():
+    img = np.array([[[0, 128, 255]]], np.uint8)
+    ref = (img / 255.0 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    np.testing.assert_allclose(augment.normalize_image(tf.constant(img)).numpy(), ref,
+                               rtol=1e-5)

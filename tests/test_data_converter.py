@@ -1,0 +1,151 @@
+"""COCO -> TFRecord converter: every bad-input case, with the counts and written records."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from detr_tf.data import coco_converter, tfexample
+
+
+def _write_dataset(root):
+    rng = np.random.default_rng(0)
+    img_dir = root / "images"
+    img_dir.mkdir()
+    for name, (h, w) in {"good.jpg": (40, 60), "crowd.jpg": (50, 50), "empty.jpg": (30, 30),
+                         "wrong_size.jpg": (20, 20)}.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(img_dir / name)
+    Image.fromarray(rng.integers(0, 256, (16, 16, 4), dtype=np.uint8), "RGBA").save(
+        img_dir / "rgba.png")
+    good = (img_dir / "good.jpg").read_bytes()
+    (img_dir / "corrupt.jpg").write_bytes(good[: len(good) // 3])  # truncated JPEG
+    images = [
+        {"id": 1, "file_name": "good.jpg", "height": 40, "width": 60},
+        {"id": 2, "file_name": "crowd.jpg", "height": 50, "width": 50},
+        {"id": 3, "file_name": "empty.jpg", "height": 30, "width": 30},
+        {"id": 4, "file_name": "missing.jpg", "height": 10, "width": 10},
+        {"id": 5, "file_name": "corrupt.jpg", "height": 40, "width": 60},
+        {"id": 6, "file_name": "rgba.png", "height": 16, "width": 16},
+        {"id": 7, "file_name": "wrong_size.jpg", "height": 40, "width": 40},
+    ]
+    ann = lambda i, img, bbox, cat=1, crowd=0: {  # noqa: E731
+        "id": i, "image_id": img, "bbox": bbox, "category_id": cat, "iscrowd": crowd,
+        "area": 1.0}
+    annotations = [
+        ann(1, 1, [10, 5, 20, 10]),            # kept as is
+        ann(2, 1, [50, 30, 20, 20]),           # clipped to x1=60, y1=40
+        ann(3, 1, [70, 0, 5, 5]),              # outside: dropped
+        ann(4, 1, [10, 10, 0, 5]),             # zero width: dropped
+        ann(5, 1, [1, 1, 2, 2], cat=99),       # unknown category
+        ann(6, 2, [0, 0, 25, 25], crowd=1),    # crowd: kept
+        ann(7, 2, [25, 25, 10, 10], cat=2),
+        ann(8, 4, [0, 0, 5, 5]),               # image missing
+        ann(9, 4, [1, 1, 5, 5]),               # image missing
+        ann(10, 5, [0, 0, 5, 5]),              # image corrupt
+        ann(11, 42, [0, 0, 5, 5]),             # orphan: no image 42
+        ann(12, 6, [2, 2, 4, 4], cat=2),
+        ann(13, 7, [0, 0, 30, 10]),            # json says 40x40, image is 20x20: clipped
+        ann(14, 1, ["a", 0, 1, 1]),            # malformed: dropped
+    ]
+    cats = [{"id": 1, "name": "one"}, {"id": 2, "name": "two"}]
+    path = root / "instances.json"
+    path.write_text(json.dumps({"images": images, "annotations": annotations,
+                                "categories": cats}))
+    return str(img_dir), str(path)
+
+
+def _read_all(files):
+    out = {}
+    for raw in tf.data.TFRecordDataset(files):
+        ex = tfexample.decode_example(raw)
+        out[int(ex["image_id"])] = {k: v.numpy() for k, v in ex.items()}
+    return out
+
+
+def test_every_bad_input_case_is_counted(tmp_path):
+    img_dir, ann = _write_dataset(tmp_path)
+    stats = coco_converter.convert_coco(img_dir, ann, str(tmp_path / "out" / "train"),
+                                        num_shards=3, num_processes=1, progress=False)
+    assert stats.counts == {
+        "images_written": 5, "images_missing": 1, "images_corrupt": 1,
+        "images_size_mismatch": 1, "images_reencoded": 1, "images_without_annotations": 1,
+        "annotations_written": 6, "annotations_of_missing_images": 2, "annotations_orphan": 1,
+        "annotations_unknown_category": 1, "boxes_clipped": 2, "boxes_dropped": 3,
+        "crowd_boxes": 1,
+    }
+    assert [os.path.basename(f) for f in stats.files] == [
+        "train-00000-of-00003.tfrecord", "train-00001-of-00003.tfrecord",
+        "train-00002-of-00003.tfrecord"]
+    records = _read_all(stats.files)
+    assert sorted(records) == [1, 2, 3, 6, 7]
+    # Image 1: one box as is, one clipped at the right/bottom edge (yxyx normalized).
+    np.testing.assert_allclose(records[1]["boxes"],
+                               [[5 / 40, 10 / 60, 15 / 40, 30 / 60], [30 / 40, 50 / 60, 1, 1]],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(records[2]["is_crowd"], [True, False])
+    np.testing.assert_array_equal(records[2]["classes"], [1, 2])
+    assert records[3]["boxes"].shape == (0, 4)  # kept without annotations
+    assert records[6]["image"].shape == (16, 16, 3)  # RGBA PNG re-encoded as RGB JPEG
+    # Wrong json size: the real 20x20 is used and the box clipped to it.
+    assert records[7]["image"].shape == (20, 20, 3)
+    np.testing.assert_allclose(records[7]["boxes"], [[0, 0, 0.5, 1]], rtol=1e-6)
+    print(stats.summary())
+
+
+def test_parallel_conversion_equals_serial(tmp_path):
+    img_dir, ann = _write_dataset(tmp_path)
+    serial = coco_converter.convert_coco(img_dir, ann, str(tmp_path / "a" / "x"), 2,
+                                         num_processes=1, progress=False)
+    parallel = coco_converter.convert_coco(img_dir, ann, str(tmp_path / "b" / "x"), 2,
+                                           num_processes=2, progress=True)
+    assert serial.counts == parallel.counts
+    a, b = _read_all(serial.files), _read_all(parallel.files)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k]["boxes"], b[k]["boxes"])
+
+
+def test_bad_json_is_named(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"images": [{"file_name": "a.jpg"}]}))
+    with pytest.raises(ValueError, match="bad.json.*'id'"):
+        coco_converter.convert_coco(str(tmp_path), str(path), str(tmp_path / "o"), 1, 1,
+                                    progress=False)
+
+
+def _nothing_usable(tmp_path):
+    img_dir, ann = _write_dataset(tmp_path)
+    data = json.load(open(ann))
+    data["images"] = [im for im in data["images"] if im["id"] in (4, 5)]  # missing + corrupt
+    bad = tmp_path / "nothing.json"
+    bad.write_text(json.dumps(data))
+    return img_dir, ann, bad
+
+
+def test_exit_code_nonzero_only_when_nothing_written(tmp_path, capsys):
+    img_dir, ann, bad = _nothing_usable(tmp_path)
+    assert coco_converter.run_conversion(img_dir, str(bad), str(tmp_path / "o" / "x"), 1,
+                                         1) == 1
+    captured = capsys.readouterr()
+    assert "images_missing                   1" in captured.out
+    assert "No usable image" in captured.err
+    assert coco_converter.run_conversion(img_dir, ann, str(tmp_path / "p" / "x"), 1, 1) == 0
+
+
+@pytest.mark.slow
+def test_tool_exit_code_in_a_subprocess(tmp_path):
+    img_dir, _, bad = _nothing_usable(tmp_path)
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "create_coco_tfrecord.py")
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+    out = subprocess.run([sys.executable, tool, f"--image_dir={img_dir}",
+                          f"--annotations_file={bad}", f"--output_prefix={tmp_path}/o/x",
+                          "--num_shards=1", "--num_processes=1"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    assert "images_missing                   1" in out.stdout
+    assert "images_corrupt                   1" in out.stdout
+    assert "No usable image" in out.stderr

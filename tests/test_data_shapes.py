@@ -1,0 +1,61 @@
+"""The synthetic shapes dataset: COCO layout, valid boxes, determinism, all classes present."""
+import json
+import os
+
+import numpy as np
+from PIL import Image
+
+from detr_tf.data import shapes
+
+
+def test_layout_boxes_and_determinism(tmp_path):
+    a = shapes.make_shapes_dataset(str(tmp_path / "a"), 12, 4, image_size=64, seed=3)
+    b = shapes.make_shapes_dataset(str(tmp_path / "b"), 12, 4, image_size=64, seed=3)
+    train = json.load(open(a["train_annotations"]))
+    assert json.load(open(b["train_annotations"])) == train  # same seed, same dataset
+    assert [c["name"] for c in train["categories"]] == list(shapes.SHAPE_CLASSES)
+    assert len(train["images"]) == 12
+    assert len(json.load(open(a["val_annotations"]))["images"]) == 4
+    sizes = {}
+    for im in train["images"]:
+        with Image.open(os.path.join(a["train_images"], im["file_name"])) as img:
+            assert (img.height, img.width) == (im["height"], im["width"])
+            assert max(img.size) == 64 and min(img.size) >= 38
+        sizes[im["id"]] = (im["height"], im["width"])
+    cats = set()
+    for ann in train["annotations"]:
+        x, y, w, h = ann["bbox"]
+        ih, iw = sizes[ann["image_id"]]
+        assert w > 0 and h > 0 and x >= 0 and y >= 0 and x + w <= iw and y + h <= ih
+        assert 0 < ann["area"] <= w * h
+        cats.add(ann["category_id"])
+    assert cats == {1, 2, 3, 4}
+
+
+def test_objects_are_painted_exactly_inside_their_boxes():
+    # With an explicit size the background is the generator's first draw, so it can be
+    # rebuilt from the same seed; the pixels that differ from it are the painted object.
+    for seed in range(5):
+        img, objects = shapes.make_shapes_image(np.random.default_rng(seed), 96,
+                                                max_objects=1, size=(80, 96))
+        background = shapes._background(np.random.default_rng(seed), 80, 96)
+        changed = np.any(np.asarray(img) != background, axis=-1)
+        ys, xs = np.nonzero(changed)
+        x, y, w, h = objects[0]["bbox"]
+        assert xs.min() >= x and xs.max() + 1 <= x + w
+        assert ys.min() >= y and ys.max() + 1 <= y + h
+        # The box is tight: the painted extent reaches every side (1 px for colour ties).
+        assert xs.min() <= x + 1 and xs.max() + 1 >= x + w - 1
+        assert ys.min() <= y + 1 and ys.max() + 1 >= y + h - 1
+        assert objects[0]["area"] == changed.sum() or abs(objects[0]["area"] -
+                                                          changed.sum()) < 0.02 * w * h
+
+
+def test_ensure_reuses_the_cache(tmp_path):
+    first = shapes.ensure_shapes_tfrecords(str(tmp_path), num_train=4, num_val=2, image_size=48)
+    marker = os.path.join(first["root"], "DONE.json")
+    counts = json.load(open(marker))
+    assert counts["train"]["images_written"] == 4 and counts["val"]["images_written"] == 2
+    mtime = os.path.getmtime(marker)
+    again = shapes.ensure_shapes_tfrecords(str(tmp_path), num_train=4, num_val=2, image_size=48)
+    assert again == first and os.path.getmtime(marker) == mtime
