@@ -44,7 +44,8 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
     (first call minus a median step: tracing and compilation), first_call_s, input_wait_share,
     matching_ms, matching_share, matching_first_call_s, flops_per_step (XLA HLO count),
     flops_per_step_analytic (both at the first batch's shape), achieved_tflops, peak_tflops,
-    mfu, peak_host_memory_mb, image_shapes.
+    mfu, peak_host_memory_mb, image_shapes, new_shape_steps (timed steps on a canvas not seen
+    before, which retrace the step).
     """
     ts = ours.build_train_step(model_fn, criterion, jit, precision)
     t0 = time.perf_counter()
@@ -54,9 +55,13 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
     log(f"first call (trace + compile + step), jit={ts.jit} precision={precision} ...")
     first_call = timing.timed_call(ts.step, first)
     log(f"  {first_call:.1f} s")
+    shape_of = lambda b: tuple(b[0]["images"].shape[1:3])  # noqa: E731
+    seen = {shape_of(first)}
     for _ in range(warmup):
-        timing.timed_call(ts.step, next(batches))
-    waits, computes, shapes = [], [], set()
+        batch = next(batches)
+        seen.add(shape_of(batch))
+        timing.timed_call(ts.step, batch)
+    waits, computes, shapes, new_shape_steps = [], [], set(), 0
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = next(batches)
@@ -65,12 +70,17 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
         t2 = time.perf_counter()
         waits.append(t1 - t0)
         computes.append(t2 - t1)
-        shapes.add(tuple(batch[0]["images"].shape[1:3]))
+        shapes.add(shape_of(batch))
+        # A canvas bucket seen for the first time retraces (and recompiles) the step: a real
+        # one-off cost that the mean includes and the median ignores.
+        new_shape_steps += shape_of(batch) not in seen
+        seen.add(shape_of(batch))
     totals = [w + c for w, c in zip(waits, computes)]
     step_s = statistics.median(totals)
     report = {
         "mode": "train", "jit": ts.jit, "precision": precision, "batch_size": batch_size,
         "steps": steps, "warmup": warmup, "image_shapes": sorted(list(s) for s in shapes),
+        "new_shape_steps": new_shape_steps,
         "images_per_sec": batch_size * len(totals) / sum(totals),
         "images_per_sec_median_step": batch_size / step_s,
         "step_time_ms": step_s * 1e3, "compute_time_ms": statistics.median(computes) * 1e3,
