@@ -13,7 +13,7 @@
 
 The model is Gin's `build_model`, the criterion `SetCriterion()`. jit and precision default to
 the `train.jit` / `train.precision` bindings when the Gin files set them, else 'auto' and
-'float32'. The pipeline is `train.train_input_fn` when bound, else `build_dataset(True, ...)`.
+'float32'. The pipeline is the Gin-configured `build_dataset(True, ...)`, as in training.
 MFU needs a peak: --peak_tflops, or a known GPU/TPU (see detr_tf/benchmarks/flops.py); on a
 CPU it is null unless given.
 """
@@ -77,14 +77,9 @@ def main(argv):
             batches = run.synthetic_batches(FLAGS.batch_size, size, FLAGS.num_boxes,
                                             FLAGS.max_boxes, criterion.num_classes)
         else:
-            input_fn = _bound("train.train_input_fn", None)
-            if input_fn is not None:
-                dataset = input_fn.scoped_configurable_fn(
-                    global_batch_size=FLAGS.batch_size, input_context=None, num_shards=None,
-                    shard_index=None, deterministic=False, seed=0)
-            else:
-                from detr_tf.data import pipeline
-                dataset = pipeline.build_dataset(True, FLAGS.batch_size, seed=0)
+            from detr_tf.data import pipeline
+            # The Gin-configured pipeline, as train.dataset_fn (= build_dataset) feeds training.
+            dataset = pipeline.build_dataset(True, FLAGS.batch_size, seed=0)
             batches = run.pipeline_batches(dataset)
         report = run.benchmark_train(build_model, criterion, batches, FLAGS.steps,
                                      FLAGS.warmup, jit, precision, FLAGS.peak_tflops,
