@@ -75,6 +75,10 @@ def test_mirrored_two_replicas_equals_one_device(engine_runs):
     _assert_same_training(engine_runs / "default", engine_runs / "mirrored")
 
 
+def test_gradient_accumulation_equals_one_larger_batch(engine_runs):
+    _assert_same_training(engine_runs / "default", engine_runs / "accumulated")
+
+
 @pytest.mark.horovod
 def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
     exe = horovodrun_or_skip()

@@ -39,10 +39,16 @@ config.parse_gin_config(["tiny.gin"], [
 ], finalize=False)
 
 
+ACCUM = 1  # micro-batches per step: each global batch is then fed in ACCUM slices
+
+
 def same_global_batches(is_training, global_batch_size, input_context=None, num_shards=None,
                         shard_index=None, deterministic=False, seed=0):
     del is_training, deterministic, seed
-    if input_context is not None:
+    if ACCUM > 1:
+        replicas, mine = ACCUM, list(range(ACCUM))
+        global_batch_size *= ACCUM  # the trainer's global batch is one micro-batch
+    elif input_context is not None:
         # One pipeline may feed several replicas, which take its batches in turn.
         replicas = input_context.num_replicas_in_sync
         per_pipeline = replicas // input_context.num_input_pipelines
@@ -63,7 +69,8 @@ def same_global_batches(is_training, global_batch_size, input_context=None, num_
 
 
 def run(model_dir, distribution, **kwargs):
-    trainer.train(model_dir, dataset_fn=same_global_batches, global_batch_size=GLOBAL_BATCH,
+    trainer.train(model_dir, dataset_fn=same_global_batches,
+                  global_batch_size=GLOBAL_BATCH // kwargs.get("grad_accum_steps", 1),
                   num_steps=STEPS, distribution=distribution, cpu_devices=2, deterministic=True,
                   jit="loss", checkpoint_every=1, **kwargs)
     if not os.path.exists(os.path.join(model_dir, "metrics.jsonl")):
@@ -83,6 +90,10 @@ def run(model_dir, distribution, **kwargs):
 if MODE == "engines":
     for name in ("default", "mirrored"):
         print(name, run(os.path.join(OUT, name), name), flush=True)
+    # Two micro-batches of 2 accumulated on one device: the same global batches of 4.
+    ACCUM = 2
+    print("accumulated", run(os.path.join(OUT, "accumulated"), "default",
+                             grad_accum_steps=ACCUM), flush=True)
 elif MODE == "multi_worker":
     import json as _json
 

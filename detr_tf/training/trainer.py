@@ -123,14 +123,16 @@ class StepBuilder:
         """One optimizer step on this replica's micro-batches; returns logging values."""
         engine = self.engine
         scale = self.loss_scale.scale.read_value() if self.loss_scale else tf.constant(1.0)
+        # Loss normalizers (DETR's box count and the class-weight sum) averaged over
+        # micro-batches and replicas, all-reduced here outside XLA: then any replica count and
+        # any accumulation gives the loss and gradients of one device with the whole batch.
+        local = [self.criterion.local_normalizers(targets, self.model.num_queries)
+                 for _, targets in micro_batches]
+        norms = engine.all_reduce_mean(
+            {k: tf.add_n([n[k] for n in local]) / len(local) for k in local[0]})
+        norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0)
         grad_sum, loss_sum = None, None
         for inputs, targets in micro_batches:
-            # Loss normalizers averaged over replicas (all-reduced here, outside XLA): DETR's
-            # box count, and the class-weight sum, so that any replica count gives the loss and
-            # gradients of one device with the whole batch.
-            norms = engine.all_reduce_mean(
-                self.criterion.local_normalizers(targets, self.model.num_queries))
-            norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0)
             losses, grads = self._grads_fn(inputs, targets, norms, scale)
             losses = {k: tf.cast(v, tf.float32) for k, v in losses.items()}
             if grad_sum is None:
