@@ -66,9 +66,13 @@ def _assert_same_training(ref_dir, other_dir):
     names = [k for k in ref.files if k != "losses" and not k.startswith("step1/")]
     assert len(names) > 100 and set(names) <= set(other.files)
     update = max(np.abs(ref[k] - ref["step1/" + k]).max() for k in names)
-    diff = max(np.abs(ref[k] - other[k]).max() for k in names)
-    # The engines' weights differ by far less than one step changes them.
-    assert update > 1e-5 and diff < 1e-3 * update, (diff, update)
+    assert update > 1e-5
+    # The weights differ by far less than one step changes them, up to a few float32 ulps
+    # (reductions in another order round differently).
+    for k in names:
+        tol = 1e-3 * update + 4 * np.finfo(np.float32).eps * np.abs(ref[k])
+        excess = np.abs(ref[k] - other[k]) - tol
+        assert np.all(excess <= 0), (k, float(np.abs(ref[k] - other[k]).max()), update)
 
 
 def test_mirrored_two_replicas_equals_one_device(engine_runs):
