@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 from detr_tf.modeling.backbone import (BasicBlock, Bottleneck, FrozenBatchNorm, ResNet,
                                        torchvision_variables)
@@ -186,3 +187,27 @@ def test_real_pixels_do_not_see_the_padding():
     assert real.sum() == 3 * 2  # ceil(70 / 32) x ceil(45 / 32)
     np.testing.assert_allclose(big.numpy()[0, :hs, :ws][real], small.numpy()[0][real],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_from_scratch_options_train_stem_and_use_batch_norm():
+    from detr_tf.modeling.backbone import BasicBlock, ResNet, make_norm
+
+    net = ResNet(block=BasicBlock, layers=(1, 1), width=8, train_stem=True, norm="batch")
+    images = tf.random.normal([2, 64, 64, 3])
+    net(images, tf.ones([2, 64, 64], tf.bool))
+    trainable = {v.ref() for v in net.trainable_variables}
+    assert net.conv1.kernel.ref() in trainable  # the stem trains
+    assert any(isinstance(layer, tf_keras.layers.BatchNormalization)
+               for layer in net._flatten_layers())
+    # A batch norm in training mode standardizes each channel over the batch.
+    norm = make_norm("batch", "bn")
+    x = tf.random.normal([4, 8, 8, 3]) * 5.0 + 3.0
+    y = norm(x, training=True).numpy()
+    np.testing.assert_allclose(y.mean(axis=(0, 1, 2)), 0.0, atol=1e-4)
+    np.testing.assert_allclose(y.std(axis=(0, 1, 2)), 1.0, atol=1e-2)
+    # The DETR default stays: frozen stem, frozen norms.
+    default = ResNet(block=BasicBlock, layers=(1, 1), width=8)
+    default(images, tf.ones([2, 64, 64], tf.bool))
+    assert default.conv1.kernel.ref() not in {v.ref() for v in default.trainable_variables}
+    with pytest.raises(ValueError, match="ResNet.norm='group'"):
+        make_norm("group", "bn")

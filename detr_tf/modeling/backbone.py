@@ -52,6 +52,20 @@ class FrozenBatchNorm(tf_keras.layers.Layer):
         return x * tf.cast(scale, x.dtype) + tf.cast(shift, x.dtype)
 
 
+NORMS = ("frozen", "batch")
+
+
+def make_norm(kind: str, name: str) -> tf_keras.layers.Layer:
+    """'frozen': DETR's FrozenBatchNorm (for pretrained weights); 'batch': a trainable batch norm
+    with batch statistics, for a backbone trained from scratch (identity-initialised frozen
+    norms would leave such a network with no normalization at all)."""
+    if kind == "frozen":
+        return FrozenBatchNorm(name=name)
+    if kind == "batch":
+        return tf_keras.layers.BatchNormalization(epsilon=1e-5, momentum=0.9, name=name)
+    raise ValueError(f"ResNet.norm={kind!r} is not one of {NORMS}")
+
+
 class TorchConv2D(tf_keras.layers.Conv2D):
     """Conv2D without bias with torch's symmetric padding `dilation * (kernel // 2)`."""
 
@@ -91,18 +105,19 @@ class BasicBlock(tf_keras.layers.Layer):
     expansion = 1
 
     def __init__(self, planes: int, stride: int = 1, dilation: int = 1,
-                 first_dilation: Optional[int] = None, downsample: bool = False, **kwargs):
+                 first_dilation: Optional[int] = None, downsample: bool = False,
+                 norm: str = "frozen", **kwargs):
         super().__init__(**kwargs)
         d1 = first_dilation or dilation
         self.conv1 = TorchConv2D(planes, 3, stride, d1, name="conv1")
-        self.bn1 = FrozenBatchNorm(name="bn1")
+        self.bn1 = make_norm(norm, "bn1")
         self.conv2 = TorchConv2D(planes, 3, 1, dilation, name="conv2")
-        self.bn2 = FrozenBatchNorm(name="bn2")
+        self.bn2 = make_norm(norm, "bn2")
         self.stride = stride
         self.downsample = None
         if downsample:
             self.downsample = [TorchConv2D(planes, 1, stride, name="downsample.0"),
-                               FrozenBatchNorm(name="downsample.1")]
+                               make_norm(norm, "downsample.1")]
 
     def call(self, x: tf.Tensor, mask_in: tf.Tensor) -> tf.Tensor:
         """x: [B, h, w, C_in], mask_in: [B, h, w] bool -> [B, h/stride, w/stride, planes]."""
@@ -122,19 +137,20 @@ class Bottleneck(tf_keras.layers.Layer):
     expansion = 4
 
     def __init__(self, planes: int, stride: int = 1, dilation: int = 1,
-                 first_dilation: Optional[int] = None, downsample: bool = False, **kwargs):
+                 first_dilation: Optional[int] = None, downsample: bool = False,
+                 norm: str = "frozen", **kwargs):
         super().__init__(**kwargs)
         del first_dilation  # Only the 3x3 conv is dilated; it uses `dilation`.
         self.conv1 = TorchConv2D(planes, 1, name="conv1")
-        self.bn1 = FrozenBatchNorm(name="bn1")
+        self.bn1 = make_norm(norm, "bn1")
         self.conv2 = TorchConv2D(planes, 3, stride, dilation, name="conv2")
-        self.bn2 = FrozenBatchNorm(name="bn2")
+        self.bn2 = make_norm(norm, "bn2")
         self.conv3 = TorchConv2D(planes * 4, 1, name="conv3")
-        self.bn3 = FrozenBatchNorm(name="bn3")
+        self.bn3 = make_norm(norm, "bn3")
         self.downsample = None
         if downsample:
             self.downsample = [TorchConv2D(planes * 4, 1, stride, name="downsample.0"),
-                               FrozenBatchNorm(name="downsample.1")]
+                               make_norm(norm, "downsample.1")]
 
     def call(self, x: tf.Tensor, mask_in: tf.Tensor) -> tf.Tensor:
         """x: [B, h, w, C_in], mask_in: [B, h, w] bool -> [B, h/stride, w/stride, 4*planes]."""
@@ -164,11 +180,16 @@ class ResNet(tf_keras.layers.Layer):
       width: channels of the stem and of stage 1 (planes double per stage).
       dilation: DC5; the last stage uses dilation 2 instead of stride 2.
       train_backbone: whether layer2 onwards are trainable.
+      train_stem: also train the stem and layer1 (DETR freezes them because they come
+        pretrained; a backbone trained from scratch needs them).
+      norm: 'frozen' (DETR, torchvision-compatible) or 'batch' (trainable batch norm, for a
+        backbone trained from scratch), see `make_norm`.
     """
 
     def __init__(self, block: Type[tf_keras.layers.Layer] = Bottleneck,
                  layers: Sequence[int] = (3, 4, 6, 3), width: int = 64, dilation: bool = False,
-                 train_backbone: bool = True, **kwargs):
+                 train_backbone: bool = True, train_stem: bool = False, norm: str = "frozen",
+                 **kwargs):
         kwargs.setdefault("name", "backbone")
         super().__init__(**kwargs)
         layers = tuple(int(n) for n in layers)
@@ -177,8 +198,8 @@ class ResNet(tf_keras.layers.Layer):
         if dilation and len(layers) < 2:
             raise ValueError("ResNet.dilation (DC5) needs at least 2 stages")
         self.conv1 = TorchConv2D(width, 7, 2, name="conv1")
-        self.bn1 = FrozenBatchNorm(name="bn1")
-        self.conv1.trainable = False
+        self.bn1 = make_norm(norm, "bn1")
+        self.conv1.trainable = train_backbone and train_stem
         self.stages = []
         self._strides = []  # stride of each stage's first block
         in_ch, cur_dilation = width, 1
@@ -202,10 +223,10 @@ class ResNet(tf_keras.layers.Layer):
                     dilation=prev_dilation if j == 0 else cur_dilation,
                     first_dilation=prev_dilation,
                     downsample=(j == 0 and (stride != 1 or in_ch != out_ch)),
-                    name=f"layer{i + 1}.{j}"))
+                    norm=norm, name=f"layer{i + 1}.{j}"))
                 in_ch = out_ch
             for b in stage:
-                b.trainable = train_backbone and i > 0
+                b.trainable = train_backbone and (i > 0 or train_stem)
             self.stages.append(stage)
             self._strides.append(stride)
         self.num_channels = in_ch
