@@ -1,0 +1,162 @@
+"""End to end through the entry scripts: train (tiny), eval, predict, export, and their errors.
+
+One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module. The run also
+binds the quickstart's end-of-training hooks (COCO evaluation, prediction images, next steps),
+so the path every new user takes is exercised too. Each script runs in a subprocess, as a user
+runs it, and is judged by its exit status, its files and its message.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from detr_tf.evaluation import predict
+
+REPO = Path(__file__).resolve().parent.parent
+METRIC_KEYS = {"AP", "AP50", "AP75", "APs", "APm", "APl"}
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the scripts must import this checkout's package, not another installed copy.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("DETR_TF_TRACEBACK", None)
+    return subprocess.run([sys.executable, str(REPO / "tools" / script), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A trained tiny model_dir, its gin flags and three val images to predict on."""
+    root = tmp_path_factory.mktemp("e2e")
+    cache = root / "shapes_cache"
+    gin_flags = ["--gin_file=gin_configs/tiny.gin", f"--gin_param=SHAPES_CACHE_DIR = '{cache}'"]
+    model_dir = root / "model"
+    train = _ok(_run("train.py", *gin_flags, f"--model_dir={model_dir}",
+                     "--gin_param=train.num_steps = 4",
+                     "--gin_param=train.eval_fn = @coco_evaluate",
+                     "--gin_param=train.after_train_fn = @after_train_report",
+                     "--gin_param=predict_eval_images.num_images = 2"))
+    val_dir = next(cache.glob("shapes_*")) / "val"
+    images = root / "images"
+    images.mkdir()
+    for path in sorted(val_dir.glob("*.jpg"))[:3]:
+        shutil.copy(path, images / path.name)
+    return {"model_dir": model_dir, "gin": gin_flags, "images": images, "train": train}
+
+
+def test_train_ends_with_metrics_predictions_and_next_steps(run):
+    out = run["train"].stdout
+    model_dir = run["model_dir"]
+    assert "COCO bbox metrics" in out
+    assert len(list((model_dir / "predictions").glob("*.png"))) == 2
+    next_steps = out[out.index("next steps"):]
+    assert f"tensorboard --logdir {model_dir}" in next_steps
+    assert str(model_dir / "eval" / "metrics.json") in next_steps
+    assert str(model_dir / "predictions") in next_steps
+
+
+def test_eval_writes_exactly_the_six_metrics(run):
+    model_dir = run["model_dir"]
+    shutil.rmtree(model_dir / "eval")
+    result = _ok(_run("eval.py", *run["gin"], f"--model_dir={model_dir}"))
+    assert "ckpt-4" in result.stdout and "AP50" in result.stdout
+    metrics = json.loads((model_dir / "eval" / "metrics.json").read_text())
+    assert set(metrics) == METRIC_KEYS
+    assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in metrics.values())
+    detections = json.loads((model_dir / "eval" / "detections.json").read_text())
+    # COCO results format over the 16 val images: every detection names a shapes category.
+    assert detections and {d["category_id"] for d in detections} <= {1, 2, 3, 4}
+    assert all(len(d["bbox"]) == 4 for d in detections)
+
+
+def test_eval_given_checkpoint_and_saved_config(run):
+    # No --gin_file: the run's own config.gin; an explicit --checkpoint (the first save).
+    model_dir = run["model_dir"]
+    ckpt = model_dir / "checkpoints" / "ckpt-4"
+    result = _ok(_run("eval.py", f"--model_dir={model_dir}", f"--checkpoint={ckpt}"))
+    assert f"restored {ckpt}" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def predicted(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("predicted")
+    # Threshold 0: every query is a detection, so the comparison with the export is not empty.
+    _ok(_run("predict.py", *run["gin"], f"--model_dir={run['model_dir']}",
+             f"--images={run['images']}", f"--output_dir={out}", "--score_threshold=0"))
+    return out
+
+
+def test_predict_writes_a_png_per_image_and_one_json(run, predicted):
+    inputs = sorted(p.name for p in run["images"].iterdir())
+    records = json.loads((predicted / "detections.json").read_text())
+    assert [Path(r["file"]).name for r in records] == inputs
+    for record in records:
+        assert (predicted / record["png"]).is_file()
+        assert record["detections"], "threshold 0 keeps every query"
+        for d in record["detections"]:
+            assert d["class_name"] in ("ellipse", "rectangle", "triangle", "cross")
+            x0, y0, x1, y1 = d["box"]
+            assert 0 <= x0 <= x1 <= record["width"] and 0 <= y0 <= y1 <= record["height"]
+
+
+def test_export_loads_and_matches_predict(run, predicted, tmp_path):
+    export_dir = tmp_path / "export"
+    # Without --gin_file: the run's config.gin.
+    _ok(_run("export.py", f"--model_dir={run['model_dir']}", f"--export_dir={export_dir}"))
+    loaded = tf.saved_model.load(str(export_dir))
+    assert {"serving_default", "serving_images"} <= set(loaded.signatures)
+    files = predict.list_images(run["images"])
+    from_export = predict.predict_images(loaded, files, tmp_path / "out", score_threshold=0.0,
+                                         draw=False)
+    from_tool = json.loads((predicted / "detections.json").read_text())
+    assert len(from_export) == len(from_tool) == len(files)
+    for a, b in zip(from_export, from_tool):
+        assert [d["category_id"] for d in a["detections"]] == \
+            [d["category_id"] for d in b["detections"]]
+        np.testing.assert_allclose([d["score"] for d in a["detections"]],
+                                   [d["score"] for d in b["detections"]], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose([d["box"] for d in a["detections"]],
+                                   [d["box"] for d in b["detections"]], rtol=1e-5, atol=1e-3)
+    # The serving signature on raw bytes agrees too.
+    encoded = tf.constant([Path(files[0]).read_bytes()])
+    out = loaded.signatures["serving_default"](encoded=encoded)
+    n = int(out["num_detections"][0])
+    np.testing.assert_allclose(out["scores"][0, :n].numpy(),
+                               [d["score"] for d in from_tool[0]["detections"]],
+                               rtol=1e-5, atol=1e-6)
+
+
+def _failed_cleanly(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, f"{needle!r} not in: {result.stderr}"
+
+
+def test_errors_name_the_missing_thing(run, tmp_path):
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    _failed_cleanly(_run("eval.py", *run["gin"], f"--model_dir={empty}"),
+                    "eval.py", str(empty), "no checkpoint")
+    missing_ckpt = run["model_dir"] / "checkpoints" / "ckpt-999"
+    _failed_cleanly(_run("export.py", *run["gin"], f"--model_dir={run['model_dir']}",
+                         f"--checkpoint={missing_ckpt}", f"--export_dir={tmp_path / 'x'}"),
+                    "export.py", str(missing_ckpt))
+    bad_images = tmp_path / "no_such_images"
+    _failed_cleanly(_run("predict.py", *run["gin"], f"--model_dir={run['model_dir']}",
+                         f"--images={bad_images}", f"--output_dir={tmp_path / 'p'}"),
+                    "predict.py", str(bad_images))
+    # No --gin_file and no config.gin to fall back on.
+    _failed_cleanly(_run("eval.py", f"--model_dir={empty}"), "eval.py", "--gin_file")
