@@ -7,16 +7,19 @@ runs it, and is judged by its exit status, its files and its message.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from detr_tf.evaluation import predict
+from detr_tf import config
+from detr_tf.evaluation import predict, workflow
 
 REPO = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {"AP", "AP50", "AP75", "APs", "APm", "APl"}
@@ -38,10 +41,11 @@ def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A trained tiny model_dir, its gin flags and three val images to predict on."""
+    """A trained tiny model_dir, its gin flags and two val images to predict on."""
     root = tmp_path_factory.mktemp("e2e")
     cache = root / "shapes_cache"
-    gin_flags = ["--gin_file=gin_configs/tiny.gin", f"--gin_param=SHAPES_CACHE_DIR = '{cache}'"]
+    cache_binding = f"SHAPES_CACHE_DIR = '{cache}'"
+    gin_flags = ["--gin_file=gin_configs/tiny.gin", f"--gin_param={cache_binding}"]
     model_dir = root / "model"
     train = _ok(_run("train.py", *gin_flags, f"--model_dir={model_dir}",
                      "--gin_param=train.num_steps = 4",
@@ -51,9 +55,10 @@ def run(tmp_path_factory):
     val_dir = next(cache.glob("shapes_*")) / "val"
     images = root / "images"
     images.mkdir()
-    for path in sorted(val_dir.glob("*.jpg"))[:3]:
+    for path in sorted(val_dir.glob("*.jpg"))[:2]:
         shutil.copy(path, images / path.name)
-    return {"model_dir": model_dir, "gin": gin_flags, "images": images, "train": train}
+    return {"model_dir": model_dir, "gin": gin_flags, "cache_binding": cache_binding,
+            "images": images, "train": train}
 
 
 def test_train_ends_with_metrics_predictions_and_next_steps(run):
@@ -70,8 +75,9 @@ def test_train_ends_with_metrics_predictions_and_next_steps(run):
 def test_eval_writes_exactly_the_six_metrics(run):
     model_dir = run["model_dir"]
     shutil.rmtree(model_dir / "eval")
-    result = _ok(_run("eval.py", *run["gin"], f"--model_dir={model_dir}"))
-    assert "ckpt-4" in result.stdout and "AP50" in result.stdout
+    ckpt = model_dir / "checkpoints" / "ckpt-4"
+    result = _ok(_run("eval.py", *run["gin"], f"--model_dir={model_dir}", f"--checkpoint={ckpt}"))
+    assert f"restored {ckpt}" in result.stdout and "AP50" in result.stdout
     metrics = json.loads((model_dir / "eval" / "metrics.json").read_text())
     assert set(metrics) == METRIC_KEYS
     assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in metrics.values())
@@ -79,14 +85,6 @@ def test_eval_writes_exactly_the_six_metrics(run):
     # COCO results format over the 16 val images: every detection names a shapes category.
     assert detections and {d["category_id"] for d in detections} <= {1, 2, 3, 4}
     assert all(len(d["bbox"]) == 4 for d in detections)
-
-
-def test_eval_given_checkpoint_and_saved_config(run):
-    # No --gin_file: the run's own config.gin; an explicit --checkpoint (the first save).
-    model_dir = run["model_dir"]
-    ckpt = model_dir / "checkpoints" / "ckpt-4"
-    result = _ok(_run("eval.py", f"--model_dir={model_dir}", f"--checkpoint={ckpt}"))
-    assert f"restored {ckpt}" in result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -145,18 +143,29 @@ def _failed_cleanly(result: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in result.stderr, f"{needle!r} not in: {result.stderr}"
 
 
+def test_script_exits_with_one_line_for_a_run_without_checkpoint(run, tmp_path):
+    _failed_cleanly(_run("eval.py", *run["gin"], f"--model_dir={tmp_path}"),
+                    "eval.py", str(tmp_path), "no checkpoint")
+
+
 def test_errors_name_the_missing_thing(run, tmp_path):
-    empty = tmp_path / "empty_run"
-    empty.mkdir()
-    _failed_cleanly(_run("eval.py", *run["gin"], f"--model_dir={empty}"),
-                    "eval.py", str(empty), "no checkpoint")
-    missing_ckpt = run["model_dir"] / "checkpoints" / "ckpt-999"
-    _failed_cleanly(_run("export.py", *run["gin"], f"--model_dir={run['model_dir']}",
-                         f"--checkpoint={missing_ckpt}", f"--export_dir={tmp_path / 'x'}"),
-                    "export.py", str(missing_ckpt))
-    bad_images = tmp_path / "no_such_images"
-    _failed_cleanly(_run("predict.py", *run["gin"], f"--model_dir={run['model_dir']}",
-                         f"--images={bad_images}", f"--output_dir={tmp_path / 'p'}"),
-                    "predict.py", str(bad_images))
+    # In-process (the scripts only add the one-line exit checked above): cheaper than a
+    # TensorFlow start-up per case.
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["tiny.gin"], [run["cache_binding"]], finalize=False)
+        with pytest.raises(FileNotFoundError, match="no_such_dir.*does not exist"):
+            workflow.load_trained_model(str(tmp_path / "no_such_dir"))
+        with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))}.*no checkpoint"):
+            workflow.load_trained_model(str(tmp_path))
+        missing = str(run["model_dir"] / "checkpoints" / "ckpt-999")
+        with pytest.raises(FileNotFoundError, match="ckpt-999"):
+            workflow.load_trained_model(str(run["model_dir"]), checkpoint=missing)
+        with pytest.raises(SystemExit, match="predict.py: FileNotFoundError: .*no_such_images"):
+            workflow.run_tool("predict.py", lambda: workflow.predict_run(
+                str(run["model_dir"]), str(tmp_path / "no_such_images"), str(tmp_path / "out")))
+    finally:
+        gin.clear_config()
     # No --gin_file and no config.gin to fall back on.
-    _failed_cleanly(_run("eval.py", f"--model_dir={empty}"), "eval.py", "--gin_file")
+    with pytest.raises(SystemExit, match="eval.py: no --gin_file"):
+        workflow.parse_tool_config("eval.py", [], [], str(tmp_path))
