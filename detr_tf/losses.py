@@ -55,6 +55,30 @@ class SetCriterion:
                 num_boxes = num_boxes / ctx.num_replicas_in_sync
         return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
 
+    def local_normalizers(self, targets: Dict[str, tf.Tensor],
+                          num_queries: int) -> Dict[str, tf.Tensor]:
+        """This replica's contribution to the two loss normalizers, for a trainer to all-reduce.
+
+        The reference normalizes the class loss by its own replica's class-weight sum, so with
+        several replicas the result depends on how images were split among them. A trainer that
+        passes the all-reduced mean of these values as `num_boxes` and `ce_weight` gets, on any
+        number of replicas, exactly the loss and gradient of one device holding the whole batch.
+
+        Args:
+          targets: as in `__call__` ('mask' is used).
+          num_queries: Q, the model's queries per image.
+
+        Returns:
+          'num_boxes': real boxes; 'ce_weight': the sum of cross-entropy class weights over all
+          B * Q queries, which matching fixes in advance: min(T_b, Q) matched queries per image
+          weigh 1 each, all others eos_coef.
+        """
+        real = tf.reduce_sum(tf.cast(targets["mask"], tf.float32), -1)  # [B]
+        matched = tf.reduce_sum(tf.minimum(real, float(num_queries)))
+        total = tf.cast(tf.shape(real)[0] * num_queries, tf.float32)
+        return {"num_boxes": tf.reduce_sum(real),
+                "ce_weight": self.eos_coef * (total - matched) + matched}
+
     def match(self, pred_logits: tf.Tensor, pred_boxes: tf.Tensor,
               targets: Dict[str, tf.Tensor]) -> tf.Tensor:
         """Matches [N, B, Q, *] predictions (N layers) to the targets in one matcher call.
@@ -75,7 +99,8 @@ class SetCriterion:
         return tf.cast(idx, tf.int32)
 
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
-                 num_boxes: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+                 num_boxes: Optional[tf.Tensor] = None,
+                 ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         """Computes the losses.
 
         Args:
@@ -86,6 +111,8 @@ class SetCriterion:
             (targets padded to a fixed T, T may be 0).
           num_boxes: optional float scalar, the box count to normalize by (the global count
             divided by the number of replicas); computed from the targets when None.
+          ce_weight: optional float scalar, the class-weight sum to normalize the class loss by
+            (see `local_normalizers`); this batch's own sum when None, as the reference.
 
         Returns:
           Scalars: 'loss' (weighted sum over all layers), 'loss_ce', 'loss_bbox', 'loss_giou'
@@ -131,7 +158,9 @@ class SetCriterion:
         class_weight = tf.concat([tf.ones([self.num_classes]), [self.eos_coef]], 0)
         w = tf.gather(class_weight, target_classes)  # [L, B, Q]
         nll = tf.nn.sparse_softmax_cross_entropy_with_logits(target_classes, logits)
-        loss_ce = tf.reduce_sum(w * nll, [1, 2]) / tf.reduce_sum(w, [1, 2])  # [L]
+        w_sum = (tf.reduce_sum(w, [1, 2]) if ce_weight is None
+                 else tf.cast(ce_weight, tf.float32))  # [L] or scalar
+        loss_ce = tf.reduce_sum(w * nll, [1, 2]) / w_sum  # [L]
 
         # Boxes: summed over matched pairs, normalized by the (global) box count.
         l1 = tf.reduce_sum(tf.abs(boxes - matched_boxes), -1)  # [L, B, Q]

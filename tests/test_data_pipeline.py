@@ -173,8 +173,9 @@ def test_replicas_of_a_step_share_a_bucket(sources):
     ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
                                      num_replicas_in_sync=2)
     for is_training in (True, False):
-        shapes_seen = [tuple(f["images"].shape) for f, _ in
-                       _build(sources, is_training, batch=4, input_context=ctx, seed=0).take(8)]
+        ds = _build(sources, is_training, batch=4, input_context=ctx, seed=0)
+        assert ds.element_spec[1]["boxes"].shape.as_list() == [2, T, 4]
+        shapes_seen = [tuple(f["images"].shape) for f, _ in ds.take(8)]
         assert len(shapes_seen) % 2 == 0 and shapes_seen[0][0] == 2
         assert all(shapes_seen[i] == shapes_seen[i + 1] for i in range(0, len(shapes_seen), 2))
     ids = [i for _, t in _build(sources, False, batch=4, input_context=ctx)

@@ -46,7 +46,8 @@ def test_tfds_source_with_mocked_coco(monkeypatch):
 
     monkeypatch.setattr(tfds.core.DatasetBuilder, "is_prepared", lambda self: True)
     with tfds.testing.mock_data(num_examples=2, policy=tfds.testing.MockPolicy.USE_CODE):
-        src = sources.TFDSSource("coco/2017", "validation", data_dir="/nonexistent")
+        src = sources.TFDSSource("coco/2017", "validation", data_dir="/nonexistent",
+                                 decode_after_shuffle=False)
         raw = next(iter(src.make(sources.ReadSpec())))
         tfds_raw = next(iter(tfds.builder("coco/2017").as_dataset(split="validation")))
     coco_ids = [cid for cid, _ in label_map_lib.COCO_CATEGORIES]

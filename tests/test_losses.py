@@ -255,3 +255,35 @@ def test_num_boxes_is_all_reduced_across_replicas():
     proc = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "MIRRORED_OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def _split(d, sl):
+    out = {k: v[sl] for k, v in d.items() if k != "aux_outputs"}
+    if "aux_outputs" in d:
+        out["aux_outputs"] = [_split(a, sl) for a in d["aux_outputs"]]
+    return out
+
+
+@pytest.mark.parametrize("queries,counts", [(8, (3, 0, 5, 1)), (4, (5, 0, 2, 4))])
+def test_global_normalizers_make_split_batches_equal_one_batch(queries, counts):
+    """Halves normalized by the all-reduced (mean) normalizers average to the whole-batch loss,
+    which is the reference loss; T > Q (more targets than queries) included."""
+    outputs, targets = make_case(np.random.default_rng(7), batch=4, queries=queries,
+                                 counts=counts)
+    crit = criterion()
+    whole = reference_loss(outputs, targets, NUM_CLASSES)
+    out, tg = to_tf(outputs, targets)
+    norms = {k: float(v) for k, v in crit.local_normalizers(tg, queries).items()}
+    assert norms["num_boxes"] == sum(counts)
+    assert_matches(crit(out, tg, **norms), whole, rtol=1e-5, atol=1e-5)
+
+    halves = [to_tf(_split(outputs, sl), _split(targets, sl))
+              for sl in (slice(0, 2), slice(2, 4))]
+    local = [crit.local_normalizers(t, queries) for _, t in halves]
+    mean = {k: (float(local[0][k]) + float(local[1][k])) / 2 for k in local[0]}
+    got = [crit(o, t, **mean) for o, t in halves]
+    # Only the additive terms average exactly; class_error/cardinality_error are per-replica.
+    for k in whole:
+        if k.startswith("loss"):
+            np.testing.assert_allclose((float(got[0][k]) + float(got[1][k])) / 2, whole[k],
+                                       rtol=1e-5, atol=1e-5, err_msg=k)

@@ -134,7 +134,7 @@ def build_dataset(is_training: bool, global_batch_size: int,
       eval_transform: (image, boxes, labels) -> (image, boxes, labels).
       buckets: canvas (height, width) list, multiples of 64.
       max_boxes: T, targets per image.
-      shuffle_buffer: examples in the train shuffle buffer.
+      shuffle_buffer: records in the train shuffle buffer (shuffled before decoding).
       prefetch: batches prefetched (AUTOTUNE by default).
 
     Returns:
@@ -170,7 +170,8 @@ def build_dataset(is_training: bool, global_batch_size: int,
         seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
 
     spec = sources_lib.ReadSpec(num_shards, shard_index, shuffle=is_training,
-                                deterministic=deterministic, seed=seed)
+                                deterministic=deterministic, seed=seed,
+                                shuffle_buffer=shuffle_buffer, repeat=is_training)
     ds = source.make(spec)
 
     def prepare(raw, example_seed=None):
@@ -193,8 +194,6 @@ def build_dataset(is_training: bool, global_batch_size: int,
         return {"images": canvas, "pixel_mask": pixel_mask, **targets, "bucket": bucket}
 
     if is_training:
-        ds = ds.repeat()
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         # One stateless seed pair per example: reproducible in deterministic mode.
         seeds = tf.data.Dataset.random(seed=seed * 7919 + shard_index).batch(2)
         ds = tf.data.Dataset.zip((ds, seeds))
@@ -211,9 +210,13 @@ def build_dataset(is_training: bool, global_batch_size: int,
             batched = batched.map(lambda b: _filler_pad(b, group * batch_size))
         if group == 1:
             return batched
-        return batched.map(lambda b: tf.nest.map_structure(
-            lambda t: tf.reshape(t, tf.concat([[group, batch_size], tf.shape(t)[1:]], 0)),
-            b)).unbatch()
+
+        def split(t):  # [group * B, ...] -> [group, B, ...], keeping the static dims
+            out = tf.reshape(t, tf.concat([[group, batch_size], tf.shape(t)[1:]], 0))
+            out.set_shape([group, batch_size] + t.shape[1:].as_list())
+            return out
+
+        return batched.map(lambda b: tf.nest.map_structure(split, b)).unbatch()
 
     ds = ds.group_by_window(key_func=lambda ex: tf.cast(ex["bucket"], tf.int64),
                             reduce_func=batch_bucket, window_size=group * batch_size)

@@ -26,7 +26,9 @@ class ReadSpec:
       shard_index: this pipeline's index in [0, num_shards).
       shuffle: shuffle file order (training).
       deterministic: keep a reproducible element order.
-      seed: seed for the file shuffle, or None.
+      seed: seed for the shuffles, or None.
+      shuffle_buffer: records in the example shuffle buffer (when shuffle is set).
+      repeat: repeat forever (training).
     """
 
     num_shards: int = 1
@@ -34,6 +36,18 @@ class ReadSpec:
     shuffle: bool = False
     deterministic: bool = False
     seed: Optional[int] = None
+    shuffle_buffer: int = 1000
+    repeat: bool = False
+
+
+def _repeat_and_shuffle(ds: tf.data.Dataset, spec: ReadSpec) -> tf.data.Dataset:
+    # Runs on still-encoded records: a buffer of 1000 JPEGs is ~160 MB for COCO, of decoded
+    # images ~1 GB, and an iterator checkpoint would have to save that buffer too.
+    if spec.repeat:
+        ds = ds.repeat()
+    if spec.shuffle:
+        ds = ds.shuffle(spec.shuffle_buffer, seed=spec.seed, reshuffle_each_iteration=True)
+    return ds
 
 
 @gin.configurable
@@ -75,7 +89,7 @@ class TFRecordSource:
         return self._num_examples
 
     def make(self, spec: ReadSpec) -> tf.data.Dataset:
-        """Dataset of raw examples for one shard (finite; the pipeline repeats it)."""
+        """Dataset of raw examples for one shard (shuffled and repeated as `spec` says)."""
         files = self.files()
         ds = tf.data.Dataset.from_tensor_slices(files)
         by_file = len(files) >= spec.num_shards
@@ -91,6 +105,7 @@ class TFRecordSource:
                            deterministic=spec.deterministic or not by_file)
         if not by_file:
             ds = ds.shard(spec.num_shards, spec.shard_index)
+        ds = _repeat_and_shuffle(ds, spec)
         return ds.map(tfexample.decode_example, num_parallel_calls=AUTOTUNE,
                       deterministic=spec.deterministic)
 
@@ -108,11 +123,15 @@ class TFDSSource:
       data_dir: TFDS data directory (None: TFDS's default, usually ~/tensorflow_datasets).
       annotations_file: COCO json of the split, for evaluation (optional).
       label_map: default COCO's 91-id identity.
+      decode_after_shuffle: keep images encoded through the shuffle buffer (less memory);
+        False lets TFDS decode them (tfds.testing.mock_data only supports that path).
     """
 
     def __init__(self, name: str = "coco/2017", split: str = "train",
                  data_dir: Optional[str] = None, annotations_file: Optional[str] = None,
-                 label_map: Optional[label_map_lib.LabelMap] = None):
+                 label_map: Optional[label_map_lib.LabelMap] = None,
+                 decode_after_shuffle: bool = True):
+        self.decode_after_shuffle = decode_after_shuffle
         self.name = name
         self.split = split
         self.data_dir = data_dir
@@ -142,14 +161,21 @@ class TFDSSource:
         options.deterministic = spec.deterministic
         read_config = tfds.ReadConfig(input_context=context, shuffle_seed=spec.seed,
                                       options=options)
+        # Images stay encoded until after the shuffle (see _repeat_and_shuffle).
+        decoders = ({"image": tfds.decode.SkipDecoding()} if self.decode_after_shuffle
+                    else None)
         ds = self._builder().as_dataset(split=self.split, shuffle_files=spec.shuffle,
-                                        read_config=read_config)
+                                        read_config=read_config, decoders=decoders)
+        ds = _repeat_and_shuffle(ds, spec)
         coco_ids = tf.constant([cid for cid, _ in label_map_lib.COCO_CATEGORIES], tf.int64)
 
         def to_raw(ex):
             objects = ex["objects"]
+            image = ex["image"]
+            if self.decode_after_shuffle:
+                image = tf.io.decode_image(image, channels=3, expand_animations=False)
             return {
-                "image": ex["image"],
+                "image": image,
                 "image_id": tf.cast(ex["image/id"], tf.int64),
                 "boxes": tf.reshape(tf.cast(objects["bbox"], tf.float32), [-1, 4]),
                 "classes": tf.gather(coco_ids, objects["label"]),

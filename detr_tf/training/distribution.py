@@ -137,8 +137,12 @@ class MultiWorkerEngine(Engine):
 
     def barrier(self) -> None:
         # A tiny all-reduce is a portable barrier for collective strategies.
-        self.strategy.reduce(tf.distribute.ReduceOp.SUM,
-                             self.strategy.run(lambda: tf.constant(1.0)), axis=None)
+        @tf.function
+        def all_reduce_one():
+            return self.strategy.reduce(tf.distribute.ReduceOp.SUM,
+                                        self.strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+        all_reduce_one()
 
 
 class HorovodEngine(Engine):

@@ -1,7 +1,8 @@
 """The training loop: one step function for every engine, precision and XLA choice.
 
 A step, per replica:
-  1. count real boxes and all-reduce the count (outside XLA) -> the loss normalizer;
+  1. count real boxes and class weights and all-reduce them (outside XLA) -> the loss
+     normalizers;
   2. forward, set criterion (batched matching for all decoder layers) and backward, compiled
      with XLA as `jit` says;
   3. all-reduce the gradients (outside XLA: Horovod's ops cannot be compiled), clip by global
@@ -77,7 +78,8 @@ class StepBuilder:
     Args:
       engine: the distribution engine.
       model: a built DETR model with `backbone` exposing its trainable variables.
-      criterion: callable(outputs, targets, num_boxes=...) -> dict of scalar losses with 'loss'.
+      criterion: callable(outputs, targets, num_boxes=..., ce_weight=...) -> dict of scalar
+        losses with 'loss', with a `local_normalizers(targets, num_queries)` method.
       optimizers: (backbone_optimizer, main_optimizer).
       jit: 'step', 'loss' or 'none' (already resolved).
       clip_norm: global-norm gradient clipping (<= 0 disables).
@@ -108,10 +110,10 @@ class StepBuilder:
         self._grads_fn = (tf.function(self._losses_and_grads, jit_compile=True)
                           if jit == "step" else self._losses_and_grads)
 
-    def _losses_and_grads(self, inputs, targets, num_boxes, scale):
+    def _losses_and_grads(self, inputs, targets, norms, scale):
         with tf.GradientTape() as tape:
             outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True)
-            losses = self._criterion_fn(outputs, targets, num_boxes=num_boxes)
+            losses = self._criterion_fn(outputs, targets, **norms)
             scaled = tf.cast(losses["loss"], tf.float32) * scale
         grads = tape.gradient(scaled, self.variables)
         grads = [g / scale for g in _zeros_for_missing(grads, self.variables)]
@@ -121,12 +123,17 @@ class StepBuilder:
         """One optimizer step on this replica's micro-batches; returns logging values."""
         engine = self.engine
         scale = self.loss_scale.scale.read_value() if self.loss_scale else tf.constant(1.0)
+        # Loss normalizers (DETR's box count and the class-weight sum) averaged over
+        # micro-batches and replicas, all-reduced here outside XLA: then any replica count and
+        # any accumulation gives the loss and gradients of one device with the whole batch.
+        local = [self.criterion.local_normalizers(targets, self.model.num_queries)
+                 for _, targets in micro_batches]
+        norms = engine.all_reduce_mean(
+            {k: tf.add_n([n[k] for n in local]) / len(local) for k in local[0]})
+        norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0)
         grad_sum, loss_sum = None, None
         for inputs, targets in micro_batches:
-            local_boxes = tf.reduce_sum(tf.cast(targets["mask"], tf.float32))
-            # DETR normalizes box losses by the average box count per replica (all-reduced).
-            num_boxes = tf.maximum(engine.all_reduce_sum(local_boxes) / engine.num_replicas, 1.0)
-            losses, grads = self._grads_fn(inputs, targets, num_boxes, scale)
+            losses, grads = self._grads_fn(inputs, targets, norms, scale)
             losses = {k: tf.cast(v, tf.float32) for k, v in losses.items()}
             if grad_sum is None:
                 grad_sum, loss_sum = grads, losses
@@ -208,14 +215,33 @@ def _set_precision(precision: str) -> None:
 
 
 def _build_model(model_fn, image_size=(64, 64)):
-    """Creates the model and its variables with one small eager call (never inside XLA)."""
+    """Creates the model and its variables with one small eager call (never inside XLA).
+
+    The call is in training mode so that dropout layers create their random generators now,
+    outside any compiled function, and `dropout_generators` can put them in the checkpoint.
+    """
     model = model_fn()
     h, w = image_size
-    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
+    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
     if not hasattr(model, "backbone"):
         raise TypeError(f"{type(model).__name__} has no `backbone` attribute; the trainer needs it "
                         "to give the backbone its own learning rate")
     return model
+
+
+def dropout_generators(model: tf_keras.Model) -> tf.Module:
+    """The model's dropout random generators, gathered so a checkpoint can hold them.
+
+    tf_keras leaves layers' random generators out of checkpoints on purpose (for compatibility
+    of old checkpoints); without their state a resumed run would restart every dropout stream
+    and drift from the uninterrupted run.
+    """
+    holder = tf.Module(name="dropout_rng")
+    holder.generators = [
+        layer._random_generator._generator  # pylint: disable=protected-access
+        for layer in model.submodules
+        if getattr(getattr(layer, "_random_generator", None), "_generator", None) is not None]
+    return holder
 
 
 def _write_text(path: str, text: str) -> None:
@@ -333,7 +359,7 @@ def train(model_dir: str,
         builder = StepBuilder(engine, model, criterion, optimizers, jit, clip_norm,
                               grad_accum_steps, loss_scale, ema, global_step)
     items = dict(model=model, backbone_optimizer=optimizers[0], optimizer=optimizers[1],
-                 global_step=global_step)
+                 global_step=global_step, dropout_rng=dropout_generators(model))
     if ema is not None:
         items["ema"] = ema
     if loss_scale is not None:

@@ -1,0 +1,150 @@
+"""detr_tf's train step side by side with TF Model Garden's DETR, in one process.
+
+Every variant (side x precision x jit) is built, called once (the first call: tracing, XLA
+compilation where there is any, and one step), called once more as warm-up, then timed in
+interleaved rounds on the same synthetic batch. Model Garden's step is its own
+`DetectionTask.train_step` in one tf.function (see model_garden.py); ours is the trainer's
+`StepBuilder.replica_step` (see ours.py).
+"""
+import dataclasses
+import statistics
+import time
+import traceback
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import tf_keras
+
+from detr_tf.benchmarks import flops as flops_lib
+from detr_tf.benchmarks import model_garden, ours, synthetic, timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    side: str  # 'detr_tf' or 'model_garden'
+    precision: str  # Keras policy
+    jit: str  # detr_tf: 'step' | 'loss' | 'none'; Model Garden: 'step' | 'none'
+
+    @property
+    def name(self) -> str:
+        return f"{self.side}/{self.precision}/jit={self.jit}"
+
+
+DEFAULT_VARIANTS = (
+    Variant("model_garden", "float32", "none"),
+    Variant("model_garden", "float32", "step"),
+    Variant("model_garden", "mixed_bfloat16", "none"),
+    Variant("detr_tf", "float32", "step"),
+    Variant("detr_tf", "float32", "loss"),
+    Variant("detr_tf", "float32", "none"),
+    Variant("detr_tf", "mixed_bfloat16", "step"),
+    Variant("detr_tf", "mixed_bfloat16", "loss"),
+    Variant("detr_tf", "mixed_bfloat16", "none"),
+)
+
+
+def parse_variants(specs: Sequence[str]) -> List[Variant]:
+    """'side/precision/jit' strings (e.g. 'detr_tf/float32/loss') -> Variants."""
+    out = []
+    for spec in specs:
+        parts = spec.split("/")
+        if len(parts) != 3 or parts[0] not in ("detr_tf", "model_garden"):
+            raise ValueError(f"variant {spec!r} is not 'detr_tf|model_garden/<precision>/<jit>'")
+        out.append(Variant(*parts))
+    return out
+
+
+def _build(variant: Variant, model_fn, criterion, image_size, raw) -> Callable[[], object]:
+    """Builds one variant; returns a zero-argument call running one train step."""
+    if variant.side == "model_garden":
+        previous = tf_keras.mixed_precision.global_policy().name
+        tf_keras.mixed_precision.set_global_policy(variant.precision)
+        try:
+            step, _ = model_garden.build_train_step(image_size, jit=variant.jit == "step")
+        finally:
+            tf_keras.mixed_precision.set_global_policy(previous)
+        images, labels = synthetic.model_garden(raw)
+        return lambda: step(images, labels)
+    ts = ours.build_train_step(model_fn, criterion, variant.jit, variant.precision)
+    batch = synthetic.ours(raw)
+    return lambda: ts.step(batch)
+
+
+def run(model_fn, criterion, variants: Sequence[Variant], image_size: Tuple[int, int],
+        batch_size: int, num_boxes: int, max_boxes: int, num_classes: int, rounds: int,
+        analytic_shape: Optional[flops_lib.DetrShape] = None,
+        log: Callable[[str], None] = print) -> Dict[str, object]:
+    """Builds, compiles and times every variant; returns the report (see tools' JSON)."""
+    raw = synthetic.draw(batch_size, image_size, num_boxes, max_boxes, num_classes)
+    calls, results = {}, {}
+    for v in variants:
+        log(f"building {v.name} ...")
+        t0 = time.perf_counter()
+        try:
+            call = _build(v, model_fn, criterion, image_size, raw)
+            build_s = time.perf_counter() - t0
+            first = timing.timed_call(call)
+            second = timing.timed_call(call)  # warm-up: lazily created slots, caches
+        except Exception as e:  # a variant that cannot run is a result, not a crash
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            log(f"  {v.name} FAILED: {msg}")
+            results[v.name] = {"error": msg, "traceback_tail": traceback.format_exc()[-1500:]}
+            continue
+        log(f"  build {build_s:.1f} s, first call {first:.1f} s, second {second:.2f} s")
+        calls[v.name] = call
+        results[v.name] = {"build_s": build_s, "first_call_s": first}
+    log(f"timing {len(calls)} variants in {rounds} interleaved rounds ...")
+    times = timing.interleaved(calls, rounds)
+    train_flops = detr_flops = None
+    if analytic_shape is not None:
+        detr_flops = flops_lib.detr_flops(analytic_shape)
+        train_flops = detr_flops["train_step"]
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        r = results[name]
+        r.update(step_time_ms=med * 1e3, step_times_ms=[t * 1e3 for t in ts],
+                 images_per_sec=batch_size / med,
+                 # What the first call costs beyond a normal step: tracing + compilation.
+                 compile_time_s=r["first_call_s"] - med,
+                 achieved_tflops=(train_flops / med / 1e12) if train_flops else None)
+    report = {"image_size": list(image_size), "batch_size": batch_size,
+              "num_boxes": num_boxes, "max_boxes": max_boxes, "rounds": rounds,
+              "analytic_flops": detr_flops, "peak_host_memory_mb": timing.peak_host_memory_mb(),
+              "variants": results}
+    report["ratios"] = ratios(results)
+    return report
+
+
+def ratios(results: Dict[str, Dict]) -> Dict[str, Optional[float]]:
+    """Our best images/s over Model Garden's best, and first-call time ratios, per precision."""
+    out = {}
+    ok = {k: v for k, v in results.items() if "images_per_sec" in v}
+    mg = [v for k, v in ok.items() if k.startswith("model_garden/")]
+    us = [v for k, v in ok.items() if k.startswith("detr_tf/")]
+    if mg and us:
+        mg_best = max(mg, key=lambda v: v["images_per_sec"])
+        us_best = max(us, key=lambda v: v["images_per_sec"])
+        out["best_images_per_sec_ratio"] = us_best["images_per_sec"] / mg_best["images_per_sec"]
+        out["first_call_ratio_of_the_best"] = us_best["first_call_s"] / mg_best["first_call_s"]
+    for prec in ("float32", "mixed_bfloat16"):
+        for jit in ("none", "step"):
+            m = ok.get(f"model_garden/{prec}/jit={jit}")
+            u = ok.get(f"detr_tf/{prec}/jit={jit}")
+            if m and u:
+                out[f"{prec}/jit={jit}/images_per_sec_ratio"] = (u["images_per_sec"]
+                                                                 / m["images_per_sec"])
+                out[f"{prec}/jit={jit}/first_call_ratio"] = u["first_call_s"] / m["first_call_s"]
+    return out
+
+
+def table(report: Dict[str, object]) -> str:
+    """A markdown table of the variants."""
+    rows = ["| variant | step median (ms) | images/s | first call (s) | compile ~ (s) | GFLOP/s |",
+            "|---|---|---|---|---|---|"]
+    for name, r in report["variants"].items():
+        if "error" in r:
+            rows.append(f"| {name} | failed: {r['error'][:90]} | | | | |")
+            continue
+        rows.append(f"| {name} | {r['step_time_ms']:.0f} | {r['images_per_sec']:.2f} | "
+                    f"{r['first_call_s']:.1f} | {r['compile_time_s']:.1f} | "
+                    f"{1e3 * (r['achieved_tflops'] or 0):.1f} |")
+    return "\n".join(rows)

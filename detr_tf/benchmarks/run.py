@@ -1,0 +1,189 @@
+"""The train and infer benchmarks behind tools/benchmark.py.
+
+train: the trainer's own step (see ours.py) on synthetic tensors or the real input pipeline.
+Batches are pulled in Python, so the time spent waiting for the next batch is measured apart
+from the step itself; with synthetic tensors that wait is zero, and the difference between the
+two runs tells model speed from input speed.
+
+infer: the model's forward pass (training=False) at several batch sizes, with latency
+percentiles and throughput, as NVIDIA tabulates for its TF2 EfficientDet.
+"""
+import statistics
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.benchmarks import flops as flops_lib
+from detr_tf.benchmarks import ours, synthetic, timing
+
+
+def synthetic_batches(batch_size: int, image_size: Tuple[int, int], num_boxes: int,
+                      max_boxes: int, num_classes: int) -> Iterator:
+    """The same synthetic batch forever (no input cost at all)."""
+    batch = synthetic.ours(synthetic.draw(batch_size, image_size, num_boxes, max_boxes,
+                                          num_classes))
+    while True:
+        yield batch
+
+
+def pipeline_batches(dataset: tf.data.Dataset) -> Iterator:
+    """(features, targets) batches of the real pipeline, targets cut to what the step uses."""
+    for features, targets in dataset:
+        yield features, {k: targets[k] for k in ("labels", "boxes", "mask")}
+
+
+def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: Iterator,
+                    steps: int, warmup: int, jit: str, precision: str,
+                    peak_tflops: Optional[float] = None, count_flops: bool = True,
+                    log: Callable[[str], None] = print) -> Dict[str, object]:
+    """Times `steps` train steps after `warmup` ones; returns the report dict (see keys below).
+
+    Keys: images_per_sec, step_time_ms (median compute + wait), compute_time_ms, compile_time_s
+    (first call minus a median step: tracing and compilation), first_call_s, input_wait_share,
+    matching_ms, matching_share, matching_first_call_s, flops_per_step (XLA HLO count),
+    flops_per_step_analytic (both at the first batch's shape), achieved_tflops, peak_tflops,
+    mfu, peak_host_memory_mb, image_shapes, new_shape_steps (timed steps on a canvas not seen
+    before, which retrace the step).
+    """
+    ts = ours.build_train_step(model_fn, criterion, jit, precision)
+    t0 = time.perf_counter()
+    first = next(batches)
+    first_wait = time.perf_counter() - t0
+    batch_size = int(first[0]["images"].shape[0])
+    log(f"first call (trace + compile + step), jit={ts.jit} precision={precision} ...")
+    first_call = timing.timed_call(ts.step, first)
+    log(f"  {first_call:.1f} s")
+    shape_of = lambda b: tuple(b[0]["images"].shape[1:3])  # noqa: E731
+    seen = {shape_of(first)}
+    for _ in range(warmup):
+        batch = next(batches)
+        seen.add(shape_of(batch))
+        timing.timed_call(ts.step, batch)
+    waits, computes, shapes, new_shape_steps = [], [], set(), 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        t1 = time.perf_counter()
+        timing.sync(ts.step(batch))
+        t2 = time.perf_counter()
+        waits.append(t1 - t0)
+        computes.append(t2 - t1)
+        shapes.add(shape_of(batch))
+        # A canvas bucket seen for the first time retraces (and recompiles) the step: a real
+        # one-off cost that the mean includes and the median ignores.
+        new_shape_steps += shape_of(batch) not in seen
+        seen.add(shape_of(batch))
+    totals = [w + c for w, c in zip(waits, computes)]
+    step_s = statistics.median(totals)
+    report = {
+        "mode": "train", "jit": ts.jit, "precision": precision, "batch_size": batch_size,
+        "steps": steps, "warmup": warmup, "image_shapes": sorted(list(s) for s in shapes),
+        "new_shape_steps": new_shape_steps,
+        "images_per_sec": batch_size * len(totals) / sum(totals),
+        "images_per_sec_median_step": batch_size / step_s,
+        "step_time_ms": step_s * 1e3, "compute_time_ms": statistics.median(computes) * 1e3,
+        "step_times_ms": [t * 1e3 for t in totals],
+        "first_call_s": first_call, "first_batch_wait_s": first_wait,
+        "compile_time_s": max(first_call - statistics.median(computes), 0.0),
+        "input_wait_share": sum(waits) / sum(totals),
+    }
+    # Matching alone, compiled as the 'loss' mode compiles it, on this model's own outputs.
+    features, targets = first
+    outputs = ts.model(features["images"], features["pixel_mask"], training=True)
+    logits, boxes = ours.stacked_outputs(outputs)
+    match = ours.build_match_fn(criterion)
+    # Its first call is tracing + XLA compilation of the matcher, part of the step's first call.
+    report["matching_first_call_s"] = timing.timed_call(match, logits, boxes, targets)
+    match_s = statistics.median(timing.timed_call(match, logits, boxes, targets)
+                                for _ in range(max(steps, 3)))
+    report["matching_ms"] = match_s * 1e3
+    report["matching_share"] = match_s / step_s
+    hw = tuple(int(d) for d in features["images"].shape[1:3])
+    shape = flops_lib.shape_from_model(ts.model, hw, batch_size)
+    analytic = flops_lib.detr_flops(shape)
+    report["flops_per_step_analytic"] = analytic["train_step"]
+    report["flops_analytic_breakdown"] = analytic
+    report["flops_shape"] = list(hw)
+    report["flops_per_step"] = None
+    if count_flops:
+        log("counting FLOPs in the step's HLO ...")
+        hlo = ours.train_step_flops(ts, first)
+        report["flops_per_step"] = hlo["total"]
+        report["flops_hlo_breakdown"] = hlo
+        report["flops_hlo_over_analytic"] = hlo["total"] / analytic["train_step"]
+    used = report["flops_per_step"] or analytic["train_step"]
+    peak, device = ours.peak_tflops_for_device(precision, peak_tflops)
+    report["device"] = device
+    report["achieved_tflops"] = used / step_s / 1e12
+    report["peak_tflops"] = peak
+    report["mfu"] = flops_lib.mfu(used, step_s, peak)
+    report["peak_host_memory_mb"] = timing.peak_host_memory_mb()
+    return report
+
+
+def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequence[int],
+                    image_size: Tuple[int, int], steps: int, warmup: int, jit: bool,
+                    precision: str, peak_tflops: Optional[float] = None,
+                    log: Callable[[str], None] = print) -> Dict[str, object]:
+    """Latency (mean, p50, p90, p95, p99) and throughput of the forward pass per batch size."""
+    from detr_tf.training import trainer
+
+    previous = tf_keras.mixed_precision.global_policy().name
+    trainer._set_precision(precision)
+    try:
+        model = trainer._build_model(model_fn)
+    finally:
+        tf_keras.mixed_precision.set_global_policy(previous)
+    infer = ours.build_infer_step(model, jit)
+    peak, device = ours.peak_tflops_for_device(precision, peak_tflops)
+    rows: List[Dict[str, object]] = []
+    for bs in batch_sizes:
+        raw = synthetic.draw(bs, image_size, 1, 1, 1)
+        features, _ = synthetic.ours(raw)
+        images, mask = features["images"], features["pixel_mask"]
+        first = timing.timed_call(infer, images, mask)
+        for _ in range(warmup):
+            timing.timed_call(infer, images, mask)
+        lat = [timing.timed_call(infer, images, mask) for _ in range(steps)]
+        summary = timing.latency_summary(lat)
+        fwd = flops_lib.detr_flops(flops_lib.shape_from_model(model, image_size, bs))["forward"]
+        mean_s = summary["mean_ms"] / 1e3
+        row = {"batch_size": bs, **summary, "images_per_sec": bs / mean_s,
+               "first_call_s": first, "flops_per_batch": fwd,
+               "achieved_tflops": fwd / mean_s / 1e12,
+               "mfu": flops_lib.mfu(fwd, mean_s, peak)}
+        log(f"  batch {bs}: mean {summary['mean_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms, "
+            f"{row['images_per_sec']:.2f} images/s")
+        rows.append(row)
+    return {"mode": "infer", "jit": jit, "precision": precision, "image_size": list(image_size),
+            "device": device, "peak_tflops": peak, "results": rows,
+            "peak_host_memory_mb": timing.peak_host_memory_mb()}
+
+
+def train_table(report: Dict[str, object]) -> str:
+    r = report
+    mfu = "null" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    # On a shared machine a burst of load drags the mean; the median step is the robust figure.
+    return ("| input | jit | precision | images/s (median step / mean) | step median (ms) | "
+            "compile (s) | input wait | matching | GFLOP/step (HLO / analytic) | TFLOP/s | MFU | "
+            "peak RSS (MiB) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            f"| {r.get('input', '?')} | {r['jit']} | {r['precision']} | "
+            f"{r['images_per_sec_median_step']:.1f} / {r['images_per_sec']:.1f} | "
+            f"{r['step_time_ms']:.0f} | {r['compile_time_s']:.1f} | "
+            f"{100 * r['input_wait_share']:.1f}% | {100 * r['matching_share']:.1f}% | "
+            f"{(r['flops_per_step'] or 0) / 1e9:.1f} / {r['flops_per_step_analytic'] / 1e9:.1f}"
+            f" | {r['achieved_tflops']:.3f} | {mfu} | {r['peak_host_memory_mb']:.0f} |")
+
+
+def infer_table(report: Dict[str, object]) -> str:
+    rows = ["| batch | mean (ms) | p50 | p90 | p95 | p99 | images/s | first call (s) | MFU |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        mfu = "null" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        rows.append(f"| {r['batch_size']} | {r['mean_ms']:.1f} | {r['p50_ms']:.1f} | "
+                    f"{r['p90_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | "
+                    f"{r['images_per_sec']:.2f} | {r['first_call_s']:.1f} | {mfu} |")
+    return "\n".join(rows)

@@ -1,0 +1,85 @@
+"""Learning-rate schedule, optimizer groups, loss scaling and EMA against hand-computed values."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.training import checkpointing, optimization, trainer
+
+
+def test_step_decay_schedule_with_warmup():
+    sched = optimization.StepDecaySchedule(1e-4, drop_steps=[10, 20], factor=0.1, warmup_steps=4)
+    got = [float(sched(s)) for s in (0, 1, 3, 4, 9, 10, 19, 20, 100)]
+    want = [0.25e-4, 0.5e-4, 1e-4, 1e-4, 1e-4, 1e-5, 1e-5, 1e-6, 1e-6]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_build_optimizers_places_epoch_drops_and_groups_rates():
+    backbone_opt, main_opt = optimization.build_optimizers(
+        steps_per_epoch=50, learning_rate=1e-4, backbone_learning_rate=1e-5,
+        lr_drop_epochs=(200,), weight_decay=1e-4)
+    assert isinstance(main_opt, tf_keras.optimizers.AdamW)
+    for opt, base in ((backbone_opt, 1e-5), (main_opt, 1e-4)):
+        sched = opt.learning_rate if callable(opt.learning_rate) else opt._learning_rate
+        assert float(sched(9999)) == pytest.approx(base)
+        assert float(sched(10000)) == pytest.approx(base * 0.1)
+    assert main_opt.weight_decay == pytest.approx(1e-4)
+
+
+def test_adamw_update_matches_pytorch_adamw_formula():
+    """One step of the main group against PyTorch AdamW's update written out in numpy."""
+    _, opt = optimization.build_optimizers(steps_per_epoch=1, learning_rate=1e-3,
+                                           lr_drop_epochs=(), weight_decay=0.1,
+                                           jit_compile=False)
+    w0 = np.array([0.5, -1.0, 2.0], np.float32)
+    g = np.array([0.1, -0.2, 0.3], np.float32)
+    var = tf.Variable(w0)
+    opt.apply_gradients([(tf.constant(g), var)])
+    lr, wd, b1, b2, eps = 1e-3, 0.1, 0.9, 0.999, 1e-8
+    w = w0 * (1 - lr * wd)  # decoupled decay first, as torch.optim.AdamW
+    m, v = (1 - b1) * g, (1 - b2) * g * g
+    w = w - lr * (m / (1 - b1)) / (np.sqrt(v / (1 - b2)) + eps)
+    np.testing.assert_allclose(var.numpy(), w, rtol=1e-5)
+
+
+def test_dynamic_loss_scale_halves_on_overflow_and_grows_after_interval():
+    scale = optimization.DynamicLossScale(initial_scale=8.0, growth_interval=2)
+    history = []
+    for finite in (True, False, True, True, True, False):
+        scale.update(tf.constant(finite))
+        history.append(float(scale.scale.numpy()))
+    # finite: 1 good step; overflow: halve, reset; two finite: double; finite; overflow: halve.
+    assert history == [8.0, 4.0, 4.0, 8.0, 8.0, 4.0]
+
+
+def test_ema_update_swap_and_restore_for_eval(tmp_path):
+    model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
+    model.backbone = model.layers[0]  # restore_for_eval only needs a built model
+    ema = optimization.ExponentialMovingAverage(model.trainable_variables, decay=0.5)
+    start = [v.numpy().copy() for v in model.trainable_variables]
+    for v in model.trainable_variables:
+        v.assign(v + 1.0)
+    ema.update()
+    # shadow = 0.5 * start + 0.5 * (start + 1) = start + 0.5
+    for shadow, s0 in zip(ema.shadow, start):
+        np.testing.assert_allclose(shadow.numpy(), s0 + 0.5, rtol=1e-6)
+    path = tf.train.Checkpoint(model=model, ema=ema).save(str(tmp_path / "checkpoints" / "ckpt"))
+
+    fresh = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
+    fresh(tf.zeros([1, 3]))
+    checkpointing.restore_for_eval(fresh, checkpoint=path, use_ema=True)
+    for v, s0 in zip(fresh.trainable_variables, start):
+        np.testing.assert_allclose(v.numpy(), s0 + 0.5, rtol=1e-6)
+    checkpointing.restore_for_eval(fresh, checkpoint=path, use_ema=False)
+    for v, s0 in zip(fresh.trainable_variables, start):
+        np.testing.assert_allclose(v.numpy(), s0 + 1.0, rtol=1e-6)
+    with pytest.raises(FileNotFoundError, match="no checkpoint found"):
+        checkpointing.restore_for_eval(fresh, model_dir=str(tmp_path / "empty"))
+
+
+def test_resolve_jit_and_bad_choices():
+    accelerated = tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
+    assert trainer.resolve_jit("auto") == ("step" if accelerated else "loss")
+    assert trainer.resolve_jit("step") == "step"
+    with pytest.raises(ValueError, match="train.jit='fast'"):
+        trainer.resolve_jit("fast")

@@ -1,0 +1,205 @@
+"""The trainer end to end on the tiny model: engines agree, resume is exact, failures are clear.
+
+Each run is a separate process (a runtime split into logical CPUs, Horovod, signals), so these
+tests are the slowest of the default suite: about 1-2 minutes each on 2 cores.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.test_horovod import horovodrun_or_skip
+
+REPO = Path(__file__).resolve().parent.parent
+PROG = REPO / "tests" / "trainer_prog.py"
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO))
+
+
+@pytest.fixture(scope="module")
+def shapes_cache(tmp_path_factory):
+    """The tiny shapes dataset, generated once here so parallel processes never race on it."""
+    from detr_tf.data import shapes
+
+    cache = tmp_path_factory.mktemp("shapes")
+    shapes.ensure_shapes_tfrecords(str(cache), num_train=64, num_val=16, image_size=128, seed=0)
+    return str(cache)
+
+
+def run(args, timeout=900, **kwargs):
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV,
+                          cwd=REPO, **kwargs)
+    return proc, proc.stdout + proc.stderr
+
+
+def train_cli(model_dir, cache, *params):
+    return run([sys.executable, str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
+                f"--gin_param=SHAPES_CACHE_DIR='{cache}'", *[f"--gin_param={p}" for p in params],
+                f"--model_dir={model_dir}"])
+
+
+def checkpoint_weights(model_dir):
+    ckpt = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+    reader = tf.train.load_checkpoint(ckpt)
+    return ckpt, {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(ckpt)
+                  if name.startswith("model/")}
+
+
+@pytest.fixture(scope="module")
+def engine_runs(shapes_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines")
+    proc, log = run([sys.executable, str(PROG), "engines", str(out), shapes_cache])
+    assert proc.returncode == 0, log[-4000:]
+    return out
+
+
+def _assert_same_training(ref_dir, other_dir):
+    ref, other = np.load(ref_dir / "result.npz"), np.load(other_dir / "result.npz")
+    # Same global batch -> same loss at every step (float32 reduction order aside).
+    np.testing.assert_allclose(other["losses"], ref["losses"], rtol=1e-5)
+    names = [k for k in ref.files if k != "losses" and not k.startswith("step1/")]
+    assert len(names) > 100 and set(names) <= set(other.files)
+    update = max(np.abs(ref[k] - ref["step1/" + k]).max() for k in names)
+    assert update > 1e-5
+    # The weights differ by far less than one step changes them, up to a few float32 ulps
+    # (reductions in another order round differently).
+    for k in names:
+        tol = 1e-3 * update + 4 * np.finfo(np.float32).eps * np.abs(ref[k])
+        excess = np.abs(ref[k] - other[k]) - tol
+        assert np.all(excess <= 0), (k, float(np.abs(ref[k] - other[k]).max()), update)
+
+
+def test_mirrored_two_replicas_equals_one_device(engine_runs):
+    _assert_same_training(engine_runs / "default", engine_runs / "mirrored")
+
+
+def test_gradient_accumulation_equals_one_larger_batch(engine_runs):
+    _assert_same_training(engine_runs / "default", engine_runs / "accumulated")
+
+
+@pytest.mark.horovod
+def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
+    exe = horovodrun_or_skip()
+    proc, log = run([exe, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(PROG),
+                     "horovod", str(engine_runs), shapes_cache])
+    assert proc.returncode == 0, log[-4000:]
+    _assert_same_training(engine_runs / "default", engine_runs / "horovod")
+
+
+def _free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = []
+    for index in range(2):
+        env = dict(ENV, TF_CONFIG=json.dumps({"cluster": cluster,
+                                              "task": {"type": "worker", "index": index}}))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(PROG), "multi_worker", str(engine_runs), shapes_cache],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    # Only the chief (worker 0) wrote checkpoints and logs.
+    assert not (engine_runs / "worker_1" / "metrics.jsonl").exists()
+    _assert_same_training(engine_runs / "default", engine_runs / "multi_worker")
+
+
+def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ("train.deterministic = True", "train.num_steps = 4", "train.log_every = 1")
+    proc, log = train_cli(full, shapes_cache, *common)
+    assert proc.returncode == 0, log[-4000:]
+
+    # config.gin at start, operative_config.gin (what was actually called) after step one.
+    config_gin = (full / "config.gin").read_text()
+    assert "train.num_steps = 4" in config_gin
+    operative = (full / "operative_config.gin").read_text()
+    assert "SetCriterion.eos_coef = 0.1" in operative and "build_optimizers." in operative
+    records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert np.isfinite(r["loss"]) and r["split"] == "train"
+        assert {"loss_ce", "loss_bbox", "loss_giou", "class_error", "cardinality_error",
+                "grad_norm", "learning_rate", "backbone_learning_rate",
+                "images_per_sec"} <= set(r)
+    assert any(f.startswith("events.") for f in os.listdir(full / "train"))
+
+    # Interrupted after 2 steps, resumed to 4: the same weights as the uninterrupted run.
+    proc, log = train_cli(part, shapes_cache, *common[:1], "train.num_steps = 2")
+    assert proc.returncode == 0, log[-4000:]
+    proc, log = train_cli(part, shapes_cache, *common)
+    assert proc.returncode == 0 and "resumed from" in log and "at step 2" in log, log[-4000:]
+    (ckpt_a, a), (ckpt_b, b) = checkpoint_weights(full), checkpoint_weights(part)
+    assert ckpt_a.endswith("ckpt-4") and ckpt_b.endswith("ckpt-4")
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_nan_loss_stops_naming_step_and_terms_or_skips(shapes_cache, tmp_path):
+    proc, log = run([sys.executable, str(PROG), "nan", str(tmp_path), shapes_cache])
+    assert proc.returncode == 0, log[-4000:]
+    results = json.loads(log.split("NAN_RESULT ", 1)[1].splitlines()[0])
+    stop = results["stop"]
+    # The third step's loss is NaN: the run stops there, names it and its terms, and the
+    # checkpoints of the two good steps are intact.
+    assert "non-finite loss at step 3" in stop["error"] and "loss_giou=" in stop["error"]
+    assert stop["latest"].endswith("ckpt-2")
+    reader = tf.train.load_checkpoint(stop["latest"])
+    assert all(np.all(np.isfinite(reader.get_tensor(n)))
+               for n, _ in tf.train.list_variables(stop["latest"]) if n.startswith("model/"))
+    skip = results["skip"]
+    assert skip["error"] is None and skip["latest"].endswith("ckpt-4")
+
+
+def test_sigterm_saves_a_restorable_checkpoint_and_exits_cleanly(shapes_cache, tmp_path):
+    args = [sys.executable, str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
+            f"--gin_param=SHAPES_CACHE_DIR='{shapes_cache}'", "--gin_param=train.num_steps=100000",
+            "--gin_param=train.checkpoint_every=100000", f"--model_dir={tmp_path}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=ENV, cwd=REPO)
+    deadline = time.time() + 600
+    for line in proc.stdout:
+        if "step 1/" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "termination signal received; saved" in out
+    ckpt = tf.train.latest_checkpoint(os.path.join(tmp_path, "checkpoints"))
+    step = int(ckpt.rsplit("-", 1)[1])
+    assert step >= 1
+    reader = tf.train.load_checkpoint(ckpt)
+    assert int(reader.get_tensor("global_step/.ATTRIBUTES/VARIABLE_VALUE")) == step
+
+
+def test_missing_data_and_unwritable_model_dir_fail_before_compiling(tmp_path):
+    missing = tmp_path / "nowhere"
+    proc, log = run([sys.executable, str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
+                     f"--gin_param=train/TFRecordSource.file_pattern = '{missing}/*.tfrecord'",
+                     "--gin_param=TRAIN_DATA = @train/TFRecordSource()",
+                     f"--model_dir={tmp_path / 'run'}"], timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in log, log[-3000:]
+    assert str(missing) in log
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc, log = run([sys.executable, str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
+                     f"--model_dir={blocker / 'run'}"], timeout=300)
+    assert proc.returncode != 0 and "not writable" in log and "Traceback" not in log, log[-3000:]

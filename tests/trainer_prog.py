@@ -1,0 +1,140 @@
+"""Training runs for tests/test_trainer.py, each in its own process (engines need a fresh runtime).
+
+    python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR   (2 logical CPUs: default, mirrored)
+    horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
+    python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
+    TF_CONFIG=... python tests/trainer_prog.py multi_worker OUT_DIR SHAPES_CACHE_DIR  (x2 workers)
+
+Every engine run trains the tiny model for STEPS steps on the same global batches: the eval
+pipeline's first batches (deterministic, source order), each replica taking its slice, so any
+difference between engines comes from the engines and not from the data.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+MODE, OUT, CACHE = sys.argv[1], sys.argv[2], sys.argv[3]
+STEPS, GLOBAL_BATCH = 2, 4
+
+if MODE == "engines":
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(2)])
+
+import gin  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from detr_tf import config  # noqa: E402
+from detr_tf.data import pipeline  # noqa: E402
+from detr_tf.training import trainer  # noqa: E402
+
+config.parse_gin_config(["tiny.gin"], [
+    f"SHAPES_CACHE_DIR = '{CACHE}'",
+    "Transformer.dropout = 0.0",  # dropout streams differ per replica by design
+    "train.log_every = 1",
+], finalize=False)
+
+
+ACCUM = 1  # micro-batches per step: each global batch is then fed in ACCUM slices
+
+
+def same_global_batches(is_training, global_batch_size, input_context=None, num_shards=None,
+                        shard_index=None, deterministic=False, seed=0):
+    del is_training, deterministic, seed
+    if ACCUM > 1:
+        replicas, mine = ACCUM, list(range(ACCUM))
+        global_batch_size *= ACCUM  # the trainer's global batch is one micro-batch
+    elif input_context is not None:
+        # One pipeline may feed several replicas, which take its batches in turn.
+        replicas = input_context.num_replicas_in_sync
+        per_pipeline = replicas // input_context.num_input_pipelines
+        mine = [input_context.input_pipeline_id * per_pipeline + r for r in range(per_pipeline)]
+    else:
+        replicas, mine = num_shards or 1, [shard_index or 0]
+    per = global_batch_size // replicas
+    ds = pipeline.build_dataset(is_training=False, global_batch_size=global_batch_size,
+                                deterministic=True, seed=0).take(STEPS).cache().repeat()
+
+    def slices(features, targets):
+        parts = [tf.nest.map_structure(lambda x: x[r * per:(r + 1) * per], (features, targets))
+                 for r in mine]
+        return tf.data.Dataset.from_tensor_slices(
+            tf.nest.map_structure(lambda *xs: tf.stack(xs), *parts))
+
+    return ds.flat_map(slices)
+
+
+def run(model_dir, distribution, **kwargs):
+    trainer.train(model_dir, dataset_fn=same_global_batches,
+                  global_batch_size=GLOBAL_BATCH // kwargs.get("grad_accum_steps", 1),
+                  num_steps=STEPS, distribution=distribution, cpu_devices=2, deterministic=True,
+                  jit="loss", checkpoint_every=1, **kwargs)
+    if not os.path.exists(os.path.join(model_dir, "metrics.jsonl")):
+        return None  # not the chief: it wrote no checkpoints or metrics
+    losses = [json.loads(line)["loss"] for line in open(os.path.join(model_dir, "metrics.jsonl"))]
+    reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
+    weights = {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(
+        os.path.join(model_dir, "checkpoints")) if name.startswith("model/")
+        and "OPTIMIZER_SLOT" not in name}
+    first = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints", "ckpt-1"))
+    np.savez(os.path.join(model_dir, "result.npz"), losses=np.array(losses),
+             **{k: v for k, v in weights.items()},
+             **{"step1/" + k: first.get_tensor(k) for k in weights})
+    return losses
+
+
+if MODE == "engines":
+    for name in ("default", "mirrored"):
+        print(name, run(os.path.join(OUT, name), name), flush=True)
+    # Two micro-batches of 2 accumulated on one device: the same global batches of 4.
+    ACCUM = 2
+    print("accumulated", run(os.path.join(OUT, "accumulated"), "default",
+                             grad_accum_steps=ACCUM), flush=True)
+elif MODE == "multi_worker":
+    import json as _json
+
+    task = _json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    losses = run(os.path.join(OUT, "multi_worker" if task == 0 else f"worker_{task}"),
+                 "multi_worker_mirrored")
+    print("multi_worker", task, losses, flush=True)
+elif MODE == "horovod":
+    print("horovod", run(os.path.join(OUT, "horovod"), "default"), flush=True)
+elif MODE == "nan":
+    from detr_tf.losses import SetCriterion
+
+    class NaNFromStep3(SetCriterion):
+        """The tiny criterion, but its loss turns NaN from the third call on."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.calls = tf.Variable(0, trainable=False)
+
+        def __call__(self, outputs, targets, **kwargs):
+            losses = super().__call__(outputs, targets, **kwargs)
+            self.calls.assign_add(1)
+            poison = tf.where(self.calls >= 3, float("nan"), 0.0)
+            losses["loss"] = losses["loss"] + poison
+            return losses
+
+    def crit():
+        return NaNFromStep3(num_classes=4)
+
+    results = {}
+    for policy in ("stop", "skip"):
+        model_dir = os.path.join(OUT, policy)
+        try:
+            trainer.train(model_dir, criterion=crit(), dataset_fn=same_global_batches,
+                          global_batch_size=GLOBAL_BATCH, num_steps=4, deterministic=True,
+                          jit="loss", checkpoint_every=1, nan_policy=policy)
+            results[policy] = {"error": None}
+        except trainer.TrainingError as e:
+            results[policy] = {"error": str(e)}
+        results[policy]["checkpoints"] = sorted(
+            f for f in os.listdir(os.path.join(model_dir, "checkpoints")) if f.endswith(".index"))
+        results[policy]["latest"] = tf.train.latest_checkpoint(
+            os.path.join(model_dir, "checkpoints"))
+    print("NAN_RESULT " + json.dumps(results), flush=True)

@@ -1,0 +1,98 @@
+"""Benchmarks detr_tf's train step or inference as configured by Gin; prints a table, writes JSON.
+
+    # train step on synthetic tensors (model speed alone)
+    PYTHONPATH=. python tools/benchmark.py --gin_file models/detr_r50.gin --mode train \
+        --input synthetic --image_size 256 --batch_size 2 --steps 5 --json_out /tmp/train.json
+    # the same step fed by the real input pipeline (shapes data here; any data gin file works)
+    PYTHONPATH=. python tools/benchmark.py --gin_file models/detr_tiny.gin \
+        --gin_file data/shapes.gin --gin_param "SHAPES_CACHE_DIR='/tmp/shapes'" \
+        --gin_param NUM_CLASSES=4 --mode train --input pipeline --steps 20 --json_out /tmp/p.json
+    # inference latency and throughput at batch sizes 1, 2, 4, 8
+    PYTHONPATH=. python tools/benchmark.py --gin_file models/detr_r50.gin --mode infer \
+        --image_size 256 --batch_sizes 1,2,4,8 --steps 10 --json_out /tmp/infer.json
+
+The model is Gin's `build_model`, the criterion `SetCriterion()`. jit and precision default to
+the `train.jit` / `train.precision` bindings when the Gin files set them, else 'auto' and
+'float32'. The pipeline is the Gin-configured `build_dataset(True, ...)`, as in training.
+MFU needs a peak: --peak_tflops, or a known GPU/TPU (see detr_tf/benchmarks/flops.py); on a
+CPU it is null unless given.
+"""
+import json
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_multi_string("gin_file", [], "Gin file(s) to parse, in order.")
+flags.DEFINE_multi_string("gin_param", [], "Gin binding(s) applied after the files.")
+flags.DEFINE_enum("mode", "train", ["train", "infer"], "What to time.")
+flags.DEFINE_enum("input", "synthetic", ["synthetic", "pipeline"], "Train input.")
+flags.DEFINE_integer("steps", 10, "Timed steps (per batch size in infer mode).")
+flags.DEFINE_integer("warmup", 2, "Untimed steps after the first call.")
+flags.DEFINE_integer("batch_size", 2, "Train batch size.")
+flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Infer batch sizes.")
+flags.DEFINE_integer("image_size", 256, "Synthetic / infer square image side (multiple of 32).")
+flags.DEFINE_integer("num_boxes", 7, "Synthetic real boxes per image.")
+flags.DEFINE_integer("max_boxes", 100, "Synthetic padded target slots per image.")
+flags.DEFINE_string("jit", None, "'step', 'loss', 'none' or 'auto' (default: train.jit).")
+flags.DEFINE_string("precision", None, "Keras policy (default: train.precision).")
+flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of the device for MFU.")
+flags.DEFINE_bool("count_flops", True, "Count the step's FLOPs in XLA's HLO (train mode).")
+flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+FLAGS = flags.FLAGS
+
+
+def _bound(name: str, default):
+    import gin
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
+
+
+def main(argv):
+    if len(argv) > 1:
+        sys.exit(f"benchmark.py: unexpected arguments {argv[1:]}; use --gin_file/--gin_param")
+    from detr_tf import config
+    try:
+        config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
+    except config.ConfigError as e:
+        sys.exit(f"benchmark.py: {e}")
+    from detr_tf.benchmarks import run
+    from detr_tf.losses import SetCriterion
+    from detr_tf.modeling.detr import build_model
+
+    precision = FLAGS.precision or _bound("train.precision", "float32")
+    jit = FLAGS.jit or _bound("train.jit", "auto")
+    size = (FLAGS.image_size, FLAGS.image_size)
+    if FLAGS.mode == "infer":
+        from detr_tf.training import trainer
+        report = run.benchmark_infer(build_model, [int(b) for b in FLAGS.batch_sizes], size,
+                                     FLAGS.steps, FLAGS.warmup,
+                                     trainer.resolve_jit(jit) == "step", precision,
+                                     FLAGS.peak_tflops)
+        table = run.infer_table(report)
+    else:
+        criterion = SetCriterion()
+        if FLAGS.input == "synthetic":
+            batches = run.synthetic_batches(FLAGS.batch_size, size, FLAGS.num_boxes,
+                                            FLAGS.max_boxes, criterion.num_classes)
+        else:
+            from detr_tf.data import pipeline
+            # The Gin-configured pipeline, as train.dataset_fn (= build_dataset) feeds training.
+            dataset = pipeline.build_dataset(True, FLAGS.batch_size, seed=0)
+            batches = run.pipeline_batches(dataset)
+        report = run.benchmark_train(build_model, criterion, batches, FLAGS.steps,
+                                     FLAGS.warmup, jit, precision, FLAGS.peak_tflops,
+                                     FLAGS.count_flops)
+        report["input"] = FLAGS.input
+        table = run.train_table(report)
+    report["command"] = " ".join(sys.argv)
+    report["gin_files"], report["gin_params"] = FLAGS.gin_file, FLAGS.gin_param
+    print(table)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,58 @@
+"""Times detr_tf's train step and TF Model Garden's DETR side by side, in one process.
+
+    PYTHONPATH=. python tools/benchmark_vs_model_garden.py --image_size 256 --batch_size 2 \
+        --rounds 5 --json_out /tmp/vs_mg.json
+
+Same model size (ResNet-50, 6+6 layers, d 256, 100 queries, 91 classes), resolution, batch,
+synthetic images and boxes for both; variants 'side/precision/jit' (see
+detr_tf/benchmarks/compare.py), timed in interleaved rounds; medians, images/s, first-call
+(trace + compile + one step) times, and the ratios. Expect 15-30 minutes on 2 CPU cores:
+Model Garden's jit-compiled step alone takes minutes to compile.
+"""
+import json
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_multi_string("gin_file", ["models/detr_r50.gin"], "Our model's Gin file(s).")
+flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings for our model.")
+flags.DEFINE_integer("image_size", 256, "Square image side in pixels (multiple of 32).")
+flags.DEFINE_integer("batch_size", 2, "Images per step.")
+flags.DEFINE_integer("num_boxes", 7, "Real boxes per image (COCO averages about 7).")
+flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image (both sides).")
+flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds after the warm-up.")
+flags.DEFINE_multi_string("variant", [], "Variants 'side/precision/jit' to run (default all).")
+flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        sys.exit(f"unexpected arguments {argv[1:]}")
+    from detr_tf import config
+    from detr_tf.benchmarks import model_garden
+    model_garden.import_model_garden()  # before Gin is locked: it registers configurables
+    config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
+    from detr_tf.benchmarks import compare, flops
+    from detr_tf.losses import SetCriterion
+    from detr_tf.modeling.detr import build_model
+
+    variants = (compare.parse_variants(FLAGS.variant) if FLAGS.variant
+                else list(compare.DEFAULT_VARIANTS))
+    size = (FLAGS.image_size, FLAGS.image_size)
+    criterion = SetCriterion()
+    shape = flops.DetrShape(image_size=size, batch_size=FLAGS.batch_size,
+                            num_classes=criterion.num_classes)
+    report = compare.run(build_model, criterion, variants, size, FLAGS.batch_size,
+                         FLAGS.num_boxes, FLAGS.max_boxes, criterion.num_classes, FLAGS.rounds,
+                         analytic_shape=shape, log=lambda s: print(s, flush=True))
+    report["command"] = " ".join(sys.argv)
+    print(compare.table(report))
+    print(json.dumps(report["ratios"], indent=2))
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
