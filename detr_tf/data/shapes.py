@@ -194,6 +194,9 @@ def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int 
         return result
     from detr_tf.data import coco_converter  # imports TF lazily; keep this module light
 
+    # First use is silent for up to a minute otherwise; say what is happening and where.
+    print(f"shapes: generating {num_train} train + {num_val} val images into {root} "
+          "(first use only)", flush=True)
     paths = make_shapes_dataset(root, num_train, num_val, image_size, seed)
     counts = {}
     for split in ("train", "val"):

@@ -1,0 +1,171 @@
+"""End to end through the entry scripts: train (tiny), eval, predict, export, and their errors.
+
+One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module. The run also
+binds the quickstart's end-of-training hooks (COCO evaluation, prediction images, next steps),
+so the path every new user takes is exercised too. Each script runs in a subprocess, as a user
+runs it, and is judged by its exit status, its files and its message.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from detr_tf import config
+from detr_tf.evaluation import predict, workflow
+
+REPO = Path(__file__).resolve().parent.parent
+METRIC_KEYS = {"AP", "AP50", "AP75", "APs", "APm", "APl"}
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the scripts must import this checkout's package, not another installed copy.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("DETR_TF_TRACEBACK", None)
+    return subprocess.run([sys.executable, str(REPO / "tools" / script), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A trained tiny model_dir, its gin flags and two val images to predict on."""
+    root = tmp_path_factory.mktemp("e2e")
+    cache = root / "shapes_cache"
+    cache_binding = f"SHAPES_CACHE_DIR = '{cache}'"
+    gin_flags = ["--gin_file=gin_configs/tiny.gin", f"--gin_param={cache_binding}"]
+    model_dir = root / "model"
+    train = _ok(_run("train.py", *gin_flags, f"--model_dir={model_dir}",
+                     "--gin_param=train.num_steps = 4",
+                     "--gin_param=train.eval_fn = @coco_evaluate",
+                     "--gin_param=train.after_train_fn = @after_train_report",
+                     "--gin_param=predict_eval_images.num_images = 2"))
+    val_dir = next(cache.glob("shapes_*")) / "val"
+    images = root / "images"
+    images.mkdir()
+    for path in sorted(val_dir.glob("*.jpg"))[:2]:
+        shutil.copy(path, images / path.name)
+    return {"model_dir": model_dir, "gin": gin_flags, "cache_binding": cache_binding,
+            "images": images, "train": train}
+
+
+def test_train_ends_with_metrics_predictions_and_next_steps(run):
+    out = run["train"].stdout
+    model_dir = run["model_dir"]
+    assert "COCO bbox metrics" in out
+    assert len(list((model_dir / "predictions").glob("*.png"))) == 2
+    next_steps = out[out.index("next steps"):]
+    assert f"tensorboard --logdir {model_dir}" in next_steps
+    assert str(model_dir / "eval" / "metrics.json") in next_steps
+    assert str(model_dir / "predictions") in next_steps
+
+
+def test_eval_writes_exactly_the_six_metrics(run):
+    model_dir = run["model_dir"]
+    shutil.rmtree(model_dir / "eval")
+    ckpt = model_dir / "checkpoints" / "ckpt-4"
+    result = _ok(_run("eval.py", *run["gin"], f"--model_dir={model_dir}", f"--checkpoint={ckpt}"))
+    assert f"restored {ckpt}" in result.stdout and "AP50" in result.stdout
+    metrics = json.loads((model_dir / "eval" / "metrics.json").read_text())
+    assert set(metrics) == METRIC_KEYS
+    assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in metrics.values())
+    detections = json.loads((model_dir / "eval" / "detections.json").read_text())
+    # COCO results format over the 16 val images: every detection names a shapes category.
+    assert detections and {d["category_id"] for d in detections} <= {1, 2, 3, 4}
+    assert all(len(d["bbox"]) == 4 for d in detections)
+
+
+@pytest.fixture(scope="module")
+def predicted(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("predicted")
+    # Threshold 0: every query is a detection, so the comparison with the export is not empty.
+    _ok(_run("predict.py", *run["gin"], f"--model_dir={run['model_dir']}",
+             f"--images={run['images']}", f"--output_dir={out}", "--score_threshold=0"))
+    return out
+
+
+def test_predict_writes_a_png_per_image_and_one_json(run, predicted):
+    inputs = sorted(p.name for p in run["images"].iterdir())
+    records = json.loads((predicted / "detections.json").read_text())
+    assert [Path(r["file"]).name for r in records] == inputs
+    for record in records:
+        assert (predicted / record["png"]).is_file()
+        assert record["detections"], "threshold 0 keeps every query"
+        for d in record["detections"]:
+            assert d["class_name"] in ("ellipse", "rectangle", "triangle", "cross")
+            x0, y0, x1, y1 = d["box"]
+            assert 0 <= x0 <= x1 <= record["width"] and 0 <= y0 <= y1 <= record["height"]
+
+
+def test_export_loads_and_matches_predict(run, predicted, tmp_path):
+    export_dir = tmp_path / "export"
+    # Without --gin_file: the run's config.gin.
+    _ok(_run("export.py", f"--model_dir={run['model_dir']}", f"--export_dir={export_dir}"))
+    loaded = tf.saved_model.load(str(export_dir))
+    assert {"serving_default", "serving_images"} <= set(loaded.signatures)
+    files = predict.list_images(run["images"])
+    from_export = predict.predict_images(loaded, files, tmp_path / "out", score_threshold=0.0,
+                                         draw=False)
+    from_tool = json.loads((predicted / "detections.json").read_text())
+    assert len(from_export) == len(from_tool) == len(files)
+    for a, b in zip(from_export, from_tool):
+        assert [d["category_id"] for d in a["detections"]] == \
+            [d["category_id"] for d in b["detections"]]
+        np.testing.assert_allclose([d["score"] for d in a["detections"]],
+                                   [d["score"] for d in b["detections"]], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose([d["box"] for d in a["detections"]],
+                                   [d["box"] for d in b["detections"]], rtol=1e-5, atol=1e-3)
+    # The serving signature on raw bytes agrees too.
+    encoded = tf.constant([Path(files[0]).read_bytes()])
+    out = loaded.signatures["serving_default"](encoded=encoded)
+    n = int(out["num_detections"][0])
+    np.testing.assert_allclose(out["scores"][0, :n].numpy(),
+                               [d["score"] for d in from_tool[0]["detections"]],
+                               rtol=1e-5, atol=1e-6)
+
+
+def _failed_cleanly(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, f"{needle!r} not in: {result.stderr}"
+
+
+def test_script_exits_with_one_line_for_a_run_without_checkpoint(run, tmp_path):
+    _failed_cleanly(_run("eval.py", *run["gin"], f"--model_dir={tmp_path}"),
+                    "eval.py", str(tmp_path), "no checkpoint")
+
+
+def test_errors_name_the_missing_thing(run, tmp_path):
+    # In-process (the scripts only add the one-line exit checked above): cheaper than a
+    # TensorFlow start-up per case.
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["tiny.gin"], [run["cache_binding"]], finalize=False)
+        with pytest.raises(FileNotFoundError, match="no_such_dir.*does not exist"):
+            workflow.load_trained_model(str(tmp_path / "no_such_dir"))
+        with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))}.*no checkpoint"):
+            workflow.load_trained_model(str(tmp_path))
+        missing = str(run["model_dir"] / "checkpoints" / "ckpt-999")
+        with pytest.raises(FileNotFoundError, match="ckpt-999"):
+            workflow.load_trained_model(str(run["model_dir"]), checkpoint=missing)
+        with pytest.raises(SystemExit, match="predict.py: FileNotFoundError: .*no_such_images"):
+            workflow.run_tool("predict.py", lambda: workflow.predict_run(
+                str(run["model_dir"]), str(tmp_path / "no_such_images"), str(tmp_path / "out")))
+    finally:
+        gin.clear_config()
+    # No --gin_file and no config.gin to fall back on.
+    with pytest.raises(SystemExit, match="eval.py: no --gin_file"):
+        workflow.parse_tool_config("eval.py", [], [], str(tmp_path))

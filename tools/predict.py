@@ -1,0 +1,41 @@
+"""Draws a trained run's detections on image files.
+
+    python tools/predict.py --gin_file=gin_configs/quickstart.gin --model_dir=/tmp/quickstart \
+        --images=photo.jpg_or_a_directory --output_dir=/tmp/predictions
+
+Writes OUTPUT_DIR/<image name>.png with the boxes, class names and scores drawn, and one
+OUTPUT_DIR/detections.json for the run (boxes in original pixels; see
+detr_tf/evaluation/predict.py). Images are prepared exactly as the eval pipeline prepares them.
+Without --gin_file the run's own MODEL_DIR/config.gin is used.
+"""
+import sys
+
+from absl import app, flags, logging
+
+flags.DEFINE_multi_string("gin_file", [], "Gin file(s) to parse, in order "
+                          "(default: MODEL_DIR/config.gin).")
+flags.DEFINE_multi_string("gin_param", [], "Gin binding(s) applied after the files.")
+flags.DEFINE_string("model_dir", None, "The training run's directory.")
+flags.DEFINE_string("checkpoint", None, "A checkpoint prefix (default: the latest).")
+flags.DEFINE_string("images", None, "An image file or a directory of images "
+                    "(.jpg, .jpeg, .png, .bmp, .gif).")
+flags.DEFINE_string("output_dir", None, "Where the PNGs and detections.json go (created).")
+flags.DEFINE_float("score_threshold", 0.5, "Detections scoring lower are not drawn or listed.")
+flags.mark_flags_as_required(["model_dir", "images", "output_dir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        sys.exit(f"predict.py: unexpected arguments {argv[1:]}")
+    from detr_tf.evaluation import workflow
+
+    workflow.parse_tool_config("predict.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
+    workflow.run_tool("predict.py", lambda: workflow.predict_run(
+        FLAGS.model_dir, FLAGS.images, FLAGS.output_dir, FLAGS.score_threshold,
+        FLAGS.checkpoint))
+
+
+if __name__ == "__main__":
+    app.run(main)
