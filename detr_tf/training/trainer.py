@@ -23,7 +23,6 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 import gin
-import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -461,6 +460,11 @@ def train(model_dir: str,
             save()
     if eval_fn is not None and engine.is_chief:
         eval_metrics = _evaluate(eval_fn, model, model_dir, ema, step, writer)
+    if engine.is_chief:
+        shown = {k: last_train[k] for k in ("loss", "class_error") if k in last_train}
+        shown.update({k: eval_metrics[k] for k in ("AP", "AP50") if k in eval_metrics})
+        print(f"detr_tf: finished at step {step}: "
+              + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
     if after_train_fn is not None and engine.is_chief:
         with _ema_weights(ema):
             after_train_fn(model=model, model_dir=model_dir)
@@ -506,7 +510,7 @@ def run_from_command_line(model_dir: str) -> None:
     import sys
 
     try:
-        result = train(model_dir)
+        train(model_dir)
     except (TrainingError, FileNotFoundError, ValueError) as e:
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
@@ -515,7 +519,3 @@ def run_from_command_line(model_dir: str) -> None:
         if "Required bindings" in str(e):
             sys.exit(f"train.py: gin configuration incomplete: {e}")
         raise
-    if result:
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()
-                 if not isinstance(v, (np.ndarray,))}
-        print(f"detr_tf: done: {shown}", flush=True)
