@@ -25,7 +25,6 @@ if MODE == "engines":
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(2)])
 
-import gin  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from detr_tf import config  # noqa: E402

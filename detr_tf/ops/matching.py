@@ -319,7 +319,6 @@ def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int):
 def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor
                     ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """[N, Q, T] float32, [N, T] bool -> ([N, Q] query -> target or -1, iterations, [N] steps)."""
-    n = tf.shape(cost)[0]
     num_queries, num_targets = cost.shape[1], cost.shape[2]
     query_mask = tf.ones_like(cost[:, :, 0], dtype=tf.bool)  # [N, Q]
     if num_targets <= num_queries:
