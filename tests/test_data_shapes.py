@@ -1,8 +1,10 @@
 """The synthetic shapes dataset: COCO layout, valid boxes, determinism, all classes present."""
 import json
 import os
+import re
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from detr_tf.data import shapes
@@ -59,3 +61,43 @@ def test_ensure_reuses_the_cache(tmp_path):
     mtime = os.path.getmtime(marker)
     again = shapes.ensure_shapes_tfrecords(str(tmp_path), num_train=4, num_val=2, image_size=48)
     assert again == first and os.path.getmtime(marker) == mtime
+
+
+def test_difficulty_knobs_plain_background_counts_and_sides(tmp_path):
+    paths = shapes.make_shapes_dataset(str(tmp_path), 30, 0, image_size=64, seed=1,
+                                       max_objects=2, side_range=(0.3, 0.5),
+                                       background="plain")
+    data = json.load(open(paths["train_annotations"]))
+    per_image = {}
+    for ann in data["annotations"]:
+        per_image[ann["image_id"]] = per_image.get(ann["image_id"], 0) + 1
+    assert max(per_image.values()) <= 2
+    sizes = {im["id"]: (im["height"], im["width"], im["file_name"]) for im in data["images"]}
+    for ann in data["annotations"]:
+        h, w, _ = sizes[ann["image_id"]]
+        _, _, bw, bh = ann["bbox"]
+        # A side is drawn in [0.3, 0.5] of the shorter side, then stretched by an aspect in
+        # [1/2, 2] (at most sqrt(2) on either side), and rasterized to whole pixels.
+        assert max(bw, bh) >= 0.3 * min(h, w) / np.sqrt(2) - 1
+        assert max(bw, bh) <= 0.5 * min(h, w) * np.sqrt(2) + 1
+    for h, w, name in sizes.values():
+        with Image.open(os.path.join(paths["train_images"], name)) as img:
+            pixels = np.asarray(img.convert("RGB")).reshape(-1, 3).astype(float)
+        # Plain: the corner colour (JPEG-blurred) covers most of the image.
+        near = np.linalg.norm(pixels - pixels[0], axis=-1) < 24
+        assert near.mean() > 0.5
+
+
+def test_knobs_name_their_own_cache_and_reject_bad_values(tmp_path):
+    default = shapes.ensure_shapes_tfrecords(str(tmp_path), num_train=2, num_val=1,
+                                             image_size=48)
+    easy = shapes.ensure_shapes_tfrecords(str(tmp_path), num_train=2, num_val=1, image_size=48,
+                                          max_objects=3, side_range=(0.2, 0.6),
+                                          background="plain")
+    assert default["root"].endswith("shapes_s48_n2_1_seed0")
+    assert easy["root"].endswith("shapes_s48_n2_1_seed0_o3_side0.2-0.6_plain")
+    for kwargs, match in (({"background": "wood"}, "background='wood'"),
+                          ({"side_range": (0.5, 0.2)}, "side_range"),
+                          ({"max_objects": 0}, "max_objects=0")):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            shapes.make_shapes_dataset(str(tmp_path / "bad"), 1, 0, image_size=48, **kwargs)

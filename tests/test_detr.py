@@ -32,6 +32,11 @@ def tiny(num_classes=3, **bindings):
                     + [f"{k} = {v}" for k, v in bindings.items()])
 
 
+# The same tiny model with DAB-DETR-style anchor queries (AnchorTransformer).
+ANCHOR = {"build_model.transformer": "@AnchorTransformer()"}
+DECODERS = pytest.mark.parametrize("decoder", [{}, ANCHOR], ids=["detr", "anchor"])
+
+
 def batch(rng, b=2, size=128, real=((128, 128), (90, 70))):
     images = np.zeros((b, size, size, 3), np.float32)
     mask = np.zeros((b, size, size), bool)
@@ -61,8 +66,9 @@ def test_every_model_config_parses(name):
         gin.clear_config()
 
 
-def test_output_structure_shapes_and_ranges():
-    model, _ = tiny(num_classes=5)
+@DECODERS
+def test_output_structure_shapes_and_ranges(decoder):
+    model, _ = tiny(num_classes=5, **decoder)
     assert isinstance(model, DETR) and isinstance(model, tf_keras.Model)
     out = model(*batch(np.random.default_rng(0)), training=False)
     assert set(out) == {"pred_logits", "pred_boxes", "aux_outputs"}
@@ -85,9 +91,10 @@ def test_without_aux_loss_returns_no_aux_outputs():
     assert out["aux_outputs"] == []
 
 
-def test_outputs_do_not_change_with_more_bottom_right_padding():
+@DECODERS
+def test_outputs_do_not_change_with_more_bottom_right_padding(decoder):
     rng = np.random.default_rng(2)
-    model, _ = tiny()
+    model, _ = tiny(**decoder)
     images, mask = batch(rng, size=128)
     out = model(images, mask, training=False)
     big_images = tf.pad(images, [[0, 0], [0, 64], [0, 32], [0, 0]])
@@ -127,11 +134,12 @@ def test_dc5_parameter_counts_and_stride(name, trainable):
     assert model.backbone.output_stride == 16
 
 
+@DECODERS
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
-def test_finite_outputs_and_gradients_under_each_policy(policy):
+def test_finite_outputs_and_gradients_under_each_policy(policy, decoder):
     tf_keras.mixed_precision.set_global_policy(policy)
     try:
-        model, criterion = tiny()
+        model, criterion = tiny(**decoder)
         images, mask = batch(np.random.default_rng(3))
         with tf.GradientTape() as tape:
             out = model(images, mask, training=True)
@@ -164,9 +172,10 @@ def test_hidden_dim_mismatch_is_reported():
         build_model(hidden_dim=128, transformer=Transformer(d_model=64))
 
 
-def test_jit_compiled_forward_equals_eager():
+@DECODERS
+def test_jit_compiled_forward_equals_eager(decoder):
     """Fast version of the slow train-step check: the model alone compiles with XLA."""
-    model, _ = tiny()
+    model, _ = tiny(**decoder)
     images, mask = batch(np.random.default_rng(5), size=64, real=((64, 64), (40, 50)))
     eager = model(images, mask, training=False)
     jitted = tf.function(lambda x, m: model(x, m, training=False), jit_compile=True)(images, mask)

@@ -2,7 +2,7 @@
 import numpy as np
 import tensorflow as tf
 
-from detr_tf.modeling.transformer import Transformer
+from detr_tf.modeling.transformer import AnchorTransformer, Transformer, inverse_sigmoid
 
 D, HEADS, FFN, Q = 16, 4, 24, 5
 
@@ -125,3 +125,125 @@ def test_dropout_is_active_only_in_training():
     train, _ = tr(*args, training=True)
     np.testing.assert_array_equal(eval1.numpy(), eval2.numpy())
     assert np.abs(train.numpy() - eval1.numpy()).max() > 1e-3
+
+
+# ---------------------------------------------------------------- anchor-box queries
+def sine_np(v, feats, temperature):
+    """[...] in (0, 1) -> [..., feats]: the feature map's normalized sine embedding, float64."""
+    i = np.arange(feats)
+    angle = v[..., None] * 2 * np.pi / temperature ** (2 * (i // 2) / feats)
+    return np.where(i % 2 == 0, np.sin(angle), np.cos(angle))
+
+
+def mlp_np(x, mlp):
+    for n, layer in enumerate(mlp.layers):
+        x = dense(x, layer)
+        x = np.maximum(x, 0) if n < len(mlp.layers) - 1 else x
+    return x
+
+
+def sigmoid_np(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def anchor_reference(tr, src, mask, anchor_logits, pos):
+    """DAB-DETR-style decoding, per image: (hs [L, B, Q, D], boxes [L, B, Q, 4])."""
+    _, memory = reference(tr, src, mask, np.zeros((Q, D)), pos)
+    hs_all, boxes_all = [], []
+    for b in range(src.shape[0]):
+        x, p, m = memory[b].reshape(-1, D), pos[b].reshape(-1, D), mask[b].reshape(-1)
+        anchor = sigmoid_np(anchor_logits)  # [Q, 4] cx, cy, w, h
+        tgt = np.zeros((Q, D))
+        hs, boxes = [], []
+        for n, lyr in enumerate(tr.decoder_layers):
+            sine = np.concatenate([sine_np(anchor[:, k], D // 2, tr.temperature)
+                                   for k in (1, 0, 2, 3)], -1)  # [Q, 2D]: y, x, w, h
+            qpos = mlp_np(sine, tr.ref_point_head)
+            cross = sine[:, :D] * (1.0 if n == 0 else mlp_np(tgt, tr.query_scale))
+            qp = tgt + qpos
+            tgt = layer_norm(tgt + attention(qp, qp, tgt, np.ones(Q, bool), lyr.self_attn),
+                             lyr.norm1)
+            tgt = layer_norm(tgt + attention(tgt + cross, x + p, x, m, lyr.cross_attn),
+                             lyr.norm2)
+            tgt = layer_norm(tgt + ffn(tgt, lyr.ffn), lyr.norm3)
+            out = layer_norm(tgt, tr.decoder_norm)
+            anchor = sigmoid_np(mlp_np(out, tr.bbox_embed) + np.log(anchor / (1 - anchor)))
+            hs.append(out)
+            boxes.append(anchor)
+        hs_all.append(np.stack(hs))
+        boxes_all.append(np.stack(boxes))
+    return np.stack(hs_all, 1), np.stack(boxes_all, 1)
+
+
+def build_anchor(rng, temperature=20.0):
+    tr = AnchorTransformer(d_model=D, num_heads=HEADS, num_encoder_layers=2,
+                           num_decoder_layers=3, dim_feedforward=FFN, dropout=0.1,
+                           temperature=temperature)
+    src, mask, _, pos = make_inputs(rng)
+    anchors = rng.normal(size=(Q, 4))
+    tr(tf.constant(src, tf.float32), mask, tf.constant(anchors, tf.float32),
+       tf.constant(pos, tf.float32))
+    for v in tr.variables:  # non-trivial norms and biases, and a box head that moves boxes
+        if "gamma" in v.name:
+            v.assign(rng.uniform(0.5, 1.5, v.shape).astype(np.float32))
+        elif "beta" in v.name or "bias" in v.name:
+            v.assign(rng.normal(0, 0.1, v.shape).astype(np.float32))
+        elif "bbox_embed/layers.2/kernel" in v.name:
+            v.assign(rng.normal(0, 0.3, v.shape).astype(np.float32))
+    return tr, anchors
+
+
+def test_anchor_transformer_matches_float64_reference():
+    rng = np.random.default_rng(3)
+    tr, anchors = build_anchor(rng)
+    src, mask, _, pos = make_inputs(rng)
+    hs, memory, boxes = tr(tf.constant(src, tf.float32), tf.constant(mask),
+                           tf.constant(anchors, tf.float32), tf.constant(pos, tf.float32),
+                           training=False)
+    want_hs, want_boxes = anchor_reference(tr, src, mask, anchors, pos)
+    assert hs.shape == (3, 2, Q, D) and boxes.shape == (3, 2, Q, 4)
+    assert boxes.dtype == tf.float32
+    np.testing.assert_allclose(hs.numpy(), want_hs, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(boxes.numpy(), want_boxes, rtol=1e-4, atol=1e-5)
+    # Refinement really moved the boxes away from the anchors, layer after layer.
+    assert np.abs(boxes.numpy()[0] - sigmoid_np(anchors)[None]).max() > 0.05
+    assert np.abs(boxes.numpy()[2] - boxes.numpy()[1]).max() > 0.01
+
+
+def test_untrained_anchor_transformer_predicts_its_anchors():
+    """The box head's last layer starts at zero: every layer's boxes are the initial anchors."""
+    tr = AnchorTransformer(d_model=D, num_heads=HEADS, num_encoder_layers=1,
+                           num_decoder_layers=2, dim_feedforward=FFN, initial_size=0.25)
+    init = tr.query_initializer((Q, 4), "float32").numpy()
+    anchors = sigmoid_np(init.astype(np.float64))
+    assert np.all((anchors[:, :2] > 0) & (anchors[:, :2] < 1))
+    np.testing.assert_allclose(anchors[:, 2:], 0.25, rtol=1e-5)
+    src, mask, _, pos = make_inputs(np.random.default_rng(4))
+    _, _, boxes = tr(tf.constant(src, tf.float32), tf.constant(mask), tf.constant(init),
+                     tf.constant(pos, tf.float32), training=False)
+    for layer_boxes in boxes.numpy():
+        np.testing.assert_allclose(layer_boxes, np.broadcast_to(anchors, (2, Q, 4)),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_anchor_refinement_stops_gradients_between_layers():
+    """Deformable DETR's iterative refinement: a layer's box takes no gradient through the
+    previous layer's box. Then d boxes[-1] / d (box head) is the gradient that treats the last
+    layer's incoming anchor as a constant; without the stop it would also flow back through
+    boxes[-2] (made by the same box head)."""
+    rng = np.random.default_rng(5)
+    tr, anchors = build_anchor(rng)
+    src, mask, _, pos = [tf.constant(a) if a.dtype == bool else tf.constant(a, tf.float32)
+                         for a in make_inputs(rng)]
+    anchors = tf.constant(anchors, tf.float32)
+    kernel = [v for v in tr.trainable_variables if "bbox_embed/layers.2/kernel" in v.name]
+    with tf.GradientTape() as tape:
+        hs, _, boxes = tr(src, mask, anchors, pos, training=False)
+        last = tf.reduce_sum(boxes[-1])
+    g_last = tape.gradient(last, kernel)[0].numpy()
+    incoming = tf.constant(boxes[-2].numpy())
+    with tf.GradientTape() as tape2:
+        delta = tf.cast(tr.bbox_embed(hs[-1]), tf.float32)
+        manual = tf.reduce_sum(tf.sigmoid(delta + inverse_sigmoid(incoming)))
+    np.testing.assert_allclose(g_last, tape2.gradient(manual, kernel)[0].numpy(),
+                               rtol=1e-4, atol=1e-6)

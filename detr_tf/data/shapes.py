@@ -11,6 +11,11 @@ The dataset is written in COCO layout:
 
 Category ids are 1..4 (0 unused, as in COCO); `label_map_from_coco_json` maps them to classes
 0..3.
+
+Difficulty knobs (defaults give the dataset the tests and benchmarks use): `max_objects`,
+`side_range` (object side as a fraction of the shorter image side) and `background`
+('textured', or 'plain': one flat colour, with object colours kept at least
+`_PLAIN_CONTRAST` away from it).
 """
 import json
 import os
@@ -21,7 +26,10 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 SHAPE_CLASSES = ("ellipse", "rectangle", "triangle", "cross")
+BACKGROUNDS = ("textured", "plain")
 _DONE = "DONE.json"
+_PLAIN_CONTRAST = 96.0  # minimum Euclidean RGB distance between a shape and a plain background
+_DEFAULT_SIDES = (0.12, 0.5)
 
 
 def _background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
@@ -70,8 +78,9 @@ def _iou(a, b) -> float:
 
 
 def make_shapes_image(rng: np.random.Generator, image_size: int, max_objects: int = 6,
-                      max_iou: float = 0.4, size: Optional[Tuple[int, int]] = None
-                      ) -> Tuple[Image.Image, List[dict]]:
+                      max_iou: float = 0.4, size: Optional[Tuple[int, int]] = None,
+                      side_range: Tuple[float, float] = _DEFAULT_SIDES,
+                      background: str = "textured") -> Tuple[Image.Image, List[dict]]:
     """One image and its objects.
 
     Args:
@@ -80,6 +89,8 @@ def make_shapes_image(rng: np.random.Generator, image_size: int, max_objects: in
       max_objects: 1..max_objects objects.
       max_iou: placements overlapping an earlier box more than this are redrawn.
       size: optional exact (height, width).
+      side_range: object sides are drawn from this fraction of the shorter image side.
+      background: 'textured' or 'plain'.
 
     Returns:
       (PIL RGB image, list of {'category_id': 1..4, 'bbox': [x, y, w, h] pixels,
@@ -90,12 +101,16 @@ def make_shapes_image(rng: np.random.Generator, image_size: int, max_objects: in
         h, w = (short, image_size) if rng.random() < 0.5 else (image_size, short)
     else:
         h, w = size
-    img = Image.fromarray(_background(rng, h, w))
+    if background == "textured":
+        img = Image.fromarray(_background(rng, h, w))
+    else:
+        flat = rng.uniform(0, 255, 3)
+        img = Image.new("RGB", (w, h), tuple(int(c) for c in flat))
     draw = ImageDraw.Draw(img)
     objects, boxes = [], []
     for _ in range(int(rng.integers(1, max_objects + 1))):
         for _attempt in range(20):
-            side = rng.uniform(0.12, 0.5) * min(h, w)
+            side = rng.uniform(*side_range) * min(h, w)
             aspect = np.exp(rng.uniform(np.log(0.5), np.log(2.0)))
             bw, bh = max(side * np.sqrt(aspect), 6), max(side / np.sqrt(aspect), 6)
             x0, y0 = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
@@ -105,7 +120,10 @@ def make_shapes_image(rng: np.random.Generator, image_size: int, max_objects: in
         else:
             continue
         cls = int(rng.integers(len(SHAPE_CLASSES)))
-        colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+        colour = rng.integers(0, 256, 3)
+        while background == "plain" and np.linalg.norm(colour - flat) < _PLAIN_CONTRAST:
+            colour = rng.integers(0, 256, 3)
+        colour = tuple(int(c) for c in colour)
         mask = Image.new("L", (w, h))
         _draw(ImageDraw.Draw(mask), cls, box, 255)
         _draw(draw, cls, box, colour)
@@ -123,7 +141,9 @@ def make_shapes_image(rng: np.random.Generator, image_size: int, max_objects: in
 
 def make_shapes_dataset(output_dir: str, num_train: int, num_val: int, image_size: int = 128,
                         seed: int = 0, max_objects: int = 6,
-                        sizes: Optional[Sequence[Tuple[int, int]]] = None) -> Dict[str, str]:
+                        sizes: Optional[Sequence[Tuple[int, int]]] = None,
+                        side_range: Tuple[float, float] = _DEFAULT_SIDES,
+                        background: str = "textured") -> Dict[str, str]:
     """Writes the shapes dataset in COCO layout.
 
     Args:
@@ -134,12 +154,21 @@ def make_shapes_dataset(output_dir: str, num_train: int, num_val: int, image_siz
       max_objects: objects per image are 1..max_objects.
       sizes: optional (height, width) list; each image's size is drawn from it (used for
         COCO-sized benchmark images); `image_size` is then ignored.
+      side_range, background: as `make_shapes_image`.
 
     Returns:
       {'train_images', 'val_images', 'train_annotations', 'val_annotations'} paths.
     """
     if image_size < 32:
         raise ValueError(f"make_shapes_dataset: image_size={image_size}; need >= 32.")
+    if max_objects < 1:
+        raise ValueError(f"make_shapes_dataset: max_objects={max_objects}; need >= 1.")
+    if not 0.0 < side_range[0] <= side_range[1] <= 1.0:
+        raise ValueError(f"make_shapes_dataset: side_range={tuple(side_range)}; need "
+                         "0 < low <= high <= 1 (fractions of the shorter image side).")
+    if background not in BACKGROUNDS:
+        raise ValueError(f"make_shapes_dataset: background={background!r}; expected one of "
+                         f"{BACKGROUNDS}.")
     categories = [{"id": i + 1, "name": n, "supercategory": "shape"}
                   for i, n in enumerate(SHAPE_CLASSES)]
     out = {}
@@ -151,7 +180,9 @@ def make_shapes_dataset(output_dir: str, num_train: int, num_val: int, image_siz
         images, annotations = [], []
         for _ in range(count):
             size = None if sizes is None else tuple(sizes[rng.integers(len(sizes))])
-            img, objects = make_shapes_image(rng, image_size, max_objects, size=size)
+            img, objects = make_shapes_image(rng, image_size, max_objects, size=size,
+                                             side_range=tuple(side_range),
+                                             background=background)
             name = f"{next_image_id:012d}.jpg"
             img.save(os.path.join(image_dir, name), quality=92)
             images.append({"id": next_image_id, "file_name": name, "height": img.height,
@@ -171,18 +202,26 @@ def make_shapes_dataset(output_dir: str, num_train: int, num_val: int, image_siz
 
 
 def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int = 200,
-                            image_size: int = 128, seed: int = 0,
-                            num_shards: int = 2) -> Dict[str, str]:
+                            image_size: int = 128, seed: int = 0, num_shards: int = 2,
+                            max_objects: int = 6,
+                            side_range: Tuple[float, float] = _DEFAULT_SIDES,
+                            background: str = "textured") -> Dict[str, str]:
     """Generates and converts the shapes dataset once; later calls reuse it.
 
-    The data lives in `cache_dir/shapes_s{image_size}_n{num_train}_{num_val}_seed{seed}/`; a
-    DONE.json marker written last makes an interrupted run start over.
+    The data lives in `cache_dir/shapes_s{image_size}_n{num_train}_{num_val}_seed{seed}/`
+    (with `_o{max_objects}_side{low}-{high}_{background}` appended when the difficulty knobs
+    differ from the defaults); a DONE.json marker written last makes an interrupted run start
+    over.
 
     Returns:
       {'train_pattern', 'val_pattern' (TFRecord globs), 'train_annotations',
       'val_annotations' (COCO jsons), 'root'}.
     """
-    root = os.path.join(cache_dir, f"shapes_s{image_size}_n{num_train}_{num_val}_seed{seed}")
+    side_range = tuple(float(x) for x in side_range)
+    name = f"shapes_s{image_size}_n{num_train}_{num_val}_seed{seed}"
+    if (max_objects, side_range, background) != (6, _DEFAULT_SIDES, "textured"):
+        name += f"_o{max_objects}_side{side_range[0]:g}-{side_range[1]:g}_{background}"
+    root = os.path.join(cache_dir, name)
     result = {
         "root": root,
         "train_pattern": os.path.join(root, "tfrecords", "train-*.tfrecord"),
@@ -197,7 +236,9 @@ def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int 
     # First use is silent for up to a minute otherwise; say what is happening and where.
     print(f"shapes: generating {num_train} train + {num_val} val images into {root} "
           "(first use only)", flush=True)
-    paths = make_shapes_dataset(root, num_train, num_val, image_size, seed)
+    paths = make_shapes_dataset(root, num_train, num_val, image_size, seed,
+                                max_objects=max_objects, side_range=side_range,
+                                background=background)
     counts = {}
     for split in ("train", "val"):
         stats = coco_converter.convert_coco(
@@ -212,13 +253,16 @@ def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int 
 
 @gin.configurable
 def shapes_source(split: str, cache_dir: str = gin.REQUIRED, num_train: int = 2000,
-                  num_val: int = 200, image_size: int = 128, seed: int = 0):
+                  num_val: int = 200, image_size: int = 128, seed: int = 0,
+                  max_objects: int = 6, side_range: Tuple[float, float] = _DEFAULT_SIDES,
+                  background: str = "textured"):
     """TFRecordSource over the shapes dataset (generated into `cache_dir` on first use).
 
     Args:
       split: 'train' or 'val'.
       cache_dir: where the dataset is cached.
-      num_train, num_val, image_size, seed: as `make_shapes_dataset`.
+      num_train, num_val, image_size, seed, max_objects, side_range, background: as
+        `make_shapes_dataset`.
 
     Returns:
       sources.TFRecordSource with the shapes label map (4 classes) and the split's json.
@@ -229,7 +273,8 @@ def shapes_source(split: str, cache_dir: str = gin.REQUIRED, num_train: int = 20
     from detr_tf.data import sources
 
     paths = ensure_shapes_tfrecords(os.path.expanduser(cache_dir), num_train, num_val,
-                                    image_size, seed)
+                                    image_size, seed, max_objects=max_objects,
+                                    side_range=side_range, background=background)
     annotations = paths[f"{split}_annotations"]
     return sources.TFRecordSource(
         file_pattern=paths[f"{split}_pattern"],

@@ -7,23 +7,7 @@ import tf_keras
 
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.transformer import Transformer
-
-
-class MLP(tf_keras.layers.Layer):
-    """num_layers Dense layers with ReLU between them (none after the last)."""
-
-    def __init__(self, hidden_dim: int, output_dim: int, num_layers: int, **kwargs):
-        super().__init__(**kwargs)
-        self.layers = [tf_keras.layers.Dense(hidden_dim if i < num_layers - 1 else output_dim,
-                                             name=f"layers.{i}") for i in range(num_layers)]
-
-    def call(self, x: tf.Tensor) -> tf.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = tf.nn.relu(x)
-        return x
+from detr_tf.modeling.transformer import MLP, Transformer
 
 
 class DETR(tf_keras.Model):
@@ -54,23 +38,27 @@ class DETR(tf_keras.Model):
         self.num_queries = num_queries
         self.aux_loss = aux_loss
         self.input_proj = tf_keras.layers.Conv2D(d, 1, name="input_proj")
-        # torch's nn.Embedding initializes from N(0, 1).
         self.query_embed = tf_keras.layers.Embedding(
-            num_queries, d, embeddings_initializer=tf_keras.initializers.RandomNormal(0.0, 1.0),
+            num_queries, transformer.query_dim,
+            embeddings_initializer=transformer.query_initializer, dtype="float32",
             name="query_embed")
         self.class_embed = tf_keras.layers.Dense(num_classes + 1, name="class_embed")
-        self.bbox_embed = MLP(d, 4, 3, name="bbox_embed")
+        # A transformer that refines anchor boxes owns the box head (it needs it per layer).
+        self.bbox_embed = None if transformer.predicts_boxes else MLP(d, 4, 3, name="bbox_embed")
 
     def call(self, images: tf.Tensor, pixel_mask: tf.Tensor,
              training: Optional[bool] = None) -> Dict[str, object]:
         features, mask = self.backbone(images, pixel_mask, training=training)  # [B, h, w, C]
         pos = self.position_embedding(mask)  # [B, h, w, d] float32
         src = self.input_proj(features)  # [B, h, w, d]
-        queries = self.query_embed(tf.range(self.num_queries))  # [Q, d]
-        hs, _ = self.transformer(src, mask, queries, pos, training=training)  # [L, B, Q, d]
+        queries = self.query_embed(tf.range(self.num_queries))  # [Q, query_dim]
+        if self.transformer.predicts_boxes:
+            hs, _, boxes = self.transformer(src, mask, queries, pos, training=training)
+        else:
+            hs, _ = self.transformer(src, mask, queries, pos, training=training)  # [L, B, Q, d]
+            # The sigmoid runs in float32 so boxes near 0 or 1 keep their precision.
+            boxes = tf.sigmoid(tf.cast(self.bbox_embed(hs), tf.float32))  # [L, B, Q, 4]
         logits = tf.cast(self.class_embed(hs), tf.float32)  # [L, B, Q, C+1]
-        # The sigmoid runs in float32 so boxes near 0 or 1 keep their precision.
-        boxes = tf.sigmoid(tf.cast(self.bbox_embed(hs), tf.float32))  # [L, B, Q, 4]
         num_layers = self.transformer.num_decoder_layers
         aux = []
         if self.aux_loss:

@@ -39,16 +39,25 @@ class PositionEmbeddingSine(tf_keras.layers.Layer):
             eps = 1e-6
             y_embed = y_embed / (y_embed[:, -1:, :] + eps) * self.scale
             x_embed = x_embed / (x_embed[:, :, -1:] + eps) * self.scale
-        i = tf.range(self.num_pos_feats, dtype=tf.float32)
-        dim_t = self.temperature ** (2 * tf.math.floordiv(i, 2) / self.num_pos_feats)
-        # Even channels take sin, odd ones cos (their dim_t equals the even neighbour's).
-        is_even = tf.equal(tf.math.floormod(tf.range(self.num_pos_feats), 2), 0)
+        return tf.concat([sine_features(y_embed, self.num_pos_feats, self.temperature),
+                          sine_features(x_embed, self.num_pos_feats, self.temperature)],
+                         axis=-1)
 
-        def embed(e):
-            angle = e[..., None] / dim_t  # [B, h, w, F]
-            return tf.where(is_even, tf.sin(angle), tf.cos(angle))
 
-        return tf.concat([embed(y_embed), embed(x_embed)], axis=-1)
+def sine_features(angle: tf.Tensor, num_pos_feats: int, temperature: float) -> tf.Tensor:
+    """[...] float32 positions (already times the scale) -> [..., num_pos_feats] float32.
+
+    Channel 2i is sin(angle / T^(2i/F)) and channel 2i+1 the cos of the same argument, the
+    reference DETR's interleaving. Shared by the feature-map embedding and the anchor queries'
+    embedding (AnchorTransformer) so that a query at a point and a key at that point are
+    embedded alike.
+    """
+    i = tf.range(num_pos_feats, dtype=tf.float32)
+    dim_t = temperature ** (2 * tf.math.floordiv(i, 2) / num_pos_feats)
+    # Even channels take sin, odd ones cos (their dim_t equals the even neighbour's).
+    is_even = tf.equal(tf.math.floormod(tf.range(num_pos_feats), 2), 0)
+    scaled = tf.cast(angle, tf.float32)[..., None] / dim_t  # [..., F]
+    return tf.where(is_even, tf.sin(scaled), tf.cos(scaled))
 
 
 @gin.configurable

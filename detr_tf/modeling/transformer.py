@@ -5,15 +5,38 @@ in every attention; padded memory positions are masked out as keys; the decoder 
 layer's output through one shared final LayerNorm; the encoder has no final LayerNorm.
 LayerNorm epsilon is torch's 1e-5. Sequence tensors are [B, L, d].
 """
+import math
 from typing import Callable, Optional, Tuple
 
 import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.modeling.position_encoding import sine_features
+
 
 def _layer_norm(name: str) -> tf_keras.layers.LayerNormalization:
     return tf_keras.layers.LayerNormalization(epsilon=1e-5, name=name)
+
+
+class MLP(tf_keras.layers.Layer):
+    """num_layers Dense layers with ReLU between them (none after the last)."""
+
+    def __init__(self, hidden_dim: int, output_dim: int, num_layers: int,
+                 last_initializer: str = "glorot_uniform", **kwargs):
+        super().__init__(**kwargs)
+        self.layers = [
+            tf_keras.layers.Dense(
+                hidden_dim if i < num_layers - 1 else output_dim, name=f"layers.{i}",
+                kernel_initializer="glorot_uniform" if i < num_layers - 1 else last_initializer)
+            for i in range(num_layers)]
+
+    def call(self, x: tf.Tensor) -> tf.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = tf.nn.relu(x)
+        return x
 
 
 class MultiHeadAttention(tf_keras.layers.Layer):
@@ -107,12 +130,18 @@ class DecoderLayer(tf_keras.layers.Layer):
         self.dropout2 = tf_keras.layers.Dropout(dropout)
         self.dropout3 = tf_keras.layers.Dropout(dropout)
 
-    def call(self, tgt, memory, pos, query_pos, memory_mask, training=None):
-        """tgt, query_pos: [B, Q, d]; memory, pos: [B, S, d]; memory_mask: [B, S] bool."""
+    def call(self, tgt, memory, pos, query_pos, memory_mask, cross_query_pos=None,
+             training=None):
+        """tgt, query_pos: [B, Q, d]; memory, pos: [B, S, d]; memory_mask: [B, S] bool;
+        cross_query_pos: [B, Q, d] position added to the cross-attention query instead of
+        query_pos (None: query_pos, as in DETR)."""
         qk = tgt + query_pos
         x = self.self_attn(qk, qk, tgt, training=training)
         tgt = self.norm1(tgt + self.dropout1(x, training=training))
-        x = self.cross_attn(tgt + query_pos, memory + pos, memory, memory_mask, training=training)
+        if cross_query_pos is None:
+            cross_query_pos = query_pos
+        x = self.cross_attn(tgt + cross_query_pos, memory + pos, memory, memory_mask,
+                            training=training)
         tgt = self.norm2(tgt + self.dropout2(x, training=training))
         x = self.ffn(tgt, training=training)
         return self.norm3(tgt + self.dropout3(x, training=training))
@@ -120,7 +149,13 @@ class DecoderLayer(tf_keras.layers.Layer):
 
 @gin.configurable
 class Transformer(tf_keras.layers.Layer):
-    """DETR transformer. Defaults are the paper's: 6+6 layers, d 256, 8 heads, FFN 2048."""
+    """DETR transformer. Defaults are the paper's: 6+6 layers, d 256, 8 heads, FFN 2048.
+
+    The model asks it for `query_dim` (width of a learned query), `query_initializer` and
+    `predicts_boxes` (False: the model's own box head reads `hs`).
+    """
+
+    predicts_boxes = False
 
     def __init__(self, d_model: int = 256, num_heads: int = 8, num_encoder_layers: int = 6,
                  num_decoder_layers: int = 6, dim_feedforward: int = 2048,
@@ -139,6 +174,27 @@ class Transformer(tf_keras.layers.Layer):
                                for i in range(num_decoder_layers)]
         self.decoder_norm = _layer_norm("decoder.norm")
 
+    @property
+    def query_dim(self) -> int:
+        return self.d_model
+
+    @property
+    def query_initializer(self) -> tf_keras.initializers.Initializer:
+        # torch's nn.Embedding initializes from N(0, 1).
+        return tf_keras.initializers.RandomNormal(0.0, 1.0)
+
+    def encode(self, src: tf.Tensor, mask: tf.Tensor, pos_embed: tf.Tensor,
+               training: Optional[bool] = None) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """[B, h, w, d] features -> memory, pos (both [B, S, d]) and key_mask [B, S]."""
+        b, h, w = tf.shape(src)[0], tf.shape(src)[1], tf.shape(src)[2]
+        d = self.d_model
+        x = tf.reshape(src, [b, h * w, d])  # [B, S, d]
+        pos = tf.cast(tf.reshape(pos_embed, [b, h * w, d]), x.dtype)
+        key_mask = tf.reshape(mask, [b, h * w])
+        for layer in self.encoder_layers:
+            x = layer(x, pos, key_mask, training=training)
+        return x, pos, key_mask
+
     def call(self, src: tf.Tensor, mask: tf.Tensor, query_embed: tf.Tensor, pos_embed: tf.Tensor,
              training: Optional[bool] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         """Encodes the feature map and decodes the queries.
@@ -153,18 +209,109 @@ class Transformer(tf_keras.layers.Layer):
           hs: [L, B, Q, d] every decoder layer's output after the shared final norm.
           memory: [B, h, w, d] encoder output.
         """
-        b, h, w = tf.shape(src)[0], tf.shape(src)[1], tf.shape(src)[2]
-        d = self.d_model
-        x = tf.reshape(src, [b, h * w, d])  # [B, S, d]
-        pos = tf.cast(tf.reshape(pos_embed, [b, h * w, d]), x.dtype)
-        key_mask = tf.reshape(mask, [b, h * w])
-        for layer in self.encoder_layers:
-            x = layer(x, pos, key_mask, training=training)
-        memory = x
-        query_pos = tf.tile(tf.cast(query_embed, x.dtype)[None], [b, 1, 1])  # [B, Q, d]
+        memory, pos, key_mask = self.encode(src, mask, pos_embed, training=training)
+        b = tf.shape(memory)[0]
+        query_pos = tf.tile(tf.cast(query_embed, memory.dtype)[None], [b, 1, 1])  # [B, Q, d]
         tgt = tf.zeros_like(query_pos)
         hs = []
         for layer in self.decoder_layers:
             tgt = layer(tgt, memory, pos, query_pos, key_mask, training=training)
             hs.append(self.decoder_norm(tgt))
-        return tf.stack(hs), tf.reshape(memory, [b, h, w, d])
+        return tf.stack(hs), tf.reshape(memory, tf.shape(src))
+
+
+def inverse_sigmoid(x: tf.Tensor, eps: float = 1e-5) -> tf.Tensor:
+    """logit(x) with x clipped to [eps, 1 - eps] so that 0 and 1 stay finite."""
+    x = tf.clip_by_value(x, eps, 1.0 - eps)
+    return tf.math.log(x / (1.0 - x))
+
+
+@gin.configurable
+class AnchorTransformer(Transformer):
+    """DETR's transformer with anchor-box queries refined layer by layer.
+
+    The decoder changes, after DAB-DETR (Liu et al. 2022) and Conditional DETR (Meng et al.
+    2021), both of which converge about 10x faster than DETR: each query is a learned anchor
+    box (cx, cy, w, h) instead of a free d-vector. Before every decoder layer the current anchor
+    is sine-embedded exactly like the feature map's positions (y, x, then w, h; `num_pos_feats`
+    = d / 2 channels each); an MLP of that embedding is the query position for self-attention,
+    and its (y, x) half, scaled per channel by an MLP of the content (Conditional DETR's spatial
+    query; 1 at the first layer), is added to the cross-attention query, so a query attends
+    around its anchor from the first step. After every layer the shared box MLP predicts a
+    correction in logit space: box = sigmoid(delta + logit(anchor)); the corrected box, with
+    its gradient stopped (Deformable DETR's iterative refinement), is the next layer's anchor.
+    The box MLP's last layer starts at zero, so untrained predictions are the anchors.
+
+    Anchors start with centres uniform over the image and sides `initial_size`.
+    `temperature` should equal the feature map's PositionEmbeddingSine.temperature.
+    """
+
+    predicts_boxes = True
+
+    def __init__(self, temperature: float = 10000.0, initial_size: float = 0.1, **kwargs):
+        # Everything else, d_model included, goes to Transformer (and takes its Gin bindings).
+        super().__init__(**kwargs)
+        d_model = self.d_model
+        if d_model % 2:
+            raise ValueError(f"AnchorTransformer: d_model={d_model} must be even")
+        if not 0.0 < initial_size < 1.0:
+            raise ValueError(f"AnchorTransformer.initial_size={initial_size}; expected (0, 1)")
+        self.temperature = temperature
+        self.initial_size = initial_size
+        self.ref_point_head = MLP(d_model, d_model, 2, name="decoder.ref_point_head")
+        self.query_scale = MLP(d_model, d_model, 2, name="decoder.query_scale")
+        self.bbox_embed = MLP(d_model, 4, 3, last_initializer="zeros", name="bbox_embed")
+
+    @property
+    def query_dim(self) -> int:
+        return 4
+
+    @property
+    def query_initializer(self) -> tf_keras.initializers.Initializer:
+        size = self.initial_size
+
+        def init(shape, dtype=None):
+            # Logits of (cx, cy) ~ U(0, 1) and (w, h) = initial_size.
+            centres = tf.random.uniform(list(shape[:-1]) + [2], 0.01, 0.99)
+            sides = tf.fill(list(shape[:-1]) + [2], size)
+            return tf.cast(inverse_sigmoid(tf.concat([centres, sides], -1)), dtype or "float32")
+
+        return init
+
+    def _embed_anchor(self, anchor: tf.Tensor) -> tf.Tensor:
+        """[B, Q, 4] cx, cy, w, h in (0, 1) -> [B, Q, 2d] float32: y, x, w, h embeddings."""
+        f = self.d_model // 2
+        angle = anchor * (2 * math.pi)  # the feature map's normalize=True scale
+        parts = [sine_features(angle[..., i], f, self.temperature) for i in (1, 0, 2, 3)]
+        return tf.concat(parts, axis=-1)
+
+    def call(self, src: tf.Tensor, mask: tf.Tensor, query_embed: tf.Tensor, pos_embed: tf.Tensor,
+             training: Optional[bool] = None) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """As Transformer.call, with query_embed [Q, 4] anchor logits (cx, cy, w, h).
+
+        Returns:
+          hs: [L, B, Q, d] every decoder layer's output after the shared final norm.
+          memory: [B, h, w, d] encoder output.
+          boxes: [L, B, Q, 4] float32 normalized cx, cy, w, h, every layer's refined boxes.
+        """
+        memory, pos, key_mask = self.encode(src, mask, pos_embed, training=training)
+        b = tf.shape(memory)[0]
+        dtype = memory.dtype
+        anchor = tf.sigmoid(tf.tile(tf.cast(query_embed, tf.float32)[None], [b, 1, 1]))
+        tgt = tf.zeros([b, tf.shape(query_embed)[0], self.d_model], dtype)  # [B, Q, d]
+        hs, boxes = [], []
+        for i, layer in enumerate(self.decoder_layers):
+            sine = tf.cast(self._embed_anchor(anchor), dtype)  # [B, Q, 2d]
+            query_pos = self.ref_point_head(sine)  # [B, Q, d]
+            cross_pos = sine[..., :self.d_model]  # the (y, x) half, like the keys' pos
+            if i > 0:
+                cross_pos = cross_pos * self.query_scale(tgt)
+            tgt = layer(tgt, memory, pos, query_pos, key_mask, cross_query_pos=cross_pos,
+                        training=training)
+            out = self.decoder_norm(tgt)
+            delta = tf.cast(self.bbox_embed(out), tf.float32)  # [B, Q, 4]
+            box = tf.sigmoid(delta + inverse_sigmoid(anchor))
+            hs.append(out)
+            boxes.append(box)
+            anchor = tf.stop_gradient(box)
+        return tf.stack(hs), tf.reshape(memory, tf.shape(src)), tf.stack(boxes)
