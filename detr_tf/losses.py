@@ -11,6 +11,12 @@ Semantics are those of the reference DETR SetCriterion (labels, boxes, cardinali
 - cardinality_error: mean over images of |#queries whose argmax is not no-object - #targets|.
 All decoder layers are matched in one call of the batched matcher, and everything is computed
 in float32 whatever the model's precision policy.
+
+Two-stage models also return 'enc_outputs', the encoder's dense per-cell proposals. Those are
+not matched: each target is assigned to the feature cell holding its centre (`center_assignment`,
+as anchor-free dense detectors do), every other real cell is no-object, and the same three
+losses apply (loss_enc_ce, loss_enc_bbox, loss_enc_giou; the class term is normalized by the box
+count like the box terms, which keeps it independent of how many cells a bucket pads to).
 """
 from typing import Dict, List, Optional
 
@@ -31,11 +37,13 @@ class SetCriterion:
       cost_class, cost_bbox, cost_giou: matching cost weights.
       weight_ce, weight_bbox, weight_giou: loss weights in the total `loss`.
       aux_loss: whether the decoder layers before the last are matched and added to `loss`.
+      weight_enc: weight of the dense encoder-proposal losses (two-stage models).
     """
 
     def __init__(self, num_classes: int, eos_coef: float = 0.1, cost_class: float = 1.0,
                  cost_bbox: float = 5.0, cost_giou: float = 2.0, weight_ce: float = 1.0,
-                 weight_bbox: float = 5.0, weight_giou: float = 2.0, aux_loss: bool = True):
+                 weight_bbox: float = 5.0, weight_giou: float = 2.0, aux_loss: bool = True,
+                 weight_enc: float = 1.0):
         self.num_classes = num_classes
         self.eos_coef = eos_coef
         self.cost_class = cost_class
@@ -45,6 +53,7 @@ class SetCriterion:
         self.weight_bbox = weight_bbox
         self.weight_giou = weight_giou
         self.aux_loss = aux_loss
+        self.weight_enc = weight_enc
 
     def _num_boxes(self, tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
         if num_boxes is None:
@@ -189,4 +198,72 @@ class SetCriterion:
             out[f"loss_ce_{i}"] = loss_ce[i]
             out[f"loss_bbox_{i}"] = loss_bbox[i]
             out[f"loss_giou_{i}"] = loss_giou[i]
+        if "enc_outputs" in outputs:
+            enc = self.dense_losses(outputs["enc_outputs"], targets, n_box)
+            out.update(enc)
+            out["loss"] += self.weight_enc * (self.weight_ce * enc["loss_enc_ce"]
+                                              + self.weight_bbox * enc["loss_enc_bbox"]
+                                              + self.weight_giou * enc["loss_enc_giou"])
         return out
+
+    def dense_losses(self, enc: Dict[str, tf.Tensor], targets: Dict[str, tf.Tensor],
+                     n_box: tf.Tensor) -> Dict[str, tf.Tensor]:
+        """The encoder proposals' losses under the centre-cell assignment.
+
+        Args:
+          enc: 'pred_logits' [B, S, C+1], 'pred_boxes' [B, S, 4], 'cell_mask' [B, h, w].
+          targets: as `__call__` (already padded to T >= 1).
+          n_box: the box-count normalizer.
+        """
+        logits = tf.cast(enc["pred_logits"], tf.float32)
+        boxes = tf.cast(enc["pred_boxes"], tf.float32)
+        cell_mask = enc["cell_mask"]
+        real = tf.cast(tf.reshape(cell_mask, tf.shape(logits)[:2]), tf.float32)  # [B, S]
+        assigned = center_assignment(cell_mask, targets["boxes"], targets["mask"])  # [B, S]
+        positive = assigned >= 0
+        safe = tf.maximum(assigned, 0)
+        cls = tf.where(positive, tf.gather(targets["labels"], safe, batch_dims=1),
+                       self.num_classes)  # [B, S]
+        w = tf.where(positive, 1.0, self.eos_coef) * real
+        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(cls, logits)
+        pos_f = tf.cast(positive, tf.float32)
+        tgt = tf.gather(targets["boxes"], safe, batch_dims=1)  # [B, S, 4]
+        l1 = tf.reduce_sum(tf.abs(boxes - tgt), -1)
+        giou = box_ops.generalized_box_iou(
+            box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
+            box_ops.box_cxcywh_to_xyxy(tgt)[..., None, :])[..., 0, 0]  # [B, S]
+        return {"loss_enc_ce": tf.reduce_sum(w * nll) / n_box,
+                "loss_enc_bbox": tf.reduce_sum(l1 * pos_f) / n_box,
+                "loss_enc_giou": tf.reduce_sum((1.0 - giou) * pos_f) / n_box}
+
+
+def center_assignment(cell_mask: tf.Tensor, boxes: tf.Tensor, box_mask: tf.Tensor) -> tf.Tensor:
+    """Assigns every target to the feature cell that holds its centre.
+
+    Args:
+      cell_mask: [B, h, w] bool, True on real cells (a top-left block per image).
+      boxes: [B, T, 4] normalized cxcywh, relative to the image's real extent.
+      box_mask: [B, T] bool, True on real targets.
+
+    Returns:
+      [B, h * w] int32: the target index assigned to each cell, -1 for none. When several
+      centres share a cell the highest target index wins (deterministic on every device).
+    """
+    m = tf.cast(cell_mask, tf.float32)
+    h_real = tf.reduce_sum(tf.reduce_max(m, axis=2), axis=1)  # [B]
+    w_real = tf.reduce_sum(tf.reduce_max(m, axis=1), axis=1)
+    i = tf.clip_by_value(tf.floor(boxes[..., 1] * h_real[:, None]), 0.0,
+                         tf.maximum(h_real - 1.0, 0.0)[:, None])  # [B, T]
+    j = tf.clip_by_value(tf.floor(boxes[..., 0] * w_real[:, None]), 0.0,
+                         tf.maximum(w_real - 1.0, 0.0)[:, None])
+    h, w = tf.shape(cell_mask)[1], tf.shape(cell_mask)[2]
+    num_cells = h * w
+    cell = tf.cast(i, tf.int32) * w + tf.cast(j, tf.int32)
+    cell = tf.where(box_mask, cell, num_cells)  # padded targets go to a spare slot
+    b, t = tf.shape(boxes)[0], tf.shape(boxes)[1]
+    priority = tf.where(box_mask, tf.range(1, t + 1)[None, :], 0)  # [B, T]
+    batch = tf.tile(tf.range(b)[:, None], [1, t])
+    slots = tf.tensor_scatter_nd_max(
+        tf.zeros([b, num_cells + 1], tf.int32),
+        tf.reshape(tf.stack([batch, cell], -1), [-1, 2]), tf.reshape(priority, [-1]))
+    return slots[:, :num_cells] - 1

@@ -32,9 +32,12 @@ def tiny(num_classes=3, **bindings):
                     + [f"{k} = {v}" for k, v in bindings.items()])
 
 
-# The same tiny model with DAB-DETR-style anchor queries (AnchorTransformer).
+# The same tiny model with DAB-DETR-style anchor queries (AnchorTransformer), and two-stage
+# (anchors selected from the encoder's dense proposals).
 ANCHOR = {"build_model.transformer": "@AnchorTransformer()"}
-DECODERS = pytest.mark.parametrize("decoder", [{}, ANCHOR], ids=["detr", "anchor"])
+TWO_STAGE = {**ANCHOR, "build_model.two_stage": True, "NUM_QUERIES": 4}  # <= the cells of a 64 px map
+DECODERS = pytest.mark.parametrize("decoder", [{}, ANCHOR, TWO_STAGE],
+                                   ids=["detr", "anchor", "two_stage"])
 
 
 def batch(rng, b=2, size=128, real=((128, 128), (90, 70))):
@@ -70,13 +73,16 @@ def test_every_model_config_parses(name):
 def test_output_structure_shapes_and_ranges(decoder):
     model, _ = tiny(num_classes=5, **decoder)
     assert isinstance(model, DETR) and isinstance(model, tf_keras.Model)
+    assert model.num_queries == (4 if decoder.get("build_model.two_stage") else 16)
     out = model(*batch(np.random.default_rng(0)), training=False)
-    assert set(out) == {"pred_logits", "pred_boxes", "aux_outputs"}
-    assert out["pred_logits"].shape == (2, 16, 6) and out["pred_boxes"].shape == (2, 16, 4)
+    assert set(out) == {"pred_logits", "pred_boxes", "aux_outputs"} | (
+        {"enc_outputs"} if decoder.get("build_model.two_stage") else set())
+    q = model.num_queries
+    assert out["pred_logits"].shape == (2, q, 6) and out["pred_boxes"].shape == (2, q, 4)
     assert len(out["aux_outputs"]) == 1  # 2 decoder layers
     for o in [out] + out["aux_outputs"]:
         assert o["pred_logits"].dtype == tf.float32 and o["pred_boxes"].dtype == tf.float32
-        assert o["pred_logits"].shape == (2, 16, 6)
+        assert o["pred_logits"].shape == (2, q, 6)
         boxes = o["pred_boxes"].numpy()
         assert np.all((boxes > 0) & (boxes < 1))
     # The backbone's variables are a separate group of the model's trainable variables.

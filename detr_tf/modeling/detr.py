@@ -6,6 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.backbone import ResNet
+from detr_tf.modeling import proposals as proposals_lib
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 from detr_tf.modeling.transformer import MLP, Transformer
 
@@ -21,13 +22,21 @@ class DETR(tf_keras.Model):
       'pred_boxes': [B, Q, 4] normalized cx, cy, w, h in (0, 1).
       'aux_outputs': list of L-1 dicts with the same two keys, decoder layers 0 .. L-2
         (empty when aux_loss is False).
+      'enc_outputs' (two-stage only): the encoder's dense proposals, 'pred_logits'
+        [B, S, C+1] and 'pred_boxes' [B, S, 4] over the S = h * w feature cells, and
+        'cell_mask' [B, h, w] bool.
+
+    Two-stage (`proposals` given, with an anchor-refining transformer): the encoder memory is
+    scored cell by cell and the num_queries best cells' boxes are the decoder's anchors
+    (modeling/proposals.py); there are no learned queries.
 
     `model.backbone.trainable_variables` are the variables that take the backbone learning rate.
     """
 
     def __init__(self, backbone: tf_keras.layers.Layer,
                  position_embedding: tf_keras.layers.Layer, transformer: Transformer,
-                 num_classes: int, num_queries: int = 100, aux_loss: bool = True, **kwargs):
+                 num_classes: int, num_queries: int = 100, aux_loss: bool = True,
+                 proposals: Optional[tf_keras.layers.Layer] = None, **kwargs):
         kwargs.setdefault("name", "detr")
         super().__init__(**kwargs)
         d = transformer.d_model
@@ -38,7 +47,11 @@ class DETR(tf_keras.Model):
         self.num_queries = num_queries
         self.aux_loss = aux_loss
         self.input_proj = tf_keras.layers.Conv2D(d, 1, name="input_proj")
-        self.query_embed = tf_keras.layers.Embedding(
+        if proposals is not None and not transformer.predicts_boxes:
+            raise ValueError("DETR: two-stage proposals need a transformer that decodes anchor "
+                             "boxes (build_model.transformer = @AnchorTransformer())")
+        self.proposals = proposals
+        self.query_embed = None if proposals is not None else tf_keras.layers.Embedding(
             num_queries, transformer.query_dim,
             embeddings_initializer=transformer.query_initializer, dtype="float32",
             name="query_embed")
@@ -51,10 +64,22 @@ class DETR(tf_keras.Model):
         features, mask = self.backbone(images, pixel_mask, training=training)  # [B, h, w, C]
         pos = self.position_embedding(mask)  # [B, h, w, d] float32
         src = self.input_proj(features)  # [B, h, w, d]
-        queries = self.query_embed(tf.range(self.num_queries))  # [Q, query_dim]
-        if self.transformer.predicts_boxes:
+        extra = {}
+        if self.proposals is not None:
+            memory, pos_flat, key_mask = self.transformer.encode(src, mask, pos,
+                                                                 training=training)
+            enc_logits, enc_boxes = self.proposals(tf.reshape(memory, tf.shape(src)), mask)
+            extra["enc_outputs"] = proposals_lib.proposals_dict(enc_logits, enc_boxes, mask)
+            anchors, _ = proposals_lib.select_anchors(
+                extra["enc_outputs"]["pred_logits"], extra["enc_outputs"]["pred_boxes"],
+                key_mask, self.num_queries)  # [B, Q, 4]
+            hs, boxes = self.transformer.decode(memory, pos_flat, key_mask, anchors,
+                                                training=training)
+        elif self.transformer.predicts_boxes:
+            queries = self.query_embed(tf.range(self.num_queries))  # [Q, 4]
             hs, _, boxes = self.transformer(src, mask, queries, pos, training=training)
         else:
+            queries = self.query_embed(tf.range(self.num_queries))  # [Q, d]
             hs, _ = self.transformer(src, mask, queries, pos, training=training)  # [L, B, Q, d]
             # The sigmoid runs in float32 so boxes near 0 or 1 keep their precision.
             boxes = tf.sigmoid(tf.cast(self.bbox_embed(hs), tf.float32))  # [L, B, Q, 4]
@@ -64,14 +89,15 @@ class DETR(tf_keras.Model):
         if self.aux_loss:
             aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
                    for i in range(num_layers - 1)]
-        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux}
+        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux, **extra}
 
 
 @gin.configurable
 def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int = 256,
                 backbone: Optional[tf_keras.layers.Layer] = None,
                 position_embedding: Optional[tf_keras.layers.Layer] = None,
-                transformer: Optional[Transformer] = None, aux_loss: bool = True) -> DETR:
+                transformer: Optional[Transformer] = None, aux_loss: bool = True,
+                two_stage: bool = False) -> DETR:
     """Builds DETR; components left as None get DETR-R50 defaults for `hidden_dim`.
 
     In Gin, components are bound by reference, e.g. `build_model.backbone = @ResNet()`.
@@ -87,6 +113,8 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
       position_embedding: a layer `mask [B, h, w] -> [B, h, w, hidden_dim]`.
       transformer: a Transformer.
       aux_loss: whether to return the outputs of the decoder layers before the last.
+      two_stage: decoder anchors from the encoder's dense proposals (EncoderProposals,
+        trained by SetCriterion's dense loss); needs an AnchorTransformer.
 
     Returns:
       An unbuilt DETR (variables are created by the first call).
@@ -103,5 +131,7 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
         raise ValueError(f"build_model: the position embedding gives {2 * feats} channels "
                          f"(num_pos_feats={feats}) but hidden_dim={hidden_dim}; set "
                          f"num_pos_feats to hidden_dim // 2")
+    proposals = (proposals_lib.EncoderProposals(num_classes, hidden_dim) if two_stage
+                 else None)
     return DETR(backbone, position_embedding, transformer, num_classes=num_classes,
-                num_queries=num_queries, aux_loss=aux_loss)
+                num_queries=num_queries, aux_loss=aux_loss, proposals=proposals)

@@ -296,9 +296,26 @@ class AnchorTransformer(Transformer):
         """
         memory, pos, key_mask = self.encode(src, mask, pos_embed, training=training)
         b = tf.shape(memory)[0]
-        dtype = memory.dtype
-        anchor = tf.sigmoid(tf.tile(tf.cast(query_embed, tf.float32)[None], [b, 1, 1]))
-        tgt = tf.zeros([b, tf.shape(query_embed)[0], self.d_model], dtype)  # [B, Q, d]
+        anchors = tf.tile(tf.cast(query_embed, tf.float32)[None], [b, 1, 1])  # [B, Q, 4]
+        hs, boxes = self.decode(memory, pos, key_mask, anchors, training=training)
+        return hs, tf.reshape(memory, tf.shape(src)), boxes
+
+    def decode(self, memory: tf.Tensor, pos: tf.Tensor, key_mask: tf.Tensor,
+               anchor_logits: tf.Tensor, training: Optional[bool] = None
+               ) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Decodes per-image anchors.
+
+        Args:
+          memory, pos: [B, S, d] from `encode`; key_mask: [B, S] bool.
+          anchor_logits: [B, Q, 4] float32 logits of the anchors (cx, cy, w, h), learned or
+            selected from encoder proposals (two-stage).
+
+        Returns:
+          hs [L, B, Q, d] and boxes [L, B, Q, 4] float32, as `call`.
+        """
+        b, dtype = tf.shape(memory)[0], memory.dtype
+        anchor = tf.sigmoid(anchor_logits)
+        tgt = tf.zeros([b, tf.shape(anchor_logits)[1], self.d_model], dtype)  # [B, Q, d]
         hs, boxes = [], []
         for i, layer in enumerate(self.decoder_layers):
             sine = tf.cast(self._embed_anchor(anchor), dtype)  # [B, Q, 2d]
@@ -314,4 +331,4 @@ class AnchorTransformer(Transformer):
             hs.append(out)
             boxes.append(box)
             anchor = tf.stop_gradient(box)
-        return tf.stack(hs), tf.reshape(memory, tf.shape(src)), tf.stack(boxes)
+        return tf.stack(hs), tf.stack(boxes)
