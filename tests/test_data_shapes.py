@@ -101,3 +101,18 @@ def test_knobs_name_their_own_cache_and_reject_bad_values(tmp_path):
                           ({"max_objects": 0}, "max_objects=0")):
         with pytest.raises(ValueError, match=re.escape(match)):
             shapes.make_shapes_dataset(str(tmp_path / "bad"), 1, 0, image_size=48, **kwargs)
+
+
+def test_two_first_uses_at_once_both_get_a_complete_dataset(tmp_path):
+    """Concurrent first runs (e.g. two trainings started together) build privately and the
+    first complete copy wins; nothing partial is left behind."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.starmap(shapes.ensure_shapes_tfrecords,
+                               [(str(tmp_path), 6, 2, 48)] * 2)
+    assert results[0] == results[1]
+    assert os.listdir(tmp_path) == [os.path.basename(results[0]["root"])]
+    counts = json.load(open(os.path.join(results[0]["root"], "DONE.json")))
+    assert counts["train"]["images_written"] == 6 and counts["val"]["images_written"] == 2

@@ -19,6 +19,7 @@ Difficulty knobs (defaults give the dataset the tests and benchmarks use): `max_
 """
 import json
 import os
+import shutil
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import gin
@@ -210,8 +211,9 @@ def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int 
 
     The data lives in `cache_dir/shapes_s{image_size}_n{num_train}_{num_val}_seed{seed}/`
     (with `_o{max_objects}_side{low}-{high}_{background}` appended when the difficulty knobs
-    differ from the defaults); a DONE.json marker written last makes an interrupted run start
-    over.
+    differ from the defaults). It is built in a private `.partial-PID` directory and renamed
+    into place when complete (DONE.json inside), so interrupted or concurrent first runs never
+    leave or read a half-written dataset.
 
     Returns:
       {'train_pattern', 'val_pattern' (TFRecord globs), 'train_annotations',
@@ -236,18 +238,30 @@ def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int 
     # First use is silent for up to a minute otherwise; say what is happening and where.
     print(f"shapes: generating {num_train} train + {num_val} val images into {root} "
           "(first use only)", flush=True)
-    paths = make_shapes_dataset(root, num_train, num_val, image_size, seed,
+    # Built in a private directory and renamed into place when complete, so two runs starting
+    # together never read each other's half-written files.
+    work = f"{root}.partial-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    paths = make_shapes_dataset(work, num_train, num_val, image_size, seed,
                                 max_objects=max_objects, side_range=side_range,
                                 background=background)
     counts = {}
     for split in ("train", "val"):
         stats = coco_converter.convert_coco(
             paths[f"{split}_images"], paths[f"{split}_annotations"],
-            os.path.join(root, "tfrecords", split), num_shards=num_shards, num_processes=1,
+            os.path.join(work, "tfrecords", split), num_shards=num_shards, num_processes=1,
             progress=False)
         counts[split] = stats.counts
-    with open(os.path.join(root, _DONE), "w") as f:
+    with open(os.path.join(work, _DONE), "w") as f:
         json.dump(counts, f)
+    if os.path.isdir(root) and not os.path.exists(os.path.join(root, _DONE)):
+        shutil.rmtree(root, ignore_errors=True)  # left by a run interrupted before this scheme
+    try:
+        os.rename(work, root)
+    except OSError:
+        if not os.path.exists(os.path.join(root, _DONE)):
+            raise
+        shutil.rmtree(work, ignore_errors=True)  # another run finished first: use its copy
     return result
 
 
