@@ -1,8 +1,9 @@
 """End to end through the entry scripts: train (tiny), eval, predict, export, and their errors.
 
-One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module. The run also
-binds the quickstart's end-of-training hooks (COCO evaluation, prediction images, next steps),
-so the path every new user takes is exercised too. Each script runs in a subprocess, as a user
+One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module; the train, eval,
+predict and export tests also run on a second tiny model built like the quickstart's (anchor
+queries, two-stage proposals). The runs also bind the quickstart's end-of-training hooks (COCO
+evaluation, prediction images, next steps), so the path every new user takes is exercised too. Each script runs in a subprocess, as a user
 runs it, and is judged by its exit status, its files and its message.
 """
 import json
@@ -39,13 +40,41 @@ def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
+# The quickstart's model pieces on tiny.gin (stride 16 so that every bucket has >= 8 cells).
+VARIANTS = {
+    "detr": [],
+    "two_stage": ["--gin_param=build_model.transformer = @AnchorTransformer()",
+                  "--gin_param=build_model.two_stage = True",
+                  "--gin_param=ResNet.layers = (1, 1, 1)", "--gin_param=NUM_QUERIES = 8"],
+}
+_TRAINED = {}
+
+
+def _trained(tmp_path_factory, variant: str) -> dict:
+    if variant not in _TRAINED:
+        _TRAINED[variant] = _train(tmp_path_factory, variant)
+    return _TRAINED[variant]
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def trained(request, tmp_path_factory):
+    """A trained tiny model_dir per model variant."""
+    yield _trained(tmp_path_factory, request.param)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """The plain tiny DETR run, for the error-path tests."""
+    yield _trained(tmp_path_factory, "detr")
+
+
+def _train(tmp_path_factory, variant: str) -> dict:
     """A trained tiny model_dir, its gin flags and two val images to predict on."""
-    root = tmp_path_factory.mktemp("e2e")
+    root = tmp_path_factory.mktemp(f"e2e_{variant}")
     cache = root / "shapes_cache"
     cache_binding = f"SHAPES_CACHE_DIR = '{cache}'"
-    gin_flags = ["--gin_file=gin_configs/tiny.gin", f"--gin_param={cache_binding}"]
+    gin_flags = ["--gin_file=gin_configs/tiny.gin", f"--gin_param={cache_binding}",
+                 *VARIANTS[variant]]
     model_dir = root / "model"
     train = _ok(_run("train.py", *gin_flags, f"--model_dir={model_dir}",
                      "--gin_param=train.num_steps = 4",
@@ -61,9 +90,9 @@ def run(tmp_path_factory):
             "images": images, "train": train}
 
 
-def test_train_ends_with_metrics_predictions_and_next_steps(run):
-    out = run["train"].stdout
-    model_dir = run["model_dir"]
+def test_train_ends_with_metrics_predictions_and_next_steps(trained):
+    out = trained["train"].stdout
+    model_dir = trained["model_dir"]
     assert "COCO bbox metrics" in out
     assert len(list((model_dir / "predictions").glob("*.png"))) == 2
     next_steps = out[out.index("next steps"):]
@@ -72,11 +101,12 @@ def test_train_ends_with_metrics_predictions_and_next_steps(run):
     assert str(model_dir / "predictions") in next_steps
 
 
-def test_eval_writes_exactly_the_six_metrics(run):
-    model_dir = run["model_dir"]
+def test_eval_writes_exactly_the_six_metrics(trained):
+    model_dir = trained["model_dir"]
     shutil.rmtree(model_dir / "eval")
     ckpt = model_dir / "checkpoints" / "ckpt-4"
-    result = _ok(_run("eval.py", *run["gin"], f"--model_dir={model_dir}", f"--checkpoint={ckpt}"))
+    result = _ok(_run("eval.py", *trained["gin"], f"--model_dir={model_dir}",
+                      f"--checkpoint={ckpt}"))
     assert f"restored {ckpt}" in result.stdout and "AP50" in result.stdout
     metrics = json.loads((model_dir / "eval" / "metrics.json").read_text())
     assert set(metrics) == METRIC_KEYS
@@ -88,16 +118,16 @@ def test_eval_writes_exactly_the_six_metrics(run):
 
 
 @pytest.fixture(scope="module")
-def predicted(run, tmp_path_factory):
+def predicted(trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("predicted")
     # Threshold 0: every query is a detection, so the comparison with the export is not empty.
-    _ok(_run("predict.py", *run["gin"], f"--model_dir={run['model_dir']}",
-             f"--images={run['images']}", f"--output_dir={out}", "--score_threshold=0"))
+    _ok(_run("predict.py", *trained["gin"], f"--model_dir={trained['model_dir']}",
+             f"--images={trained['images']}", f"--output_dir={out}", "--score_threshold=0"))
     return out
 
 
-def test_predict_writes_a_png_per_image_and_one_json(run, predicted):
-    inputs = sorted(p.name for p in run["images"].iterdir())
+def test_predict_writes_a_png_per_image_and_one_json(trained, predicted):
+    inputs = sorted(p.name for p in trained["images"].iterdir())
     records = json.loads((predicted / "detections.json").read_text())
     assert [Path(r["file"]).name for r in records] == inputs
     for record in records:
@@ -109,13 +139,13 @@ def test_predict_writes_a_png_per_image_and_one_json(run, predicted):
             assert 0 <= x0 <= x1 <= record["width"] and 0 <= y0 <= y1 <= record["height"]
 
 
-def test_export_loads_and_matches_predict(run, predicted, tmp_path):
+def test_export_loads_and_matches_predict(trained, predicted, tmp_path):
     export_dir = tmp_path / "export"
     # Without --gin_file: the run's config.gin.
-    _ok(_run("export.py", f"--model_dir={run['model_dir']}", f"--export_dir={export_dir}"))
+    _ok(_run("export.py", f"--model_dir={trained['model_dir']}", f"--export_dir={export_dir}"))
     loaded = tf.saved_model.load(str(export_dir))
     assert {"serving_default", "serving_images"} <= set(loaded.signatures)
-    files = predict.list_images(run["images"])
+    files = predict.list_images(trained["images"])
     from_export = predict.predict_images(loaded, files, tmp_path / "out", score_threshold=0.0,
                                          draw=False)
     from_tool = json.loads((predicted / "detections.json").read_text())

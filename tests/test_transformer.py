@@ -36,6 +36,16 @@ def ffn(x, f):
     return dense(np.maximum(dense(x, f.linear1), 0), f.linear2)
 
 
+def decoder_layer(lyr, tgt, query_pos, cross_pos, x, p, m):
+    """One post-norm decoder layer: self-attention with query_pos, cross-attention with
+    cross_pos added to the query, FFN."""
+    qp = tgt + query_pos
+    tgt = layer_norm(tgt + attention(qp, qp, tgt, np.ones(len(tgt), bool), lyr.self_attn),
+                     lyr.norm1)
+    tgt = layer_norm(tgt + attention(tgt + cross_pos, x + p, x, m, lyr.cross_attn), lyr.norm2)
+    return layer_norm(tgt + ffn(tgt, lyr.ffn), lyr.norm3)
+
+
 def reference(tr, src, mask, query_embed, pos):
     """DETR's post-norm Transformer (no final encoder norm, shared decoder norm), per image."""
     hs_all, mem_all = [], []
@@ -49,12 +59,7 @@ def reference(tr, src, mask, query_embed, pos):
         tgt = np.zeros((Q, D))
         hs = []
         for lyr in tr.decoder_layers:
-            qp = tgt + query_embed
-            tgt = layer_norm(tgt + attention(qp, qp, tgt, np.ones(Q, bool), lyr.self_attn),
-                             lyr.norm1)
-            tgt = layer_norm(tgt + attention(tgt + query_embed, x + p, x, m, lyr.cross_attn),
-                             lyr.norm2)
-            tgt = layer_norm(tgt + ffn(tgt, lyr.ffn), lyr.norm3)
+            tgt = decoder_layer(lyr, tgt, query_embed, query_embed, x, p, m)
             hs.append(layer_norm(tgt, tr.decoder_norm))
         hs_all.append(np.stack(hs))
         mem_all.append(x.reshape(src.shape[1:]))
@@ -160,12 +165,7 @@ def anchor_reference(tr, src, mask, anchor_logits, pos):
                                    for k in (1, 0, 2, 3)], -1)  # [Q, 2D]: y, x, w, h
             qpos = mlp_np(sine, tr.ref_point_head)
             cross = sine[:, :D] * (1.0 if n == 0 else mlp_np(tgt, tr.query_scale))
-            qp = tgt + qpos
-            tgt = layer_norm(tgt + attention(qp, qp, tgt, np.ones(Q, bool), lyr.self_attn),
-                             lyr.norm1)
-            tgt = layer_norm(tgt + attention(tgt + cross, x + p, x, m, lyr.cross_attn),
-                             lyr.norm2)
-            tgt = layer_norm(tgt + ffn(tgt, lyr.ffn), lyr.norm3)
+            tgt = decoder_layer(lyr, tgt, qpos, cross, x, p, m)
             out = layer_norm(tgt, tr.decoder_norm)
             anchor = sigmoid_np(mlp_np(out, tr.bbox_embed) + np.log(anchor / (1 - anchor)))
             hs.append(out)

@@ -60,18 +60,18 @@ class Progress:
     """A one-line console progress report with ETA and images/s.
 
     On a terminal the line is redrawn in place; otherwise (CI, log files) a full line is printed
-    every `every_s` seconds, so logs stay readable.
+    every `every_s` seconds, so logs stay readable. The ETA is measured from the first report
+    on, so the first step's tracing and compilation do not inflate it.
     """
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool = True,
+    def __init__(self, total_steps: int, enabled: bool = True,
                  every_s: float = 10.0, stream=None):
         self.total = total_steps
-        self.start_step = start_step
         self.enabled = enabled
         self.every_s = every_s
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
-        self._t0 = time.time()
+        self._first = None  # (time, step) of the first report
         self._last_print = 0.0
 
     def update(self, step: int, images_per_sec: float, loss: Optional[float] = None,
@@ -79,11 +79,13 @@ class Progress:
         if not self.enabled:
             return
         now = time.time()
+        if self._first is None:
+            self._first = (now, step)
         if not force and not self.tty and now - self._last_print < self.every_s:
             return
         self._last_print = now
-        done = step - self.start_step
-        rate = done / max(now - self._t0, 1e-9)
+        t_first, step_first = self._first
+        rate = (step - step_first) / (now - t_first) if now > t_first else 0.0
         eta = (self.total - step) / rate if rate > 0 else float("inf")
         frac = step / max(self.total, 1)
         bar = ("#" * int(frac * 24)).ljust(24, ".")

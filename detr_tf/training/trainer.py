@@ -394,7 +394,7 @@ def train(model_dir: str,
 
     step_fn = builder.make_step_fn()
     step = int(global_step.numpy())
-    progress = Progress(num_steps, step, enabled=engine.is_chief)
+    progress = Progress(num_steps, enabled=engine.is_chief)
     last_train, eval_metrics, skipped, wrote_operative = {}, {}, 0, False
     images_per_step = global_batch_size * grad_accum_steps
     window_t, window_steps = time.time(), 0
