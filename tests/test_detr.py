@@ -178,6 +178,13 @@ def test_hidden_dim_mismatch_is_reported():
         build_model(hidden_dim=128, transformer=Transformer(d_model=64))
 
 
+def test_anchor_and_feature_map_embeddings_must_share_a_temperature():
+    with pytest.raises(ValueError, match="AnchorTransformer.temperature=20.0 differs"):
+        tiny(**ANCHOR, **{"AnchorTransformer.temperature": 20.0})
+    with pytest.raises(ValueError, match="two-stage proposals need"):
+        tiny(**{"build_model.two_stage": True})
+
+
 @DECODERS
 def test_jit_compiled_forward_equals_eager(decoder):
     """Fast version of the slow train-step check: the model alone compiles with XLA."""

@@ -131,6 +131,12 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
         raise ValueError(f"build_model: the position embedding gives {2 * feats} channels "
                          f"(num_pos_feats={feats}) but hidden_dim={hidden_dim}; set "
                          f"num_pos_feats to hidden_dim // 2")
+    anchor_t = getattr(transformer, "temperature", None)
+    pos_t = getattr(position_embedding, "temperature", None)
+    if transformer.predicts_boxes and None not in (anchor_t, pos_t) and anchor_t != pos_t:
+        # The anchors' embedding must speak the keys' language for attention to localize.
+        raise ValueError(f"build_model: AnchorTransformer.temperature={anchor_t} differs from "
+                         f"PositionEmbeddingSine.temperature={pos_t}; set them equal")
     proposals = (proposals_lib.EncoderProposals(num_classes, hidden_dim) if two_stage
                  else None)
     return DETR(backbone, position_embedding, transformer, num_classes=num_classes,

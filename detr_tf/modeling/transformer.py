@@ -243,7 +243,8 @@ class AnchorTransformer(Transformer):
     The box MLP's last layer starts at zero, so untrained predictions are the anchors.
 
     Anchors start with centres uniform over the image and sides `initial_size`.
-    `temperature` should equal the feature map's PositionEmbeddingSine.temperature.
+    `temperature` must equal the feature map's PositionEmbeddingSine.temperature (build_model
+    checks).
     """
 
     predicts_boxes = True
