@@ -73,8 +73,11 @@ def _direct(model, preprocess, images, max_detections=4, score_threshold=THRESHO
         x, mask = preprocess(tf.constant(img))
         raw = model(x[None], mask[None], training=False)
         dets = pp.postprocess(raw["pred_logits"], raw["pred_boxes"], [img.shape[:2]], "xyxy")
-        outs.append({k: v.numpy()[0] for k, v in pp.select_top_detections(
-            dets, max_detections, score_threshold).items()})
+        out = {k: v.numpy()[0] for k, v in pp.select_top_detections(
+            dets, max_detections, score_threshold).items()}
+        h, w = img.shape[:2]
+        out["boxes"] = np.clip(out["boxes"], 0, [w, h, w, h])  # served boxes stay in the image
+        outs.append(out)
     return outs
 
 

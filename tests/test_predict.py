@@ -40,8 +40,9 @@ def test_predict_writes_json_and_pngs_and_agrees_with_export(images_dir, tmp_pat
     module = export.DetectionModule(model, preprocess, max_detections=6)
     files = predict.list_images(images_dir)
     names = {1: "one", 2: "two"}
+    ids = [7, 11, 13]  # the dataset's category id of class index 0, 1, 2
     records = predict.predict_images(module, files, tmp_path / "out", class_names=names,
-                                     score_threshold=THRESHOLD)
+                                     score_threshold=THRESHOLD, category_ids=ids)
 
     written = json.loads((tmp_path / "out" / "detections.json").read_text())
     assert written == json.loads(json.dumps(records))
@@ -55,7 +56,8 @@ def test_predict_writes_json_and_pngs_and_agrees_with_export(images_dir, tmp_pat
         scores = [d["score"] for d in record["detections"]]
         assert all(s >= THRESHOLD for s in scores) and scores == sorted(scores, reverse=True)
         for d in record["detections"]:
-            assert d["class_name"] == names.get(d["category_id"])
+            assert d["class_name"] == names.get(d["class"])
+            assert d["category_id"] == ids[d["class"]]
         # Pixels change exactly when something was drawn.
         assert np.any(png != original) == bool(record["detections"])
 
@@ -66,6 +68,6 @@ def test_predict_writes_json_and_pngs_and_agrees_with_export(images_dir, tmp_pat
     for mine, theirs in zip(records, exported):
         assert len(mine["detections"]) == len(theirs["detections"])
         for a, b in zip(mine["detections"], theirs["detections"]):
-            assert a["category_id"] == b["category_id"]
+            assert a["class"] == b["class"] == b["category_id"]  # no ids given: the index
             assert a["score"] == pytest.approx(b["score"], rel=1e-5)
             np.testing.assert_allclose(a["box"], b["box"], rtol=1e-5, atol=1e-3)

@@ -134,7 +134,9 @@ def test_predict_writes_a_png_per_image_and_one_json(trained, predicted):
         assert (predicted / record["png"]).is_file()
         assert record["detections"], "threshold 0 keeps every query"
         for d in record["detections"]:
-            assert d["class_name"] in ("ellipse", "rectangle", "triangle", "cross")
+            # The dataset's ids, as eval/detections.json: shapes' category ids are 1..4.
+            assert d["class_name"] == ("ellipse", "rectangle", "triangle", "cross")[d["class"]]
+            assert d["category_id"] == d["class"] + 1
             x0, y0, x1, y1 = d["box"]
             assert 0 <= x0 <= x1 <= record["width"] and 0 <= y0 <= y1 <= record["height"]
 
@@ -151,8 +153,7 @@ def test_export_loads_and_matches_predict(trained, predicted, tmp_path):
     from_tool = json.loads((predicted / "detections.json").read_text())
     assert len(from_export) == len(from_tool) == len(files)
     for a, b in zip(from_export, from_tool):
-        assert [d["category_id"] for d in a["detections"]] == \
-            [d["category_id"] for d in b["detections"]]
+        assert [d["class"] for d in a["detections"]] == [d["class"] for d in b["detections"]]
         np.testing.assert_allclose([d["score"] for d in a["detections"]],
                                    [d["score"] for d in b["detections"]], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose([d["box"] for d in a["detections"]],

@@ -8,7 +8,7 @@ preprocessing, `postprocess` and `select_top_detections`. It has two serving fun
     serving_images(images: tf.uint8 [N, H, W, 3])        one batch of same-sized RGB images
 
 Both return
-    boxes:          [N, K, 4] float32 x0, y0, x1, y1 in original-image pixels
+    boxes:          [N, K, 4] float32 x0, y0, x1, y1 in original-image pixels, clipped to the image
     scores:         [N, K] float32, sorted decreasing
     classes:        [N, K] int32 category ids
     num_detections: [N] int32; entries at index >= num_detections are padding
@@ -159,7 +159,13 @@ class DetectionModule(tf.Module):
         outputs = self.model(images, pixel_mask, training=False)
         dets = pp.postprocess(outputs["pred_logits"], outputs["pred_boxes"], orig_sizes, "xyxy")
         top = pp.select_top_detections(dets, self._max_detections, self._score_threshold)
-        return {"boxes": top["boxes"], "scores": top["scores"], "classes": top["labels"],
+        # Served boxes stay inside the image: a predicted box may overhang it (cx +- w/2 is not
+        # bounded), which a consumer drawing or cropping should not have to handle. COCO
+        # evaluation (eval_loop) keeps the reference's unclipped boxes.
+        size = tf.cast(orig_sizes, tf.float32)  # [N, 2] (h, w)
+        upper = tf.stack([size[:, 1], size[:, 0], size[:, 1], size[:, 0]], -1)[:, None, :]
+        boxes = tf.clip_by_value(top["boxes"], 0.0, upper)  # [N, K, 4] x0, y0, x1, y1
+        return {"boxes": boxes, "scores": top["scores"], "classes": top["labels"],
                 "num_detections": top["num_detections"]}
 
     def _preprocess_batch(self, images: tf.Tensor, decode: bool):

@@ -7,9 +7,13 @@ so predictions from a checkpoint and from the exported model go through the very
 detections.json holds a list with one entry per image, in input order:
 
     {"file": "/abs/path/img.jpg", "png": "img.png", "height": H, "width": W,
-     "detections": [{"box": [x0, y0, x1, y1], "score": s, "category_id": c, "class_name": n}]}
+     "detections": [{"box": [x0, y0, x1, y1], "score": s, "class": k, "category_id": c,
+                     "class_name": n}]}
 
 with boxes in original-image pixels, sorted by decreasing score, above the score threshold.
+`class` is the model's class index (0..C-1); `category_id` is the dataset's id for it (the
+label map's, as in COCO results and eval/detections.json) when the caller gives the
+category ids, else the class index.
 """
 import json
 import os
@@ -57,12 +61,12 @@ def _png_names(paths: Sequence[str]) -> List[str]:
     return names
 
 
-def _class_name(category_id: int, class_names: Any) -> Optional[str]:
+def _class_name(index: int, class_names: Any) -> Optional[str]:
     if class_names is None:
         return None
     if isinstance(class_names, Mapping):
-        return class_names.get(category_id)
-    return class_names[category_id] if 0 <= category_id < len(class_names) else None
+        return class_names.get(index)
+    return class_names[index] if 0 <= index < len(class_names) else None
 
 
 def predict_images(detector: Any,
@@ -70,7 +74,8 @@ def predict_images(detector: Any,
                    output_dir: Union[str, os.PathLike],
                    class_names: Union[Mapping[int, str], Sequence[str], None] = None,
                    score_threshold: float = 0.5,
-                   draw: bool = True) -> List[Dict[str, Any]]:
+                   draw: bool = True,
+                   category_ids: Optional[Sequence[int]] = None) -> List[Dict[str, Any]]:
     """Detects objects in each image, writes OUT/detections.json and OUT/<name>.png.
 
     Images are run one at a time (they have different sizes and a CPU gains nothing from
@@ -80,10 +85,12 @@ def predict_images(detector: Any,
       detector: a `DetectionModule` or a `tf.saved_model.load`-ed export.
       image_paths: image files (JPEG, PNG, BMP or GIF).
       output_dir: created if missing.
-      class_names: {category id: name} or a list indexed by category id, for the JSON and PNGs.
+      class_names: {class index: name} or a list indexed by class index, for the JSON and PNGs.
       score_threshold: detections scoring lower are left out of the JSON and the PNGs (on top
         of the detector's own threshold).
       draw: write the annotated PNGs.
+      category_ids: the dataset's category id of each class index (DatasetInfo.category_ids),
+        written as `category_id`; None writes the class index there.
 
     Returns:
       The list written to detections.json (see the module docstring).
@@ -111,8 +118,9 @@ def predict_images(detector: Any,
         records.append({
             "file": path, "png": png_name if draw else None, "height": height, "width": width,
             "detections": [
-                {"box": [float(v) for v in box], "score": float(score),
-                 "category_id": int(cat), "class_name": _class_name(int(cat), class_names)}
+                {"box": [float(v) for v in box], "score": float(score), "class": int(cat),
+                 "category_id": int(cat) if category_ids is None else int(category_ids[cat]),
+                 "class_name": _class_name(int(cat), class_names)}
                 for box, score, cat in zip(boxes, scores, classes)],
         })
         if draw:

@@ -113,6 +113,7 @@ def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int =
     out = os.path.join(model_dir, PREDICTIONS_SUBDIR)
     detector = export.DetectionModule(model, preprocess_fn=eval_preprocess_fn())
     predict.predict_images(detector, paths, out, class_names=list(info.class_names),
+                           category_ids=list(info.category_ids),
                            score_threshold=score_threshold)
     print(f"predict: wrote {len(paths)} images with detections to {out}", flush=True)
     return out

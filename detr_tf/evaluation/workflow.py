@@ -88,6 +88,7 @@ def predict_run(model_dir: str, images: str, output_dir: str, score_threshold: f
     detector = export.DetectionModule(model, preprocess_fn=run.eval_preprocess_fn())
     records = predict.predict_images(detector, paths, output_dir,
                                      class_names=list(info.class_names),
+                                     category_ids=list(info.category_ids),
                                      score_threshold=score_threshold)
     found = sum(len(r["detections"]) for r in records)
     print(f"predict: {found} detections (score >= {score_threshold}) on {len(records)} images; "
