@@ -19,6 +19,7 @@ A step, per replica:
 """
 import math
 import os
+import tempfile
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -52,10 +53,10 @@ def check_model_dir(model_dir: str) -> None:
     """Fails early, before any compile, when model_dir cannot hold checkpoints."""
     try:
         os.makedirs(model_dir, exist_ok=True)
-        probe = os.path.join(model_dir, ".write_probe")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        # A uniquely named probe: every worker of a multi-process run checks the same directory
+        # at once, and a shared name let one worker delete another's probe (ENOENT).
+        with tempfile.NamedTemporaryFile(dir=model_dir, prefix=".write_probe."):
+            pass
     except OSError as e:
         raise TrainingError(f"model_dir {model_dir!r} is not writable: {e}") from e
 
