@@ -48,12 +48,16 @@ def test_tfds_source_with_mocked_coco(monkeypatch):
     with tfds.testing.mock_data(num_examples=2, policy=tfds.testing.MockPolicy.USE_CODE):
         src = sources.TFDSSource("coco/2017", "validation", data_dir="/nonexistent",
                                  decode_after_shuffle=False)
-        raw = next(iter(src.make(sources.ReadSpec())))
-        tfds_raw = next(iter(tfds.builder("coco/2017").as_dataset(split="validation")))
+        ours = list(src.make(sources.ReadSpec()).take(2))
+        theirs = list(tfds.builder("coco/2017").as_dataset(split="validation").take(2))
+    # The two readers need not yield the mock examples in the same order: pair them by id.
+    by_id = {int(t["image/id"].numpy()): t for t in theirs}
+    assert sorted(int(r["image_id"].numpy()) for r in ours) == sorted(by_id)
     coco_ids = [cid for cid, _ in label_map_lib.COCO_CATEGORIES]
-    # TFDS's contiguous labels 0..79 come back as COCO ids, in sorted-id order.
-    expected = [coco_ids[i] for i in tfds_raw["objects"]["label"].numpy()]
-    np.testing.assert_array_equal(raw["classes"].numpy(), expected)
-    np.testing.assert_array_equal(raw["boxes"].numpy(), tfds_raw["objects"]["bbox"].numpy())
-    assert raw["image_id"].numpy() == tfds_raw["image/id"].numpy()
+    for raw in ours:
+        tfds_raw = by_id[int(raw["image_id"].numpy())]
+        # TFDS's contiguous labels 0..79 come back as COCO ids, in sorted-id order.
+        expected = [coco_ids[i] for i in tfds_raw["objects"]["label"].numpy()]
+        np.testing.assert_array_equal(raw["classes"].numpy(), expected)
+        np.testing.assert_array_equal(raw["boxes"].numpy(), tfds_raw["objects"]["bbox"].numpy())
     assert raw["image"].dtype == tf.uint8 and raw["image"].shape[-1] == 3
