@@ -249,9 +249,7 @@ def center_assignment(cell_mask: tf.Tensor, boxes: tf.Tensor, box_mask: tf.Tenso
       [B, h * w] int32: the target index assigned to each cell, -1 for none. When several
       centres share a cell the highest target index wins (deterministic on every device).
     """
-    m = tf.cast(cell_mask, tf.float32)
-    h_real = tf.reduce_sum(tf.reduce_max(m, axis=2), axis=1)  # [B]
-    w_real = tf.reduce_sum(tf.reduce_max(m, axis=1), axis=1)
+    h_real, w_real = box_ops.mask_extent(cell_mask)  # [B]
     i = tf.clip_by_value(tf.floor(boxes[..., 1] * h_real[:, None]), 0.0,
                          tf.maximum(h_real - 1.0, 0.0)[:, None])  # [B, T]
     j = tf.clip_by_value(tf.floor(boxes[..., 0] * w_real[:, None]), 0.0,

@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.transformer import MLP, inverse_sigmoid
+from detr_tf.ops import box_ops
 
 
 def cell_anchors(mask: tf.Tensor, cell_size: float) -> tf.Tensor:
@@ -27,16 +28,15 @@ def cell_anchors(mask: tf.Tensor, cell_size: float) -> tf.Tensor:
       [B, h, w, 4] float32 normalized (cx, cy, w, h): cell centres relative to the image's real
       extent, sides cell_size / real extent; values on padded cells are clipped into (0, 1).
     """
-    m = tf.cast(mask, tf.float32)
-    h_real = tf.reduce_sum(tf.reduce_max(m, axis=2), axis=1)  # [B]
-    w_real = tf.reduce_sum(tf.reduce_max(m, axis=1), axis=1)
+    shape = tf.shape(mask)  # [B, h, w]
+    h_real, w_real = box_ops.mask_extent(mask)  # [B]
     h_real, w_real = tf.maximum(h_real, 1.0), tf.maximum(w_real, 1.0)
-    h, w = tf.shape(mask)[1], tf.shape(mask)[2]
+    h, w = shape[1], shape[2]
     ys = (tf.range(h, dtype=tf.float32) + 0.5)[None, :, None] / h_real[:, None, None]
     xs = (tf.range(w, dtype=tf.float32) + 0.5)[None, None, :] / w_real[:, None, None]
-    cy, cx = tf.broadcast_to(ys, tf.shape(m)), tf.broadcast_to(xs, tf.shape(m))
-    bw = tf.broadcast_to((cell_size / w_real)[:, None, None], tf.shape(m))
-    bh = tf.broadcast_to((cell_size / h_real)[:, None, None], tf.shape(m))
+    cy, cx = tf.broadcast_to(ys, shape), tf.broadcast_to(xs, shape)
+    bw = tf.broadcast_to((cell_size / w_real)[:, None, None], shape)
+    bh = tf.broadcast_to((cell_size / h_real)[:, None, None], shape)
     anchors = tf.stack([cx, cy, bw, bh], axis=-1)
     return tf.clip_by_value(anchors, 1e-4, 1.0 - 1e-4)
 

@@ -24,6 +24,14 @@ def box_xyxy_to_cxcywh(boxes: tf.Tensor) -> tf.Tensor:
     return tf.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], axis=-1)
 
 
+def mask_extent(mask: tf.Tensor):
+    """(h_real, w_real): [B] float32 rows and columns of each mask's real (True) top-left block,
+    the extent normalized box coordinates are relative to. mask: [B, h, w] bool."""
+    m = tf.cast(mask, tf.float32)
+    return (tf.reduce_sum(tf.reduce_max(m, axis=2), axis=1),
+            tf.reduce_sum(tf.reduce_max(m, axis=1), axis=1))
+
+
 def box_area(boxes: tf.Tensor) -> tf.Tensor:
     """[..., 4] xyxy -> [...] area, with negative extents counted as zero."""
     x0, y0, x1, y1 = tf.unstack(boxes, 4, axis=-1)
