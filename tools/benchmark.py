@@ -22,8 +22,10 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_multi_string("gin_file", [], "Gin file(s) to parse, in order.")
-flags.DEFINE_multi_string("gin_param", [], "Gin binding(s) applied after the files.")
+from detr_tf import cli
+
+cli.define_gin_flags()
+flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_enum("mode", "train", ["train", "infer"], "What to time.")
 flags.DEFINE_enum("input", "synthetic", ["synthetic", "pipeline"], "Train input.")
 flags.DEFINE_integer("steps", 10, "Timed steps (per batch size in infer mode).")
@@ -50,13 +52,8 @@ def _bound(name: str, default):
 
 
 def main(argv):
-    if len(argv) > 1:
-        sys.exit(f"benchmark.py: unexpected arguments {argv[1:]}; use --gin_file/--gin_param")
-    from detr_tf import config
-    try:
-        config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
-    except config.ConfigError as e:
-        sys.exit(f"benchmark.py: {e}")
+    cli.reject_positional("benchmark.py", argv, "; use --gin_file/--gin_param")
+    cli.parse_gin_or_exit("benchmark.py", FLAGS.gin_file, FLAGS.gin_param)
     from detr_tf.benchmarks import run
     from detr_tf.losses import SetCriterion
     from detr_tf.modeling.detr import build_model

@@ -8,27 +8,23 @@ OUTPUT_DIR/detections.json for the run (boxes in original pixels; see
 detr_tf/evaluation/predict.py). Images are prepared exactly as the eval pipeline prepares them.
 Without --gin_file the run's own MODEL_DIR/config.gin is used.
 """
-import sys
-
 from absl import app, flags, logging
 
-flags.DEFINE_multi_string("gin_file", [], "Gin file(s) to parse, in order "
-                          "(default: MODEL_DIR/config.gin).")
-flags.DEFINE_multi_string("gin_param", [], "Gin binding(s) applied after the files.")
-flags.DEFINE_string("model_dir", None, "The training run's directory.")
-flags.DEFINE_string("checkpoint", None, "A checkpoint prefix (default: the latest).")
+from detr_tf import cli
+
+cli.define_run_flags()
+flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_string("images", None, "An image file or a directory of images "
                     "(.jpg, .jpeg, .png, .bmp, .gif).")
 flags.DEFINE_string("output_dir", None, "Where the PNGs and detections.json go (created).")
 flags.DEFINE_float("score_threshold", 0.5, "Detections scoring lower are not drawn or listed.")
-flags.mark_flags_as_required(["model_dir", "images", "output_dir"])
+flags.mark_flags_as_required(["images", "output_dir"])
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
-        sys.exit(f"predict.py: unexpected arguments {argv[1:]}")
+    cli.reject_positional("predict.py", argv)
     from detr_tf.evaluation import workflow
 
     workflow.parse_tool_config("predict.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)

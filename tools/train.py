@@ -6,13 +6,12 @@
 
 Gin files are looked up in the working directory, $DETR_TF_GIN_PATH and the shipped gin_configs/.
 """
-import sys
-
 from absl import app, flags, logging
 
-flags.DEFINE_multi_string("gin_file", [], "Gin file(s) to parse, in order.")
-flags.DEFINE_multi_string("gin_param", [], "Gin binding(s) applied after the files, "
-                          "e.g. --gin_param='train.num_steps = 100'.")
+from detr_tf import cli
+
+cli.define_gin_flags(example="train.num_steps = 100")
+flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_string("model_dir", None, "Directory for checkpoints, logs and configs.")
 flags.mark_flag_as_required("model_dir")
 FLAGS = flags.FLAGS
@@ -21,13 +20,8 @@ FLAGS = flags.FLAGS
 def main(argv):
     # TensorFlow's INFO chatter (checkpoint sharding timings...) would bury the progress line.
     logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
-        sys.exit(f"train.py: unexpected arguments {argv[1:]}; use --gin_file/--gin_param")
-    from detr_tf import config
-    try:
-        config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
-    except config.ConfigError as e:
-        sys.exit(f"train.py: {e}")
+    cli.reject_positional("train.py", argv, "; use --gin_file/--gin_param")
+    cli.parse_gin_or_exit("train.py", FLAGS.gin_file, FLAGS.gin_param)
     from detr_tf.training import trainer
     trainer.run_from_command_line(FLAGS.model_dir)
 

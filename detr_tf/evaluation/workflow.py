@@ -175,7 +175,7 @@ def parse_tool_config(tool: str, gin_files: Sequence[str], gin_params: Sequence[
     Raises:
       SystemExit: with "<tool>: <what is wrong>" (exit status 1).
     """
-    from detr_tf import config
+    from detr_tf import cli
 
     if not gin_files:
         saved = os.path.join(model_dir or "", "config.gin")
@@ -183,10 +183,7 @@ def parse_tool_config(tool: str, gin_files: Sequence[str], gin_params: Sequence[
             sys.exit(f"{tool}: no --gin_file given and no {saved!r} (written by "
                      "tools/train.py) to fall back on; pass --gin_file=gin_configs/<file>.gin")
         gin_files = [saved]
-    try:
-        config.parse_gin_config(gin_files, gin_params)
-    except config.ConfigError as e:
-        sys.exit(f"{tool}: {e}")
+    cli.parse_gin_or_exit(tool, gin_files, gin_params)
 
 
 def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
