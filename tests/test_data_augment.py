@@ -150,3 +150,53 @@ def test_normalize_matches_numpy():
     ref = (img / 255.0 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
     np.testing.assert_allclose(augment.normalize_image(tf.constant(img)).numpy(), ref,
                                rtol=1e-5)
+
+
+def _jitter_inputs():
+    rng = np.random.default_rng(3)
+    img = tf.constant(rng.uniform(0, 255, (60, 80, 3)).astype(np.float32))
+    boxes = tf.constant(_rand_boxes(rng, 4, 60, 80))
+    return img, boxes, tf.constant([0, 1, 2, 1], tf.int32), tf.constant([5, 9], tf.int64)
+
+
+def test_color_jitter_same_eagerly_and_in_dataset_map():
+    img, boxes, labels, seed = _jitter_inputs()
+    _eager_vs_map(lambda i, s: augment.color_jitter(i, s), img, seed)
+    jittered = lambda i, b, l, s: augment.detr_train_transform(  # noqa: E731
+        i, b, l, s, photometric=augment.color_jitter, **SMALL)
+    _eager_vs_map(jittered, img, boxes, labels, seed)
+
+
+def test_color_jitter_keeps_geometry_boxes_and_labels():
+    img, boxes, labels, seed = _jitter_inputs()
+    plain = augment.detr_train_transform(img, boxes, labels, seed, **SMALL)
+    jittered = augment.detr_train_transform(img, boxes, labels, seed,
+                                            photometric=augment.color_jitter, **SMALL)
+    np.testing.assert_array_equal(jittered[1].numpy(), plain[1].numpy())
+    np.testing.assert_array_equal(jittered[2].numpy(), plain[2].numpy())
+    assert jittered[0].shape == plain[0].shape
+    assert not np.allclose(jittered[0].numpy(), plain[0].numpy())
+    assert 0.0 <= float(tf.reduce_min(jittered[0])) and float(tf.reduce_max(jittered[0])) <= 255
+
+
+def test_color_jitter_brightness_is_one_factor_in_range():
+    img, _, _, _ = _jitter_inputs()
+    img = img * 0.5  # no pixel clips at a factor up to 1.3
+    for i in range(5):
+        out = augment.color_jitter(img, tf.constant([i, 2]), brightness=0.3, contrast=0.0,
+                                   saturation=0.0, hue=0.0).numpy()
+        ratio = out / np.maximum(img.numpy(), 1e-3)
+        big = img.numpy() > 5.0
+        factor = float(np.median(ratio[big]))
+        np.testing.assert_allclose(ratio[big], factor, rtol=1e-4)
+        assert 0.7 - 1e-6 <= factor <= 1.3 + 1e-6
+
+
+def test_color_jitter_identity_at_zero_and_grey_stays_grey_under_saturation_and_hue():
+    img, _, _, seed = _jitter_inputs()
+    same = augment.color_jitter(img, seed, brightness=0.0, contrast=0.0, saturation=0.0, hue=0.0)
+    np.testing.assert_allclose(same.numpy(), img.numpy(), atol=1e-3)
+    grey = tf.tile(img[..., :1], [1, 1, 3])
+    out = augment.color_jitter(grey, seed, brightness=0.0, contrast=0.0, saturation=0.5,
+                               hue=0.2).numpy()
+    np.testing.assert_allclose(out, grey.numpy(), atol=0.05)

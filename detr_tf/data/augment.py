@@ -9,8 +9,10 @@ The recipe (`detr_train_transform`) follows the reference DETR: random horizonta
 probability 0.5 a multi-scale resize (shorter side drawn from `scales`, longer side at most
 `max_size`), otherwise resize to one of `crop_scales` -> random size crop -> the multi-scale
 resize. Boxes are clipped to the crop and dropped when empty; `labels` follow their boxes.
+An optional photometric op (`color_jitter`, bound as `detr_train_transform.photometric`) runs
+last; it changes pixel values only, never the geometry.
 """
-from typing import Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import gin
 import tensorflow as tf
@@ -131,14 +133,49 @@ def random_size_crop(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor, seed
     return crop(image, boxes, labels, top, left, height, width)
 
 
+@gin.configurable(denylist=["image", "seed"])
+def color_jitter(image: tf.Tensor, seed: tf.Tensor, brightness: float = 0.2,
+                 contrast: float = 0.2, saturation: float = 0.2, hue: float = 0.02,
+                 ) -> tf.Tensor:
+    """Random brightness, contrast, saturation and hue, in that order (each skipped at 0).
+
+    Brightness, contrast and saturation are multiplied by factors drawn from
+    [1 - x, 1 + x]; the hue is shifted by up to `hue` of a turn. Lighting and colour change
+    between real photographs; shapes do not, so this keeps a small dataset from being learnt
+    by its exact colours.
+
+    Args:
+      image: [H, W, 3] float32 in [0, 255].
+      seed: [2] int seed (stateless: the same seed gives the same result everywhere).
+      brightness, contrast, saturation: relative strengths in [0, 1).
+      hue: the largest hue shift, in [0, 0.5].
+
+    Returns:
+      [H, W, 3] float32 in [0, 255].
+    """
+    s = tf.random.experimental.stateless_split(seed, 4)
+    x = tf.cast(image, tf.float32) / 255.0
+    if brightness:
+        x = x * tf.random.stateless_uniform([], s[0], 1 - brightness, 1 + brightness)
+    if contrast:
+        x = tf.image.stateless_random_contrast(x, 1 - contrast, 1 + contrast, s[1])
+    x = tf.clip_by_value(x, 0.0, 1.0)  # saturation and hue need values in [0, 1]
+    if saturation:
+        x = tf.image.stateless_random_saturation(x, 1 - saturation, 1 + saturation, s[2])
+    if hue:
+        x = tf.image.stateless_random_hue(x, hue, s[3])
+    return tf.clip_by_value(x, 0.0, 1.0) * 255.0
+
+
 @gin.configurable(denylist=["image", "boxes", "labels", "seed"])
 def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
                          seed: tf.Tensor, scales: Sequence[int] = DETR_SCALES,
                          max_size: int = 1333, crop_scales: Sequence[int] = (400, 500, 600),
                          crop_min_size: int = 384, crop_max_size: int = 600,
                          flip_prob: float = 0.5,
-                         multiscale_only_prob: float = 0.5
-                         ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+                         multiscale_only_prob: float = 0.5,
+                         photometric: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]]
+                         = None) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """The DETR train augmentation.
 
     Args:
@@ -152,6 +189,8 @@ def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
       crop_min_size, crop_max_size: side range of the random crop.
       flip_prob: probability of the horizontal flip.
       multiscale_only_prob: probability of the plain multi-scale branch.
+      photometric: fn(image, seed) -> image changing pixel values only (e.g. `@color_jitter`),
+        applied last; None for none.
 
     Returns:
       image [H', W', 3] float32, boxes [M, 4] absolute xyxy in the new image, labels [M].
@@ -171,7 +210,11 @@ def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
         return img, bxs, lbl
 
     use_multiscale = tf.random.stateless_uniform([], s[1]) < multiscale_only_prob
-    return tf.cond(use_multiscale, multiscale, crop_then_multiscale)
+    image, boxes, labels = tf.cond(use_multiscale, multiscale, crop_then_multiscale)
+    if photometric is not None:
+        # A seed of its own, folded in, so the geometric draws above stay as without it.
+        image = photometric(image, tf.random.experimental.stateless_fold_in(seed, 6))
+    return image, boxes, labels
 
 
 @gin.configurable(denylist=["image", "boxes", "labels"])

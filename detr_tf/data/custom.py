@@ -1,0 +1,288 @@
+"""A user's own dataset, from one DATA_DIR: detected, converted once, described by its data.
+
+`prepare_custom_dataset(data_dir, cache_dir)` finds the layout (`custom_layouts`), writes each
+split as one COCO json (file names made absolute, the train split's categories everywhere) and
+as TFRecords (`coco_converter`, whose bad-input summary is printed), and returns a
+`CustomDataset`: the splits' record patterns, annotation files and sizes, the class names and
+category ids, and the train images' sizes. Everything the configs need (NUM_CLASSES, the split
+sizes, the image sizes in `custom_plan`) is read from it; the user counts nothing.
+
+The cache lives in `cache_dir/<name>-<hash of DATA_DIR's absolute path>/<fingerprint>/`. The
+fingerprint hashes what the conversion read: the annotation files (size, mtime and content)
+and the image directories' listings (names, sizes, mtimes); a changed dataset gets a new
+fingerprint, is converted again, and the stale copy is removed. As for the shapes dataset, a
+conversion is written in a private `.partial-PID` directory and renamed into place when
+complete, so concurrent first runs never read half-written files.
+
+Roboflow exports list the dataset's own name as an extra category (id 0, the supercategory of
+every real class, with no box); such a category is dropped, so it does not become a class.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+import gin
+
+from detr_tf.data import custom_layouts as layouts
+
+_DONE = "DONE.json"
+_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+_IMAGES_PER_SHARD = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomSplit:
+    """One converted split: TFRecord glob, its COCO json (for evaluation), image count."""
+
+    pattern: str
+    annotations_file: str
+    num_examples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomDataset:
+    """A converted custom dataset (see the module docstring).
+
+    Attributes:
+      data_dir: absolute DATA_DIR.
+      kind: 'roboflow', 'coco' or 'voc'.
+      root: the cache directory of this version of the data.
+      class_names: by class index; category_ids: the dataset's id of each class index.
+      splits: 'train', 'eval' (and 'test' for a Roboflow export with both valid/ and test/).
+      train_sizes: [(height, width)] of the train images.
+      max_objects: the most non-crowd boxes in one train image.
+    """
+
+    data_dir: str
+    kind: str
+    root: str
+    class_names: List[str]
+    category_ids: List[int]
+    splits: Dict[str, CustomSplit]
+    train_sizes: List[Tuple[int, int]]
+    max_objects: int
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def categories(self) -> List[dict]:
+        return [{"id": i, "name": n} for i, n in zip(self.category_ids, self.class_names)]
+
+
+def _file_stamp(path: str, content: bool) -> list:
+    st = os.stat(path)
+    stamp = [os.path.basename(path), st.st_size, st.st_mtime_ns]
+    if content:
+        with open(path, "rb") as f:
+            stamp.append(hashlib.sha256(f.read()).hexdigest())
+    return stamp
+
+
+def fingerprint(layout: layouts.Layout) -> str:
+    """Hash of what the conversion reads (annotation files, image listings); 16 hex digits."""
+    h = hashlib.sha256(layout.kind.encode())
+    for name in sorted(layout.splits):
+        split = layout.splits[name]
+        parts = [name]
+        if split.annotations:
+            parts.append(_file_stamp(split.annotations, content=True))
+        else:
+            parts.append(list(split.voc_ids))
+            parts += [_file_stamp(os.path.join(split.voc_annotations_dir, i + ".xml"), False)
+                      for i in split.voc_ids]
+        with os.scandir(split.image_dir) as it:
+            parts += sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns] for e in it
+                            if e.name.lower().endswith(_IMAGE_EXTENSIONS))
+        h.update(json.dumps(parts).encode())
+    return h.hexdigest()[:16]
+
+
+def _load_coco(split: layouts.SplitFiles) -> dict:
+    with open(split.annotations) as f:
+        coco = json.load(f)
+    for field in ("images", "categories"):
+        if not isinstance(coco.get(field), list):
+            raise ValueError(f"{split.annotations}: field {field!r} is missing or not a list.")
+    return coco
+
+
+def real_categories(cocos: List[dict]) -> List[dict]:
+    """The train split's categories without Roboflow's dataset-name placeholder: a category with
+    no box in any split that is the supercategory of every other category."""
+    categories = cocos[0]["categories"]
+    used = {a.get("category_id") for coco in cocos for a in coco.get("annotations", [])}
+    others = lambda c: [d for d in categories if d is not c]  # noqa: E731
+    return [c for c in categories
+            if c.get("id") in used or not others(c)
+            or not all(d.get("supercategory") == c.get("name") for d in others(c))]
+
+
+def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
+    """Split name -> COCO dict with absolute file names and the train split's categories."""
+    if layout.kind == "voc":
+        names = layouts.voc_class_names([layout.splits["train"]])
+        cocos = {n: layouts.voc_to_coco(s, names) for n, s in layout.splits.items()}
+    else:
+        cocos = {n: _load_coco(s) for n, s in layout.splits.items()}
+    categories = real_categories([cocos["train"]] + [c for n, c in cocos.items() if n != "train"])
+    for name, coco in cocos.items():
+        image_dir = layout.splits[name].image_dir
+        coco["images"] = [dict(img, file_name=os.path.join(image_dir, img["file_name"]))
+                          for img in coco["images"] if "file_name" in img]
+        coco["categories"] = categories
+    return cocos
+
+
+def _convert(layout: layouts.Layout, work: str) -> dict:
+    """Writes every split's json and TFRecords into `work`; returns the summary for DONE.json."""
+    from detr_tf.data import coco_converter  # imports TF lazily
+
+    cocos = _split_dicts(layout)
+    summary = {"kind": layout.kind, "data_dir": layout.data_dir, "splits": {},
+               "categories": cocos["train"]["categories"]}
+    for name, coco in cocos.items():
+        ann_path = os.path.join(work, f"instances_{name}.json")
+        with open(ann_path, "w") as f:
+            json.dump(coco, f)
+        n = len(coco["images"])
+        print(f"custom data: converting {name} ({n} images) from {layout.data_dir}", flush=True)
+        stats = coco_converter.convert_coco(
+            "", ann_path, os.path.join(work, "tfrecords", name),
+            num_shards=max(1, min(64, -(-n // _IMAGES_PER_SHARD))),
+            num_processes=1 if n < 500 else None, progress=n >= 500)
+        print(stats.summary(), flush=True)
+        if stats.counts["images_written"] == 0:
+            raise ValueError(f"{layout.data_dir}: no usable image in the {name} split "
+                             f"(annotations {layout.splits[name].annotations or 'VOC XML'}); "
+                             "see the conversion summary above.")
+        summary["splits"][name] = {"num_examples": stats.counts["images_written"],
+                                   "counts": stats.counts}
+    return summary
+
+
+def _cache_parent(data_dir: str, cache_dir: str) -> str:
+    tag = hashlib.sha256(data_dir.encode()).hexdigest()[:10]
+    name = os.path.basename(data_dir.rstrip(os.sep)) or "data"
+    return os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), f"{name}-{tag}")
+
+
+def _build_atomically(layout: layouts.Layout, root: str) -> None:
+    work = f"{root}.partial-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    summary = _convert(layout, work)
+    with open(os.path.join(work, _DONE), "w") as f:
+        json.dump(summary, f)
+    try:
+        os.rename(work, root)
+    except OSError:
+        if not os.path.exists(os.path.join(root, _DONE)):
+            raise
+        shutil.rmtree(work, ignore_errors=True)  # another run finished first: use its copy
+    parent = os.path.dirname(root)
+    for stale in os.listdir(parent):  # older versions of this dataset
+        path = os.path.join(parent, stale)
+        if path != root and ".partial-" not in stale:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _train_stats(annotations_file: str) -> Tuple[List[Tuple[int, int]], int]:
+    with open(annotations_file) as f:
+        coco = json.load(f)
+    counts: Dict[int, int] = {}
+    for ann in coco.get("annotations", []):
+        if not ann.get("iscrowd", 0):
+            counts[ann["image_id"]] = counts.get(ann["image_id"], 0) + 1
+    sizes = [(int(i["height"]), int(i["width"])) for i in coco["images"]
+             if i.get("height") and i.get("width")]
+    return sizes, max(counts.values(), default=0)
+
+
+def prepare_custom_dataset(data_dir: str, cache_dir: str) -> CustomDataset:
+    """Detects, converts (first use or changed data only) and describes DATA_DIR.
+
+    Raises:
+      layouts.NoLayoutError: DATA_DIR matches no layout (the message lists what was looked for).
+      ValueError: an annotation file is malformed, or a split has no usable image.
+    """
+    layout = layouts.detect_layout(data_dir)
+    root = os.path.join(_cache_parent(layout.data_dir, cache_dir), fingerprint(layout))
+    if not os.path.exists(os.path.join(root, _DONE)):
+        _build_atomically(layout, root)
+    with open(os.path.join(root, _DONE)) as f:
+        summary = json.load(f)
+    splits = {name: CustomSplit(os.path.join(root, "tfrecords", f"{name}-*.tfrecord"),
+                                os.path.join(root, f"instances_{name}.json"),
+                                info["num_examples"])
+              for name, info in summary["splits"].items()}
+    sizes, max_objects = _train_stats(splits["train"].annotations_file)
+    cats = sorted(summary["categories"], key=lambda c: int(c["id"]))
+    return CustomDataset(layout.data_dir, layout.kind, root, [str(c["name"]) for c in cats],
+                         [int(c["id"]) for c in cats], splits, sizes, max_objects)
+
+
+_PREPARED: Dict[tuple, CustomDataset] = {}
+
+
+@gin.configurable
+def custom_dataset(data_dir: str = gin.REQUIRED,
+                   cache_dir: str = "~/.cache/detr_tf/custom") -> CustomDataset:
+    """`prepare_custom_dataset`, once per process for a given dataset version (Gin calls this
+    for every reference; the annotation files' size and mtime tell a changed dataset)."""
+    layout = layouts.detect_layout(data_dir)
+    stamps = tuple(tuple(_file_stamp(s.annotations, False)) if s.annotations else s.voc_ids
+                   for _, s in sorted(layout.splits.items()))
+    key = (layout.data_dir, os.path.expanduser(cache_dir), stamps)
+    if key not in _PREPARED:
+        _PREPARED[key] = prepare_custom_dataset(data_dir, cache_dir)
+    return _PREPARED[key]
+
+
+def check_num_classes(dataset: CustomDataset, num_classes: Optional[int]) -> None:
+    """Raises ValueError naming both numbers when a NUM_CLASSES set by hand disagrees."""
+    if num_classes is not None and int(num_classes) != dataset.num_classes:
+        raise ValueError(
+            f"NUM_CLASSES={num_classes} but the dataset in {dataset.data_dir} has "
+            f"{dataset.num_classes} classes {dataset.class_names} (categories of "
+            f"{dataset.splits['train'].annotations_file}). Remove the NUM_CLASSES setting: "
+            "the custom data configs take it from the data (NUM_CLASSES = "
+            "@custom_num_classes()).")
+
+
+@gin.configurable
+def custom_num_classes(dataset: CustomDataset = gin.REQUIRED) -> int:
+    """The number of classes in the data (bind NUM_CLASSES = @custom_num_classes())."""
+    return dataset.num_classes
+
+
+@gin.configurable
+def custom_source(split: str = "train", dataset: CustomDataset = gin.REQUIRED,
+                  num_classes: Optional[int] = None):
+    """A TFRecordSource over one split of a custom dataset.
+
+    Args:
+      split: 'train', 'eval' (the layout's validation split) or 'test'.
+      dataset: from `custom_dataset()`.
+      num_classes: the model's NUM_CLASSES, checked against the data (None: no check).
+
+    Returns:
+      sources.TFRecordSource with the dataset's label map, size and COCO json.
+    """
+    from detr_tf.data import label_map as label_map_lib
+    from detr_tf.data import sources
+
+    check_num_classes(dataset, num_classes)
+    if split not in dataset.splits:
+        raise ValueError(f"custom_source: split={split!r}; {dataset.data_dir} has splits "
+                         f"{sorted(dataset.splits)}.")
+    info = dataset.splits[split]
+    return sources.TFRecordSource(
+        file_pattern=info.pattern, num_examples=info.num_examples,
+        label_map=label_map_lib.label_map_from_categories(dataset.categories,
+                                                          source=info.annotations_file),
+        annotations_file=info.annotations_file)

@@ -1,0 +1,203 @@
+"""A user's own dataset: layout detection, VOC conversion, the conversion cache, classes and sizes
+from the data, and the NUM_CLASSES check; on tiny generated datasets (tests/custom_data_helpers).
+"""
+import json
+import os
+import time
+
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from detr_tf import config, losses
+from detr_tf.data import custom, custom_layouts, custom_plan, pipeline, tfexample
+from tests import custom_data_helpers as helpers
+
+
+def _records(pattern):
+    files = tf.io.gfile.glob(pattern)
+    return [tfexample.decode_example(r) for r in tf.data.TFRecordDataset(files)]
+
+
+def test_detects_roboflow_export(tmp_path):
+    layout = custom_layouts.detect_layout(helpers.make_roboflow(str(tmp_path)))
+    assert layout.kind == "roboflow"
+    assert layout.splits["train"].annotations == str(tmp_path / "train" / "_annotations.coco.json")
+    assert layout.splits["eval"].image_dir == str(tmp_path / "valid")
+
+
+def test_detects_coco_layout_with_image_folders_named_after_the_split(tmp_path):
+    layout = custom_layouts.detect_layout(helpers.make_coco(str(tmp_path)))
+    assert layout.kind == "coco"
+    assert layout.splits["train"].image_dir == str(tmp_path / "train2017")
+    assert layout.splits["eval"].annotations.endswith("instances_val2017.json")
+    assert layout.splits["eval"].image_dir == str(tmp_path / "val2017")
+
+
+def test_detects_voc_layout(tmp_path):
+    layout = custom_layouts.detect_layout(helpers.make_voc(str(tmp_path)))
+    assert layout.kind == "voc"
+    assert list(layout.splits["train"].voc_ids) == ["2007_000000", "2007_000001"]
+    assert list(layout.splits["eval"].voc_ids) == ["2007_000002"]
+
+
+def test_no_match_lists_each_layout_and_the_directory(tmp_path):
+    (tmp_path / "pictures").mkdir()
+    (tmp_path / "labels.csv").write_text("x")
+    (tmp_path / "train").mkdir()  # a Roboflow export without its json
+    with pytest.raises(custom_layouts.NoLayoutError) as err:
+        custom_layouts.detect_layout(str(tmp_path))
+    msg = str(err.value)
+    for expected in ("Roboflow COCO export", "train/_annotations.coco.json",
+                     "valid/_annotations.coco.json", "COCO", "annotations/instances_train*.json",
+                     "annotations/instances_val*.json", "Pascal VOC", "Annotations/*.xml",
+                     "JPEGImages/", "ImageSets/Main/train.txt", "ImageSets/Main/val.txt",
+                     "labels.csv", "pictures/", "train/", str(tmp_path)):
+        assert expected in msg, f"{expected!r} missing from:\n{msg}"
+
+
+def test_coco_layout_names_the_missing_image_folder(tmp_path):
+    root = helpers.make_coco(str(tmp_path))
+    os.rename(os.path.join(root, "val2017"), os.path.join(root, "validation"))
+    with pytest.raises(custom_layouts.NoLayoutError, match=r"val2017/ \(images of "):
+        custom_layouts.detect_layout(root)
+
+
+def test_voc_xml_becomes_coco_boxes_and_records(tmp_path):
+    root = helpers.make_voc(str(tmp_path / "voc"), difficult={0: (1,)})
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert ds.kind == "voc" and ds.class_names == ["cat", "dog"] and ds.category_ids == [1, 2]
+    with open(ds.splits["train"].annotations_file) as f:
+        coco = json.load(f)
+    got = sorted((a["image_id"], a["category_id"], tuple(a["bbox"]), a["iscrowd"])
+                 for a in coco["annotations"])
+    expected = []
+    for k, (h, w, objects) in enumerate(helpers.IMAGES[:2]):
+        for i, (cls, x0, y0, x1, y1) in enumerate(objects):
+            expected.append((k + 1, 1 + helpers.CLASSES.index(cls),
+                             (x0, y0, x1 - x0, y1 - y0), int(k == 0 and i == 1)))
+    assert got == sorted(expected)
+    # The records hold the same boxes, normalized (ymin, xmin, ymax, xmax), crowd kept.
+    records = {int(r["image_id"]): r for r in _records(ds.splits["train"].pattern)}
+    h, w, objects = helpers.IMAGES[0]
+    boxes = [[y0 / h, x0 / w, y1 / h, x1 / w] for _, x0, y0, x1, y1 in objects]
+    np.testing.assert_allclose(records[1]["boxes"].numpy(), boxes, atol=1e-6)
+    assert records[1]["is_crowd"].numpy().tolist() == [False, True]
+    assert ds.splits["eval"].num_examples == 1
+
+
+def test_roboflow_placeholder_category_is_not_a_class(tmp_path):
+    ds = custom.prepare_custom_dataset(helpers.make_roboflow(str(tmp_path / "d")),
+                                       str(tmp_path / "cache"))
+    assert ds.class_names == ["cat", "dog"] and ds.category_ids == [1, 2]
+    assert ds.max_objects == 2
+    assert {k: s.num_examples for k, s in ds.splits.items()} == {"train": 3, "eval": 3}
+    assert sorted(ds.train_sizes) == sorted((h, w) for h, w, _ in helpers.IMAGES)
+
+
+def test_a_real_category_without_boxes_stays(tmp_path):
+    root = helpers.make_roboflow(str(tmp_path / "d"), placeholder=False)
+    path = os.path.join(root, "train", "_annotations.coco.json")
+    with open(path) as f:
+        coco = json.load(f)
+    coco["categories"].append({"id": 9, "name": "bird", "supercategory": "pets"})
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert ds.class_names == ["cat", "dog", "bird"]
+
+
+def test_cache_is_reused_and_a_changed_annotation_file_is_noticed(tmp_path, capsys):
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    cache = str(tmp_path / "cache")
+    first = custom.prepare_custom_dataset(root, cache)
+    done = os.path.join(first.root, "DONE.json")
+    stamp = os.stat(done).st_mtime_ns
+    assert "converting train" in capsys.readouterr().out
+    again = custom.prepare_custom_dataset(root, cache)
+    assert again.root == first.root and os.stat(done).st_mtime_ns == stamp
+    assert "converting" not in capsys.readouterr().out
+    # One more box in the train json: a new version, converted again; the stale one removed.
+    path = os.path.join(root, "annotations", "instances_train2017.json")
+    with open(path) as f:
+        coco = json.load(f)
+    coco["annotations"].append(dict(coco["annotations"][0], id=99, bbox=[0, 0, 5, 5]))
+    time.sleep(0.01)
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    changed = custom.prepare_custom_dataset(root, cache)
+    assert changed.root != first.root and not os.path.exists(first.root)
+    assert "converting train" in capsys.readouterr().out
+    boxes = sum(int(r["boxes"].shape[0]) for r in _records(changed.splits["train"].pattern))
+    assert boxes == sum(len(o) for _, _, o in helpers.IMAGES) + 1
+
+
+def test_an_added_image_is_noticed(tmp_path):
+    root = helpers.make_roboflow(str(tmp_path / "d"))
+    cache = str(tmp_path / "cache")
+    first = custom.prepare_custom_dataset(root, cache).root
+    helpers.write_image(os.path.join(root, "train", "extra.jpg"), 32, 32, [])
+    assert custom.prepare_custom_dataset(root, cache).root != first
+
+
+def _parse(data_dir, cache_dir, *extra):
+    gin.clear_config()
+    config.parse_gin_config(
+        ["gin_configs/custom_cpu.gin"],
+        [f"DATA_DIR = '{data_dir}'", f"CACHE_DIR = '{cache_dir}'", *extra], finalize=False)
+
+
+def test_gin_takes_classes_and_sizes_from_the_data(tmp_path):
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    try:
+        _parse(root, tmp_path / "cache")
+        info = pipeline.dataset_info(is_training=False)
+        assert info.class_names == ["cat", "dog"] and info.category_ids == [3, 7]
+        assert info.num_examples == 2 and info.annotations_file.endswith("instances_eval.json")
+        assert pipeline.dataset_info(is_training=True).num_examples == 3
+        # NUM_CLASSES as the criterion receives it (the model gets the same macro).
+        assert losses.SetCriterion().num_classes == 2
+        batch = next(iter(pipeline.build_dataset(is_training=False, global_batch_size=2)))
+        assert batch[0]["images"].shape[1:3] in set(info.buckets)
+    finally:
+        gin.clear_config()
+
+
+def test_num_classes_set_by_hand_must_match_the_data(tmp_path):
+    root = helpers.make_roboflow(str(tmp_path / "d"))
+    try:
+        _parse(root, tmp_path / "cache", "NUM_CLASSES = 5")
+        with pytest.raises(ValueError, match=r"NUM_CLASSES=5 but the dataset .* has 2 classes"):
+            pipeline.dataset_info(is_training=True)
+    finally:
+        gin.clear_config()
+
+
+def test_size_plan_gives_the_detr_recipe_on_coco_sized_images():
+    # COCO-like: shorter sides around 800 after the recipe's resize, aspect up to 1.67.
+    sizes = [(800, 1066), (800, 1200), (1000, 800), (800, 1333), (800, 800)] * 4
+    plan = custom_plan.size_plan(sizes, max_short_side=800)
+    assert plan["eval_short_side"] == 800 and plan["max_size"] == 1333
+    assert plan["train_scales"] == tuple(range(480, 801, 32))  # data/detr_recipe.gin
+    assert plan["crop_scales"] == (400, 500, 600)
+    assert (plan["crop_min_size"], plan["crop_max_size"]) == (384, 600)
+
+
+def test_size_plan_follows_small_images_and_the_cap():
+    plan = custom_plan.size_plan([(300, 400), (320, 400), (400, 300)], max_short_side=224)
+    assert plan["eval_short_side"] == 224
+    assert plan["max_size"] == round(224 * 4 / 3)
+    assert max(plan["train_scales"]) == 224 and min(plan["train_scales"]) == 128
+    short, long = plan["bucket_sides"]
+    assert max(short) >= 224 and max(long) >= plan["max_size"]
+
+
+def test_step_budget_is_epochs_clamped():
+    ds = custom.CustomDataset("d", "coco", "r", ["a"], [1], {
+        "train": custom.CustomSplit("p", "a.json", 100)}, [(10, 10)], 3)
+    assert custom_plan.custom_train_steps(ds, global_batch_size=8, epochs=10) == 120
+    assert custom_plan.custom_train_steps(ds, 8, epochs=10, min_steps=500) == 500
+    assert custom_plan.custom_train_steps(ds, 8, epochs=10, max_steps=50) == 50
+    assert custom_plan.custom_lr_drop_epochs(ds, 8, num_steps=120, fraction=0.5) == (5.0,)
+    assert custom_plan.custom_num_queries(ds) == 16
