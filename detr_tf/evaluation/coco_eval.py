@@ -1,0 +1,145 @@
+"""COCO evaluation of a model: the loop over an eval dataset, and the run-level entry points.
+
+`evaluate_model` is one pass of any model over any eval dataset into a CocoEvaluator:
+
+    evaluator = CocoEvaluator(annotations_json_or_None)
+    metrics = evaluate_model(model, dataset, evaluator, output_dir=f"{model_dir}/eval")
+
+It writes output_dir/metrics.json (exactly AP, AP50, AP75, APs, APm, APl as fractions) and
+output_dir/detections.json (COCO results format) and prints the metrics table.
+`coco_evaluate` (the trainer's `eval_fn`) and `evaluate_run` (tools/eval.py) run it on the run's
+own eval data (`train.dataset_fn`, see restore.py).
+"""
+import os
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.evaluation import coco_evaluator, restore
+from detr_tf.evaluation import postprocess as pp
+
+EVAL_SUBDIR = "eval"
+
+METRICS_FILENAME = "metrics.json"
+DETECTIONS_FILENAME = "detections.json"
+
+Batch = Tuple[tf.Tensor, tf.Tensor, Mapping[str, tf.Tensor]]
+
+
+def unpack_batch(element: Any) -> Batch:
+    """Splits a dataset element into (images, pixel_mask, targets).
+
+    Accepts `(images, pixel_mask, targets)` or `(features, targets)` with features holding
+    'images' (or 'image') and 'pixel_mask'. A pipeline with another layout passes its own
+    `unpack` to `evaluate_model`.
+    """
+    if isinstance(element, (tuple, list)) and len(element) == 3:
+        return element[0], element[1], element[2]
+    if isinstance(element, (tuple, list)) and len(element) == 2 and isinstance(element[0],
+                                                                                Mapping):
+        features, targets = element
+        images = features["images"] if "images" in features else features["image"]
+        return images, features["pixel_mask"], targets
+    raise ValueError(
+        f"unpack_batch: a dataset element of type {type(element).__name__} is neither "
+        f"(images, pixel_mask, targets) nor (features_dict, targets); pass unpack= to "
+        f"evaluate_model for this pipeline's layout")
+
+
+def evaluate_model(model: Any,
+                   dataset: tf.data.Dataset,
+                   evaluator: coco_evaluator.CocoEvaluator,
+                   output_dir: Union[str, os.PathLike, None] = None,
+                   unpack: Callable[[Any], Batch] = unpack_batch,
+                   max_batches: Optional[int] = None,
+                   jit_compile: bool = False,
+                   log_every: int = 50) -> Dict[str, float]:
+    """Runs `model` over `dataset`, feeds the evaluator, returns the COCO metrics.
+
+    Args:
+      model: called as `model(images, pixel_mask, training=False)` (see the model contract).
+      dataset: batches of images [B, H, W, 3], pixel_mask [B, H, W] and targets (image_id [B]
+        with < 0 for padding images, orig_size [B, 2], plus labels/boxes/mask [B, T, ...] when
+        the evaluator takes its ground truth from targets).
+      evaluator: receives every batch; already holding other data is fine.
+      output_dir: if given, metrics.json and detections.json are written there.
+      unpack: dataset element -> (images, pixel_mask, targets).
+      max_batches: stop after this many batches (a quick partial evaluation).
+      jit_compile: XLA-compile the model + postprocess step.
+      log_every: print progress every this many batches (0: never).
+
+    Returns:
+      {'AP', 'AP50', 'AP75', 'APs', 'APm', 'APl'} as fractions in [0, 1].
+    """
+    @tf.function(jit_compile=jit_compile)
+    def step(images, pixel_mask, orig_size):
+        outputs = model(images, pixel_mask, training=False)
+        return pp.postprocess(outputs["pred_logits"], outputs["pred_boxes"], orig_size,
+                              box_format="xywh")
+
+    start = time.time()
+    for n, element in enumerate(dataset):
+        if max_batches is not None and n >= max_batches:
+            break
+        images, pixel_mask, targets = unpack(element)
+        detections = step(images, pixel_mask, targets["orig_size"])
+        evaluator.update(detections, targets)
+        if log_every and (n + 1) % log_every == 0:
+            print(f"eval: {n + 1} batches, {evaluator.num_images} images, "
+                  f"{time.time() - start:.0f}s", flush=True)
+
+    metrics = evaluator.evaluate()
+    print(f"eval: {evaluator.num_images} images in {time.time() - start:.0f}s")
+    print(evaluator.table(metrics), flush=True)
+    if output_dir is not None:
+        output_dir = os.fspath(output_dir)
+        coco_evaluator.write_metrics(os.path.join(output_dir, METRICS_FILENAME), metrics)
+        evaluator.write_detections(os.path.join(output_dir, DETECTIONS_FILENAME))
+        print(f"eval: wrote {os.path.join(output_dir, METRICS_FILENAME)} and "
+              f"{DETECTIONS_FILENAME}")
+    return metrics
+
+
+def _evaluator(info: Any) -> coco_evaluator.CocoEvaluator:
+    names = {cid: name for cid, name in zip(info.category_ids, info.class_names)}
+    return coco_evaluator.CocoEvaluator(annotations=info.annotations_file, category_names=names,
+                                        label_map=list(info.category_ids))
+
+
+@gin.configurable(denylist=["model", "model_dir", "step"])
+def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = None,
+                  batch_size: int = 8, max_batches: Optional[int] = None,
+                  jit_compile: bool = False) -> Dict[str, float]:
+    """COCO box metrics of `model` on the run's eval split (`train.dataset_fn`).
+
+    Writes model_dir/eval/metrics.json (AP, AP50, AP75, APs, APm, APl as fractions) and
+    model_dir/eval/detections.json (COCO results format, category ids of the dataset).
+
+    Args:
+      model: a built model holding the weights to evaluate.
+      model_dir: the run directory.
+      step: the training step, for the log line.
+      batch_size: eval batch size (the last batch is filled with masked images, not dropped).
+      max_batches: evaluate only this many batches (a quick look during training).
+      jit_compile: XLA-compile the forward pass and post-processing.
+    """
+    bindings = restore.run_bindings()
+    info = bindings.dataset_info_fn(is_training=False)
+    dataset = bindings.dataset_fn(is_training=False, global_batch_size=batch_size,
+                                  deterministic=True, seed=0)
+    if step is not None:
+        print(f"eval: step {step}", flush=True)
+    return evaluate_model(model, dataset, _evaluator(info),
+                          output_dir=os.path.join(model_dir, EVAL_SUBDIR),
+                          max_batches=max_batches, jit_compile=jit_compile)
+
+
+def evaluate_run(model_dir: str, checkpoint: Optional[str] = None,
+                 use_ema: bool = True) -> Dict[str, float]:
+    """tools/eval.py: COCO metrics of a run's checkpoint on its eval split (`coco_evaluate`)."""
+    model, path = restore.load_trained_model(model_dir, checkpoint, use_ema)
+    print(f"eval: restored {path}", flush=True)
+    return coco_evaluate(model, model_dir, step=restore.checkpoint_step(path))
