@@ -16,24 +16,26 @@ from typing import Any, Callable, Dict, Optional
 import gin
 import tf_keras
 
-from detr_tf.data import pipeline
-from detr_tf.evaluation import coco_evaluator, eval_loop
+from detr_tf.evaluation import coco_eval, coco_evaluator, restore
 
 TRAIN_EVAL_SUBDIR = "train_eval"
 
 
 def evaluate_source(model: tf_keras.Model, source: Any, output_dir: str, batch_size: int = 8,
                     max_batches: Optional[int] = None) -> Dict[str, float]:
-    """COCO metrics of `model` on any source (its json and label map), eval transform and
-    buckets as configured for the eval split. Writes output_dir/metrics.json."""
-    info = pipeline.dataset_info(is_training=False, eval_source=source)
-    dataset = pipeline.build_dataset(is_training=False, global_batch_size=batch_size,
-                                     deterministic=True, seed=0, eval_source=source)
+    """COCO metrics of `model` on any source (its json and label map), read by the run's own
+    data functions (`train.dataset_fn`, `train.dataset_info_fn`, which must take an
+    `eval_source` argument as `build_dataset` and `dataset_info` do) with the eval transform
+    and buckets. Writes output_dir/metrics.json and detections.json."""
+    bindings = restore.run_bindings()
+    info = bindings.dataset_info_fn(is_training=False, eval_source=source)
+    dataset = bindings.dataset_fn(is_training=False, global_batch_size=batch_size,
+                                  deterministic=True, seed=0, eval_source=source)
     names = dict(zip(info.category_ids, info.class_names))
     evaluator = coco_evaluator.CocoEvaluator(annotations=info.annotations_file,
                                              category_names=names,
                                              label_map=list(info.category_ids))
-    return eval_loop.evaluate_model(model, dataset, evaluator, output_dir=output_dir,
+    return coco_eval.evaluate_model(model, dataset, evaluator, output_dir=output_dir,
                                     max_batches=max_batches, log_every=0)
 
 
