@@ -201,3 +201,16 @@ def test_step_budget_is_epochs_clamped():
     assert custom_plan.custom_train_steps(ds, 8, epochs=10, max_steps=50) == 50
     assert custom_plan.custom_lr_drop_epochs(ds, 8, num_steps=120, fraction=0.5) == (5.0,)
     assert custom_plan.custom_num_queries(ds) == 16
+
+
+def test_a_split_without_usable_images_fails_and_leaves_no_cache(tmp_path, capsys):
+    root = helpers.make_roboflow(str(tmp_path / "d"))
+    for name in os.listdir(os.path.join(root, "valid")):
+        if name.endswith(".jpg"):
+            os.remove(os.path.join(root, "valid", name))
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"no usable image in the eval split"):
+        custom.prepare_custom_dataset(root, str(cache))
+    assert "images_missing" in capsys.readouterr().out  # the converter's summary was shown
+    leftovers = [p for p in cache.rglob("*") if p.is_file()]
+    assert leftovers == []

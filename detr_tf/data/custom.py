@@ -175,7 +175,11 @@ def _build_atomically(layout: layouts.Layout, root: str) -> None:
     work = f"{root}.partial-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    summary = _convert(layout, work)
+    try:
+        summary = _convert(layout, work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left behind
+        raise
     with open(os.path.join(work, _DONE), "w") as f:
         json.dump(summary, f)
     try:
