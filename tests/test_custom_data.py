@@ -141,17 +141,19 @@ def test_an_added_image_is_noticed(tmp_path):
     assert custom.prepare_custom_dataset(root, cache).root != first
 
 
-def _parse(data_dir, cache_dir, *extra):
+def _parse(data_dir, cache_dir, *extra, gin_file="custom_cpu.gin"):
     gin.clear_config()
     config.parse_gin_config(
-        ["gin_configs/custom_cpu.gin"],
-        [f"DATA_DIR = '{data_dir}'", f"CACHE_DIR = '{cache_dir}'", *extra], finalize=False)
+        [f"gin_configs/{gin_file}"],
+        [f"DATA_DIR = '{data_dir}'", f"CACHE_DIR = '{cache_dir}'",
+         "PRETRAINED_WEIGHTS = '/unused.pth'", *extra], finalize=False)
 
 
-def test_gin_takes_classes_and_sizes_from_the_data(tmp_path):
+@pytest.mark.parametrize("gin_file", ["custom_cpu.gin", "finetune_detr_r50.gin"])
+def test_gin_takes_classes_and_sizes_from_the_data(tmp_path, gin_file):
     root = helpers.make_coco(str(tmp_path / "coco"))
     try:
-        _parse(root, tmp_path / "cache")
+        _parse(root, tmp_path / "cache", gin_file=gin_file)
         info = pipeline.dataset_info(is_training=False)
         assert info.class_names == ["cat", "dog"] and info.category_ids == [3, 7]
         assert info.num_examples == 2 and info.annotations_file.endswith("instances_eval.json")

@@ -10,8 +10,12 @@ Backgrounds are random crops of scikit-learn's `china.jpg` and of the leaf-only 
 `flower.jpg`, resized, flipped and recoloured. Each object is scaled (longer side
 `object_sides`), rotated, flipped, relit (brightness, contrast, saturation) and sometimes
 blurred; objects overlap each other little (IoU <= 0.2). Boxes are the extent of the pasted mask.
-Nothing is downloaded: the photos come from the installed packages (scikit-learn and
-matplotlib; both needed only here). The output is a Roboflow COCO export (train/, valid/, each
+With `objects='digits'` the objects are instead handwritten digits 0, 1 and 4 from
+scikit-learn's `load_digits` (real scans of many writers, 8x8, upscaled and drawn as ink of a
+random colour): the train split draws from the first 1000 scans and the validation split from
+the rest, so validation objects are unseen instances, as in real data, and a model that
+memorizes its train objects shows it. Nothing is downloaded: the photos and scans come from
+the installed packages (scikit-learn and matplotlib; both needed only here). The output is a Roboflow COCO export (train/, valid/, each
 with _annotations.coco.json), one of the layouts `custom_layouts` detects.
 """
 import json
@@ -22,6 +26,9 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
 CLASSES = ("flower", "face")
+DIGITS = (0, 1, 4)
+DIGIT_CLASSES = ("zero", "one", "four")
+_DIGITS_TRAIN = 1000  # scans [0, 1000) for train/, the rest for valid/
 _FACE_BOX = (170, 40, 410, 360)  # the head in grace_hopper.jpg (x0, y0, x1, y1)
 
 
@@ -59,6 +66,33 @@ def load_parts() -> Tuple[List[Image.Image], List[Image.Image]]:
     backgrounds = [china, flower.crop((0, 0, 160, flower.height)),
                    flower.crop((width - 180, 0, width, flower.height - 60))]
     return backgrounds, [dahlia, head]
+
+
+def load_digits(split: str) -> List[List[np.ndarray]]:
+    """Per class of DIGITS, the [8, 8] ink arrays (0..1) of one split's scans."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    data = sk_load_digits()
+    rows = range(_DIGITS_TRAIN) if split == "train" else range(_DIGITS_TRAIN, len(data.target))
+    return [[data.images[i] / 16.0 for i in rows if data.target[i] == d] for d in DIGITS]
+
+
+def _digit(ink: np.ndarray, rng, side: float) -> Image.Image:
+    """A digit's ink as an 'L' alpha image: the scan upscaled to about `side` px, rotated."""
+    alpha = Image.fromarray((np.clip(ink, 0, 1) * 255).astype(np.uint8))
+    aspect = np.exp(rng.uniform(-0.2, 0.2))
+    alpha = alpha.resize((max(4, int(side * 0.75 * aspect)), max(4, int(side / aspect))),
+                         Image.BICUBIC)
+    return alpha.rotate(rng.uniform(-20, 20), resample=Image.BILINEAR, expand=True)
+
+
+def _ink(alpha: Image.Image, background: Image.Image, rng) -> Image.Image:
+    """RGBA ink of a random colour that stands out from the background under it."""
+    bright = np.asarray(background.convert("L")).mean() < 110
+    colour = tuple(int(c) for c in rng.integers(0, 70, 3) + (185 if bright else 0))
+    out = Image.new("RGBA", alpha.size, colour + (0,))
+    out.putalpha(alpha)
+    return out
 
 
 def _jitter(img: Image.Image, rng: np.random.Generator) -> Image.Image:
@@ -106,7 +140,10 @@ def _iou(a, b) -> float:
 
 def make_image(parts, rng: np.random.Generator, short_range=(300, 400),
                max_objects: int = 12, object_sides=(32, 120)) -> Tuple[Image.Image, List[dict]]:
-    """One composited image and its COCO annotations (category ids 1..len(CLASSES))."""
+    """One composited image and its COCO annotations (category ids 1..number of classes).
+
+    `parts` is (backgrounds, objects): objects[c] is an RGBA photo cut-out (one per class) or a
+    list of digit scans (`load_digits`)."""
     backgrounds, objects = parts
     short = int(rng.integers(short_range[0], short_range[1] + 1))
     long = int(short * rng.uniform(1.0, 1.4))
@@ -114,12 +151,18 @@ def make_image(parts, rng: np.random.Generator, short_range=(300, 400),
     img = _background(backgrounds, rng, h, w)
     anns, boxes = [], []
     for _ in range(int(rng.integers(2, max_objects + 1))):
-        cls = int(rng.integers(len(CLASSES)))
-        piece = _object(objects[cls], cls, rng, rng.uniform(*object_sides))
+        cls = int(rng.integers(len(objects)))
+        side = rng.uniform(*object_sides)
+        if isinstance(objects[cls], list):
+            piece = _digit(objects[cls][int(rng.integers(len(objects[cls])))], rng, side)
+        else:
+            piece = _object(objects[cls], cls, rng, side)
         if piece.width >= w or piece.height >= h:
             continue
         for _attempt in range(10):
             x, y = int(rng.integers(0, w - piece.width)), int(rng.integers(0, h - piece.height))
+            if piece.mode == "L":  # a digit: inked against the background it lands on
+                piece = _ink(piece, img.crop((x, y, x + piece.width, y + piece.height)), rng)
             a = np.asarray(piece.getchannel("A")) > 127
             ys, xs = np.nonzero(a)
             box = (x + xs.min(), y + ys.min(), x + xs.max() + 1, y + ys.max() + 1)
@@ -134,15 +177,23 @@ def make_image(parts, rng: np.random.Generator, short_range=(300, 400),
 
 
 def make_demo_dataset(output_dir: str, num_train: int = 240, num_valid: int = 60,
-                      seed: int = 0, **image_kwargs) -> Dict[str, int]:
+                      seed: int = 0, objects: str = "photos",
+                      **image_kwargs) -> Dict[str, int]:
     """Writes the Roboflow layout (train/, valid/); returns {split: images}. Deterministic in
-    `seed`. `image_kwargs` go to `make_image` (short_range, max_objects, object_sides)."""
+    `seed`. `objects`: 'photos' (flower, face) or 'digits' (zero, one, four; unseen scans in
+    valid/). `image_kwargs` go to `make_image` (short_range, max_objects, object_sides)."""
+    if objects not in ("photos", "digits"):
+        raise ValueError(f"make_demo_dataset: objects={objects!r}; expected 'photos' or "
+                         "'digits'.")
     parts = load_parts()
+    names = CLASSES if objects == "photos" else DIGIT_CLASSES
     categories = [{"id": i + 1, "name": n, "supercategory": "demo"}
-                  for i, n in enumerate(CLASSES)]
+                  for i, n in enumerate(names)]
     out = {}
     for split, count in (("train", num_train), ("valid", num_valid)):
         rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+        if objects == "digits":
+            parts = (parts[0], load_digits(split))
         split_dir = os.path.join(output_dir, split)
         os.makedirs(split_dir, exist_ok=True)
         images, annotations = [], []
