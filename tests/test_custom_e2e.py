@@ -51,8 +51,8 @@ def test_custom_cpu_trains_keeps_best_and_evaluates(tmp_path):
     assert best["step"] in (2, 4) and best["metric"] == "AP"
     assert set(json.loads((model_dir / "train_eval" / "metrics.json").read_text())) \
         == METRIC_KEYS
-    metrics_lines = [json.loads(l) for l in (model_dir / "metrics.jsonl").read_text().split()]
-    evals = [m for m in metrics_lines if m.get("split") == "eval"]
+    lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+    evals = [m for m in map(json.loads, lines) if m.get("split") == "eval"]
     assert evals and all("train_AP50" in m and "AP50" in m for m in evals)
     # The config the run saved names no class count: it comes from the data.
     assert "NUM_CLASSES = @custom_num_classes()" in (model_dir / "config.gin").read_text()

@@ -3,7 +3,6 @@ inside the images, and (digits) validation objects drawn from scans the train sp
 import json
 import os
 
-import numpy as np
 import pytest
 
 pytest.importorskip("sklearn")

@@ -15,8 +15,9 @@ scikit-learn's `load_digits` (real scans of many writers, 8x8, upscaled and draw
 random colour): the train split draws from the first 1000 scans and the validation split from
 the rest, so validation objects are unseen instances, as in real data, and a model that
 memorizes its train objects shows it. Nothing is downloaded: the photos and scans come from
-the installed packages (scikit-learn and matplotlib; both needed only here). The output is a Roboflow COCO export (train/, valid/, each
-with _annotations.coco.json), one of the layouts `custom_layouts` detects.
+the installed packages (scikit-learn and matplotlib; both needed only here). The output is a
+Roboflow COCO export (train/, valid/, each with _annotations.coco.json), one of the layouts
+`custom_layouts` detects.
 """
 import json
 import os
