@@ -14,6 +14,7 @@ REQUIRED = {
     "data/coco_tfds.gin": ["TFDS_DATA_DIR = '/nonexistent'",
                            "COCO_VAL_ANNOTATIONS = '/x/val.json'"],
     "data/shapes.gin": ["SHAPES_CACHE_DIR = '/nonexistent'"],
+    "data/custom.gin": ["DATA_DIR = '/nonexistent'"],
     "data/shapes_sizes.gin": [],
     "data/detr_recipe.gin": [],
 }
