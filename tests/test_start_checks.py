@@ -76,3 +76,12 @@ def test_two_stage_with_more_queries_than_cells_fails_naming_queries_cells_and_c
         quickstart("NUM_QUERIES = 33")
     msg = str(e.value)
     assert "num_queries=33" in msg and "32 cells" in msg and "64x128" in msg, msg
+
+
+def test_deterministic_runs_refuse_jit_step_before_compiling():
+    # TensorFlow's op determinism has no XLA max-pool gradient: the first step's compile would
+    # fail deep inside XLA. 'auto' avoids it, an explicit 'step' is refused up front.
+    assert trainer.resolve_jit("auto", deterministic=True) == "loss"
+    with pytest.raises(ValueError, match=r"jit='step'.*deterministic=True.*max-pool"):
+        trainer.resolve_jit("step", deterministic=True)
+    assert trainer.resolve_jit("step", deterministic=False) == "step"
