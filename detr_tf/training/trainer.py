@@ -20,6 +20,7 @@ A step, per replica:
 import math
 import os
 import tempfile
+import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import gin
@@ -29,7 +30,7 @@ import tf_keras
 from detr_tf.training import checkpointing, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
-from detr_tf.training.metrics_writer import MetricsWriter
+from detr_tf.training.metrics_writer import MetricsWriter, format_elapsed
 from detr_tf.training.step import StepBuilder, resolve_jit, split_variables  # noqa: F401
 
 NAN_POLICIES = ("stop", "skip")
@@ -156,6 +157,7 @@ def train(model_dir: str,
     Returns:
       The last logged training scalars and, if evaluated, the final eval metrics.
     """
+    started = time.time()
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"train.nan_policy={nan_policy!r} is not one of {NAN_POLICIES}")
     if grad_accum_steps < 1:
@@ -177,7 +179,7 @@ def train(model_dir: str,
     # checkpointed and a resumed run continues the same random stream.
     tf_keras.backend.experimental.enable_tf_random_generator()
     state_lib.set_precision(precision)
-    jit = resolve_jit(jit)
+    jit = resolve_jit(jit, deterministic)
     writer = MetricsWriter(model_dir, enabled=engine.is_chief)
     if engine.is_chief:
         _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
@@ -208,12 +210,15 @@ def train(model_dir: str,
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
                      log_every=log_every, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, nan_policy=nan_policy)
+    timing = {"set-up": time.time() - started}
+    loop_started = time.time()
     result = run_loop(builder.make_step_fn(), iterator, state, engine, saver, writer, cfg,
                       model_dir, eval_fn, on_first_step=write_operative_config)
+    timing[f"{result.step - start_step} steps"] = time.time() - loop_started
     if result.terminated:
         writer.close()
         return {"step": result.step, **result.last_train}
-    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn)
+    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
 
 
 def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, deterministic,
@@ -238,11 +243,14 @@ def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, det
         return iter(engine.distribute_dataset(replica_dataset_fn))
 
 
-def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn):
-    """The final evaluation, the summary line and the after-train hook (on the chief)."""
+def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing):
+    """The final evaluation, the summary line, the after-train hook and, last, how long the
+    run took and where (on the chief)."""
     eval_metrics = result.eval_metrics
     if eval_fn is not None and engine.is_chief:
+        t0 = time.time()
         eval_metrics = evaluate(eval_fn, state, model_dir, result.step, writer)
+        timing["final evaluation"] = time.time() - t0
     if engine.is_chief:
         shown = {k: result.last_train[k] for k in ("loss", "class_error")
                  if k in result.last_train}
@@ -250,8 +258,15 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn):
         print(f"detr_tf: finished at step {result.step}: "
               + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
     if after_train_fn is not None and engine.is_chief:
+        t0 = time.time()
         with ema_weights(state.ema):
             after_train_fn(model=state.model, model_dir=model_dir)
+        timing["after-train"] = time.time() - t0
+    if engine.is_chief:
+        # The process's own start-up (imports) comes before train() and is not counted.
+        print(f"detr_tf: done in {format_elapsed(sum(timing.values()))} ("
+              + ", ".join(f"{k} {format_elapsed(v)}" for k, v in timing.items()) + ")",
+              flush=True)
     writer.close()
     engine.barrier()
     return {"step": result.step, **result.last_train,
