@@ -107,7 +107,7 @@ def _preempt_then_resume(launch, out, reference):
     while not ((run_dir / "metrics.jsonl").exists()
                and (run_dir / "metrics.jsonl").read_text().strip()):
         assert time.time() < deadline and all(p.poll() is None for p in procs), "no step logged"
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.kill(int((out / "pid_1").read_text()), signal.SIGTERM)
     logs = [p.communicate(timeout=600)[0] for p in procs]
     log = "\n".join(logs)
@@ -121,7 +121,7 @@ def _preempt_then_resume(launch, out, reference):
 
     steps = results(log)
     stop = steps[0]
-    assert steps[1] == stop and 1 <= stop <= 6, steps
+    assert steps[1] == stop and 1 <= stop <= 10, steps  # the reference has 12 steps
     assert "termination signal received; saved" in log
     assert "worker 1: termination signal received (here)" in log, log[-6000:]
     ckpt = tf.train.latest_checkpoint(str(run_dir / "checkpoints"))

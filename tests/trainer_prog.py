@@ -22,7 +22,7 @@ import numpy as np
 
 MODE, OUT, CACHE = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, GLOBAL_BATCH = 2, 4
-REF_STEPS = 8  # the reference run for resumed multi-process runs: one checkpoint per step
+REF_STEPS = 12  # the reference run for resumed multi-process runs: one checkpoint per step
 
 if MODE == "engines":
     import tensorflow as tf
