@@ -2,10 +2,9 @@
 
 The train step is detr_tf/training/step.py's `StepBuilder.replica_step` (forward, criterion
 with batched matching, backward, all-reduce, clipping, the guarded AdamW update) run by the
-engine inside one
-`tf.function`, exactly what `train` runs, except that the batch arrives as an argument instead of
-from an iterator inside the function: the benchmark pulls batches in Python so it can time how
-long the step waits on input.
+engine inside one `tf.function`, exactly what `train` runs, except that the batch arrives as an
+argument instead of from an iterator inside the function: the benchmark pulls batches in Python
+so it can time how long the step waits on input.
 """
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
