@@ -1,0 +1,75 @@
+"""A detr_tf run directory made from pretrained weights, for tools/import_weights.py.
+
+The directory looks like a training run's to every tool that reads one: `config.gin` (the
+Gin configuration the model was built from) and `checkpoints/ckpt-0` written through a
+CheckpointManager of `tf.train.Checkpoint(model=model)`, the trainer's own layout. So
+tools/eval.py, predict.py and export.py take `--model_dir=DIR` unchanged, and a training run
+can start from it (`train.init_weights`).
+"""
+import os
+import shlex
+from typing import Sequence, Tuple
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.modeling import detr
+from detr_tf.training import checkpointing
+from detr_tf.weights.importer import load_pretrained
+from detr_tf.weights.report import ImportReport
+
+# Any small canvas creates every variable (DETR's weights do not depend on the image size).
+_BUILD_SIZE = (64, 64)
+
+
+def build_float32_model() -> tf_keras.Model:
+    """The Gin-configured DETR under the float32 policy, built (its variables exist)."""
+    tf_keras.mixed_precision.set_global_policy("float32")
+    model = detr.build_model()
+    h, w = _BUILD_SIZE
+    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
+    return model
+
+
+def import_to_run_dir(weights: str, output_dir: str, skip: Sequence[str] = (),
+                      allow_head_reinit: bool = True) -> Tuple[ImportReport, str]:
+    """Builds the Gin-configured model, imports `weights` and writes a run directory.
+
+    Args:
+      weights: any file or checkpoint `load_pretrained` reads.
+      output_dir: the run directory to create; it must not hold a checkpoint yet.
+      skip, allow_head_reinit: as for `load_pretrained`.
+
+    Returns:
+      (the import report, the checkpoint prefix written).
+
+    Raises:
+      ValueError: output_dir already holds a checkpoint (nothing is overwritten).
+      WeightImportError: the weights do not fit (nothing is written).
+    """
+    if checkpointing.latest_checkpoint(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} already holds a checkpoint "
+                              f"({checkpointing.latest_checkpoint(output_dir)}); choose a new "
+                              "directory")
+    model = build_float32_model()
+    report = load_pretrained(model, weights, skip=skip, allow_head_reinit=allow_head_reinit)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "config.gin"), "w") as f:
+        f.write(gin.config_str())
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model),
+                                         checkpointing.checkpoint_dir(output_dir), max_to_keep=1)
+    return report, manager.save(checkpoint_number=0)
+
+
+def next_steps(output_dir: str) -> str:
+    """What to run on the imported run directory (the tool's last words)."""
+    d = shlex.quote(output_dir)
+    return "\n".join([
+        "", "detr_tf: next steps",
+        f"  evaluate:        python tools/eval.py --model_dir={d}",
+        f"  your own images: python tools/predict.py --model_dir={d} --images=PATH_OR_DIR "
+        "--output_dir=OUT",
+        f"  export:          python tools/export.py --model_dir={d} --export_dir=OUT",
+        f"  fine-tune:       python tools/train.py --gin_file={d}/config.gin "
+        f"--gin_param=\"train.init_weights = '{output_dir}'\" --model_dir=NEW_DIR"])
