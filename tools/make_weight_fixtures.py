@@ -83,10 +83,11 @@ def randomize_(module, seed: int = 0) -> None:
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             if not t.is_floating_point():
                 continue
-            if name.endswith("running_var") or re.search(r"(bn\d|downsample\.1)\.weight$", name):
-                t.copy_(torch.rand(t.shape, generator=gen) + 0.5)  # positive, around 1
-            elif t.dim() == 1:
-                t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+            if name.endswith("running_var") or (t.dim() == 1 and name.endswith("weight")):
+                # Variances and norm scales (batch and layer norms): positive, around 1.
+                t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
+            elif t.dim() == 1:  # biases and means: large enough to move the outputs
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
             else:
                 fan_in = int(np.prod(t.shape[1:]))
                 t.copy_(torch.randn(t.shape, generator=gen) / np.sqrt(fan_in))
