@@ -20,7 +20,7 @@ from detr_tf import weights
 from detr_tf.modeling.backbone import BasicBlock, Bottleneck, ResNet
 from detr_tf.modeling.detr import build_model
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.transformer import Transformer
+from detr_tf.modeling.transformer import AnchorTransformer, Transformer
 from detr_tf.weights import targets
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "weights"
@@ -250,3 +250,24 @@ def test_a_detr_tf_checkpoint_with_other_classes_reinitialises_the_class_head(tm
     report = weights.load_pretrained(model, str(tmp_path))
     assert set(report.reinitialized) == {"class head"}
     assert len(report.loaded) == len(model.variables) - 2
+
+
+def test_two_stage_checkpoint_reinitialises_both_class_layers(tmp_path):
+    def two_stage(num_classes):
+        model = build_model(
+            num_classes=num_classes, num_queries=4, hidden_dim=32, two_stage=True,
+            backbone=ResNet(block=BasicBlock, layers=(1, 1, 1), width=8),
+            position_embedding=PositionEmbeddingSine(16),
+            transformer=AnchorTransformer(d_model=32, num_heads=4, num_encoder_layers=1,
+                                          num_decoder_layers=2, dim_feedforward=64))
+        model(tf.zeros([1, 64, 64, 3]), tf.ones([1, 64, 64], tf.bool))
+        return model
+
+    _save_run(two_stage(7), tmp_path)
+    model = two_stage(3)
+    before = values(model.proposals.class_embed.variables)
+    report = weights.load_pretrained(model, str(tmp_path))
+    assert set(report.reinitialized) == {"class head"}
+    assert len(report.loaded) == len(model.variables) - 4  # two kernels, two biases
+    for a, b in zip(before, values(model.proposals.class_embed.variables)):
+        np.testing.assert_array_equal(a, b)
