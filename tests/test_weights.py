@@ -60,7 +60,8 @@ def test_each_layout_reproduces_the_torch_model(name):
     model = narrow_detr()
     report = weights.load_pretrained(model, str(FIXTURES / name))
     images, ref = torch_outputs()
-    assert ref["boxes"].std() > 0.05 and ref["logits"].std() > 0.1  # outputs that can differ
+    # The outputs vary far beyond the tolerances, so a misplaced tensor cannot go unseen.
+    assert ref["boxes"].std() > 100 * BOXES_TOL and ref["logits"].std() > 100 * LOGITS_TOL
     out = run(model, images)
     np.testing.assert_allclose(out["pred_logits"], ref["logits"], atol=LOGITS_TOL)
     np.testing.assert_allclose(out["pred_boxes"], ref["boxes"], atol=BOXES_TOL)

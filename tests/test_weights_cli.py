@@ -17,7 +17,6 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from detr_tf import config
 from detr_tf.evaluation import workflow
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,8 +14,9 @@ raw output with forward hooks, and applies the decoder norm and the heads to the
 (tools/make_weight_fixtures.py `detr_outputs`); `test_transformers_aux_mode_is_not_the_reference`
 shows the difference is real.
 
-The full-size comparisons are also `slow` (minutes on 2 CPU cores), so the default suite stays
-fast on a machine with torch; `pytest -m torch` runs them all.
+`pytest -m torch tests/test_weights_torch.py` takes about a minute on 2 CPU cores (each
+full-size comparison 10-30 s). Run it under transformers 5.x and 4.x to cover both key layouts
+(the reference layout is checked under both).
 """
 import importlib.util
 import sys
@@ -73,8 +74,9 @@ def _run(model, pixels_nchw):
 
 
 def test_fixtures_regenerate_identically(tmp_path, monkeypatch):
-    """tools/make_weight_fixtures.py is deterministic, and the committed file of the installed
-    transformers version holds exactly the keys that version writes."""
+    """tools/make_weight_fixtures.py draws the same weights under any transformers version
+    (outputs equal to float32 rounding: 4.x and 5.x order some sums differently), and the
+    committed file of the installed version holds exactly the keys that version writes."""
     import transformers
 
     monkeypatch.setattr(oracle, "FIXTURES", str(tmp_path))
@@ -82,7 +84,7 @@ def test_fixtures_regenerate_identically(tmp_path, monkeypatch):
     fresh, committed = np.load(tmp_path / "detr_outputs.npz"), np.load(
         FIXTURES / "detr_outputs.npz")
     for key in committed.files:
-        np.testing.assert_array_equal(fresh[key], committed[key], err_msg=key)
+        np.testing.assert_allclose(fresh[key], committed[key], atol=1e-5, err_msg=key)
     major = transformers.__version__.split(".")[0]
     name = f"detr_hf{major}.safetensors"
     assert set(load_file(str(tmp_path / name))) == set(load_file(str(FIXTURES / name)))
@@ -107,7 +109,6 @@ def test_transformers_aux_mode_is_not_the_reference():
     assert np.abs(logits - ref["logits"]).max() > 10 * LOGITS_TOL
 
 
-@pytest.mark.slow
 def test_resnet50_features_equal_torchvision(tmp_path):
     import torchvision
 
@@ -146,13 +147,12 @@ def _detr_r50(num_classes=91):
 def hf_r50():
     """A random transformers DETR-R50 (timm backbone), its state dict and its outputs."""
     model = oracle.hf_detr("resnet50", num_labels=91)  # COCO id space, as the Hub models
-    oracle.randomize_(model, seed=5)
+    oracle.randomize_(model, seed=5, name_of=oracle.reference_name)
     pixels = np.random.RandomState(5).randn(1, 3, 192, 256).astype(np.float32)
     return {"state": oracle.numpy_state(model), "pixels": pixels,
             "outputs": oracle.detr_outputs(model, pixels)}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["transformers", "reference_pth"])
 def test_detr_r50_matches_transformers(hf_r50, tmp_path, layout):
     import transformers

@@ -27,6 +27,7 @@ import contextlib
 import os
 import re
 import sys
+import zlib
 from typing import Dict, Tuple
 
 import numpy as np
@@ -74,16 +75,24 @@ def hf_detr(backbone: str = "resnet50", narrow: bool = False, **config):
     return model.eval()
 
 
-def randomize_(module, seed: int = 0) -> None:
-    """Every parameter and buffer random (batch-norm statistics too), in place, seeded."""
+def randomize_(module, seed: int = 0, name_of=lambda key: key) -> None:
+    """Every parameter and buffer random (batch-norm statistics too), in place.
+
+    Each tensor draws from its own generator, seeded by `seed` and its name as `name_of` gives
+    it (a version-independent name), so the weights do not depend on the order in which a
+    library version lists its parameters.
+    """
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        for key, t in list(module.named_parameters()) + list(module.named_buffers()):
             if not t.is_floating_point():
                 continue
-            if name.endswith("running_var") or (t.dim() == 1 and name.endswith("weight")):
+            name = str(name_of(key))
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if key.endswith("query_position_embeddings.weight"):
+                t.copy_(torch.randn(t.shape, generator=gen))  # nn.Embedding's N(0, 1)
+            elif key.endswith("running_var") or (t.dim() == 1 and key.endswith("weight")):
                 # Variances and norm scales (batch and layer norms): positive, around 1.
                 t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
             elif t.dim() == 1:  # biases and means: large enough to move the outputs
@@ -91,8 +100,6 @@ def randomize_(module, seed: int = 0) -> None:
             else:
                 fan_in = int(np.prod(t.shape[1:]))
                 t.copy_(torch.randn(t.shape, generator=gen) / np.sqrt(fan_in))
-        if hasattr(module, "model") and hasattr(module.model, "query_position_embeddings"):
-            module.model.query_position_embeddings.weight.normal_(generator=gen)
 
 
 _HF_TO_REF = [
@@ -215,7 +222,7 @@ def make_detr_fixtures() -> None:
         for k, v in outputs.items():
             np.testing.assert_allclose(v, stored[k], atol=1e-5, err_msg=k)
     else:
-        randomize_(model)
+        randomize_(model, name_of=reference_name)
         ref = to_reference(numpy_state(model))
         save_file(ref, ref_path)
         torch.save({"model": {k: torch.from_numpy(v) for k, v in ref.items()}},

@@ -10,7 +10,7 @@ head or the query embedding (`allow_head_reinit`), and a backbone-only file leav
 transformer and heads at their initial values.
 """
 import fnmatch
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import gin
 import numpy as np
@@ -93,6 +93,20 @@ def _left_at_init(model, table, plan, reinit_refs) -> List[str]:
     return out
 
 
+def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[str]) -> str:
+    def some(names):
+        return ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+
+    parts = []
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) in the file have no place in the model: "
+                     f"{some(unexpected)}")
+    if missing:
+        parts.append(f"{len(missing)} model variable(s) are not in the file: {some(missing)}")
+    return (f"{path!r} ({fmt}) does not fit the model: {'; '.join(parts)}; pass skip patterns "
+            "(--skip / load_pretrained.skip) for what is left out on purpose")
+
+
 @gin.configurable(denylist=["model", "path"])
 def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
                     allow_head_reinit: bool = True) -> ImportReport:
@@ -130,16 +144,7 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     missing = [n for n in not_loaded if n not in skipped and not _matches([n], skip)
                and not (backbone_only and not n.startswith("backbone."))]
     if unexpected or missing:
-        raise WeightImportError(
-            f"{path!r} ({fmt}) does not fit the model: "
-            + (f"{len(unexpected)} tensor(s) in the file have no place in the model: "
-               f"{', '.join(unexpected[:20])}{' ...' if len(unexpected) > 20 else ''}; "
-               if unexpected else "")
-            + (f"{len(missing)} model variable(s) are not in the file: "
-               f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}; "
-               if missing else "")
-            + "pass skip patterns (--skip / load_pretrained.skip) for what is left out on "
-              "purpose")
+        raise WeightImportError(_misfit_message(path, fmt, unexpected, missing))
     for name, value in plan.items():
         var = table[name].variable
         var.assign(np.asarray(value, dtype=var.dtype.as_numpy_dtype))
