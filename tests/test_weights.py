@@ -28,11 +28,12 @@ DETR_FILES = ["detr_reference.safetensors", "detr_hf4.safetensors", "detr_hf5.sa
 LOGITS_TOL, BOXES_TOL = 1e-3, 1e-4  # float32, unpadded images
 
 
-def narrow_detr(num_classes=7, num_queries=5, ffn=64, block=BasicBlock, built=True):
+def narrow_detr(num_classes=7, num_queries=5, ffn=64, block=BasicBlock, built=True,
+                norm="frozen"):
     """The fixture DETR's architecture in detr_tf (tools/make_weight_fixtures.py)."""
     model = build_model(
         num_classes=num_classes, num_queries=num_queries, hidden_dim=32,
-        backbone=ResNet(block=block, layers=(2, 2, 2, 2), width=4, stem_width=64),
+        backbone=ResNet(block=block, layers=(2, 2, 2, 2), width=4, stem_width=64, norm=norm),
         position_embedding=PositionEmbeddingSine(16),
         transformer=Transformer(d_model=32, num_heads=4, num_encoder_layers=2,
                                 num_decoder_layers=2, dim_feedforward=ffn))
@@ -84,14 +85,16 @@ def test_format_comes_from_the_keys_not_the_file_name(tmp_path):
     assert "transformers 4.x" in report.format
 
 
-def test_resnet_imports_into_the_backbone_only():
-    model = narrow_detr(block=Bottleneck)
+@pytest.mark.parametrize("norm", ["frozen", "batch"])
+def test_resnet_imports_into_the_backbone_only(norm):
+    model = narrow_detr(block=Bottleneck, norm=norm)
     rest = [v for v in model.variables if not any(v is b for b in model.backbone.variables)]
     before = values(rest)
     report = weights.load_pretrained(model, str(FIXTURES / "resnet_timm.safetensors"))
     ref = np.load(FIXTURES / "resnet_features.npz")
     images = np.transpose(ref["pixel_values"], (0, 2, 3, 1))
-    features, _ = model.backbone(images, tf.ones(images.shape[:3], tf.bool))
+    # Inference mode: a trainable batch norm then uses the imported statistics.
+    features, _ = model.backbone(images, tf.ones(images.shape[:3], tf.bool), training=False)
     np.testing.assert_allclose(np.transpose(features, (0, 3, 1, 2)), ref["features"],
                                atol=1e-4, rtol=1e-5)
     # The classifier and the step counters are skipped by design; the rest stays at init.
