@@ -15,6 +15,8 @@ OUTPUT_DIR/config.gin and OUTPUT_DIR/checkpoints/ckpt-0, which tools/eval.py, pr
 export.py read with --model_dir=OUTPUT_DIR. Anything unexpected fails with the key, the shapes
 and the file, and nothing is written; --skip says what is left out on purpose.
 """
+import sys
+
 from absl import app, flags, logging
 
 from detr_tf import cli
@@ -28,20 +30,27 @@ flags.DEFINE_multi_string("skip", [], "Glob of file keys or model variables deli
                           "imported, e.g. --skip='class_embed.*' (repeatable).")
 flags.DEFINE_bool("allow_head_reinit", True, "Re-initialise the class head / query embedding "
                   "when the class / query counts differ from the file's, instead of failing.")
-flags.mark_flags_as_required(["weights", "gin_file", "output_dir"])
+flags.mark_flags_as_required(["weights", "output_dir"])
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     logging.set_verbosity(logging.WARNING)
     cli.reject_positional("import_weights.py", argv)
+    if not FLAGS.gin_file:
+        sys.exit("import_weights.py: --gin_file is required (the model to import into), e.g. "
+                 "--gin_file=gin_configs/detr_r50.gin")
     cli.parse_gin_or_exit("import_weights.py", FLAGS.gin_file, FLAGS.gin_param)
     from detr_tf.evaluation import workflow
     from detr_tf.weights import run_dir
 
+    # Flags given on the command line win; the others leave load_pretrained's Gin bindings be.
+    load_args = {"skip": FLAGS.skip} if FLAGS.skip else {}
+    if FLAGS["allow_head_reinit"].present:
+        load_args["allow_head_reinit"] = FLAGS.allow_head_reinit
+
     def run():
-        report, path = run_dir.import_to_run_dir(FLAGS.weights, FLAGS.output_dir, FLAGS.skip,
-                                                 FLAGS.allow_head_reinit)
+        report, path = run_dir.import_to_run_dir(FLAGS.weights, FLAGS.output_dir, **load_args)
         print(report, flush=True)
         print(f"import_weights: wrote {path} and {FLAGS.output_dir}/config.gin", flush=True)
         print(run_dir.next_steps(FLAGS.output_dir), flush=True)

@@ -72,8 +72,9 @@ def _plan(source, table, groups, skip, allow_head_reinit, path):
         else:
             plan[name] = target.from_torch(value)
     if errors:
+        more = f"; ... ({len(errors) - 10} more)" if len(errors) > 10 else ""
         raise WeightImportError(f"{path!r}: {len(errors)} shape mismatch(es): "
-                                + "; ".join(errors))
+                                + "; ".join(errors[:10]) + more)
     for group in reinit:  # a re-initialised group is left whole at its initial values
         refs = {v.ref() for v in groups[group]}
         plan = {n: v for n, v in plan.items() if table[n].variable.ref() not in refs}

@@ -5,10 +5,14 @@ import textwrap
 from typing import Dict, List
 
 
-def _listing(title: str, names: List[str]) -> List[str]:
+def _listing(title: str, names: List[str], limit: int = 0) -> List[str]:
+    """A titled, wrapped list of names; with `limit`, only the first `limit` are shown."""
     if not names:
         return [f"  {title}: none"]
-    body = textwrap.fill(", ".join(names), width=96, initial_indent="    ",
+    shown = names[:limit] if limit and len(names) > limit else names
+    text = ", ".join(shown) + (f", ... ({len(names) - len(shown)} more)"
+                               if len(shown) < len(names) else "")
+    body = textwrap.fill(text, width=96, initial_indent="    ",
                          subsequent_indent="    ", break_on_hyphens=False)
     return [f"  {title} ({len(names)}):", body]
 
@@ -48,6 +52,6 @@ class ImportReport:
             lines += _listing("in the file, not used", [])
         for pattern, keys in by_pattern.items():
             why = f"skipped by {pattern!r}" if pattern else "skipped by a model-name pattern"
-            lines += _listing(f"in the file, not used, {why}", keys)
+            lines += _listing(f"in the file, not used, {why}", keys, limit=8)
         lines += _listing("left at their initial values", self.not_loaded)
         return "\n".join(lines)

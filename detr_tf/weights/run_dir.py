@@ -8,7 +8,7 @@ can start from it (`train.init_weights`).
 """
 import os
 import shlex
-from typing import Sequence, Tuple
+from typing import Tuple
 
 import gin
 import tensorflow as tf
@@ -32,14 +32,15 @@ def build_float32_model() -> tf_keras.Model:
     return model
 
 
-def import_to_run_dir(weights: str, output_dir: str, skip: Sequence[str] = (),
-                      allow_head_reinit: bool = True) -> Tuple[ImportReport, str]:
+def import_to_run_dir(weights: str, output_dir: str,
+                      **load_args) -> Tuple[ImportReport, str]:
     """Builds the Gin-configured model, imports `weights` and writes a run directory.
 
     Args:
       weights: any file or checkpoint `load_pretrained` reads.
       output_dir: the run directory to create; it must not hold a checkpoint yet.
-      skip, allow_head_reinit: as for `load_pretrained`.
+      **load_args: `skip`, `allow_head_reinit` for `load_pretrained`; what is not given
+        keeps its Gin binding (`load_pretrained.skip` in the config) or default.
 
     Returns:
       (the import report, the checkpoint prefix written).
@@ -53,7 +54,7 @@ def import_to_run_dir(weights: str, output_dir: str, skip: Sequence[str] = (),
                               f"({checkpointing.latest_checkpoint(output_dir)}); choose a new "
                               "directory")
     model = build_float32_model()
-    report = load_pretrained(model, weights, skip=skip, allow_head_reinit=allow_head_reinit)
+    report = load_pretrained(model, weights, **load_args)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "config.gin"), "w") as f:
         f.write(gin.config_str())
