@@ -2,8 +2,9 @@
 
 Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads.
 """
+import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from absl import flags
 
@@ -48,3 +49,41 @@ def parse_gin_or_exit(tool: str, gin_files: Sequence[str], gin_params: Sequence[
         config.parse_gin_config(gin_files, gin_params)
     except config.ConfigError as e:
         sys.exit(f"{tool}: {e}")
+
+
+def parse_tool_config(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
+                      model_dir: Optional[str]) -> None:
+    """The tools' Gin parse: strict, with a one-line exit on any configuration error.
+
+    Without --gin_file the run's own model_dir/config.gin (written by the trainer) is used, so
+    `tools/eval.py --model_dir=DIR` evaluates a run exactly as it was configured.
+
+    Raises:
+      SystemExit: with "<tool>: <what is wrong>" (exit status 1).
+    """
+    if not gin_files:
+        saved = os.path.join(model_dir or "", "config.gin")
+        if not model_dir or not os.path.isfile(saved):
+            sys.exit(f"{tool}: no --gin_file given and no {saved!r} (written by "
+                     "tools/train.py) to fall back on; pass --gin_file=gin_configs/<file>.gin")
+        gin_files = [saved]
+    parse_gin_or_exit(tool, gin_files, gin_params)
+
+
+def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
+    """Calls `fn`, turning the errors a user can fix into one line and exit status 1.
+
+    A missing checkpoint or image path (FileNotFoundError), a bad value (ValueError) and an
+    incomplete Gin configuration print "<tool>: <message>"; set DETR_TF_TRACEBACK=1 to get the
+    traceback instead.
+    """
+    try:
+        return fn()
+    except (FileNotFoundError, ValueError) as e:
+        if os.environ.get("DETR_TF_TRACEBACK"):
+            raise
+        sys.exit(f"{tool}: {type(e).__name__}: {e}")
+    except RuntimeError as e:
+        if "Required bindings" not in str(e):
+            raise
+        sys.exit(f"{tool}: gin configuration incomplete: {e}")

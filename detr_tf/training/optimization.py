@@ -134,6 +134,12 @@ class ExponentialMovingAverage(tf.Module):
         for shadow, var in zip(self.shadow, self._model_variables):
             distribution.extended.update(shadow, blend, args=(var,), group=False)
 
+    def reset(self) -> None:
+        """Sets the averages to the model's current weights (after they were initialised from a
+        file, the initialisers' values must not linger in the average)."""
+        for shadow, var in zip(self.shadow, self._model_variables):
+            shadow.assign(var.read_value())
+
     def swap(self) -> None:
         """Exchanges the model's weights and the EMA weights (eager, cross-replica context)."""
         for shadow, var in zip(self.shadow, self._model_variables):
