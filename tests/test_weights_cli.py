@@ -17,7 +17,9 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from detr_tf.evaluation import workflow
+from detr_tf import cli, config
+from detr_tf.evaluation import export, predict, restore
+from detr_tf.weights import run_dir as run_dir_lib
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "weights"
@@ -64,8 +66,8 @@ def test_the_run_directory_serves_the_evaluation_tools(imported, tmp_path):
     gin.clear_config()
     try:
         # Without --gin_file, as `tools/predict.py --model_dir=DIR` parses it.
-        workflow.parse_tool_config("predict.py", [], [], run_dir)
-        model, path = workflow.load_trained_model(run_dir)
+        cli.parse_tool_config("predict.py", [], [], run_dir)
+        model, path = restore.load_trained_model(run_dir)
         assert path.endswith("ckpt-0")
         ref = np.load(FIXTURES / "detr_outputs.npz")
         images = np.transpose(ref["pixel_values"], (0, 2, 3, 1))
@@ -76,11 +78,11 @@ def test_the_run_directory_serves_the_evaluation_tools(imported, tmp_path):
                                    atol=1e-4)
         image = tmp_path / "image.png"
         Image.fromarray(np.full((80, 100, 3), 127, np.uint8)).save(image)
-        records = workflow.predict_run(run_dir, str(image), str(tmp_path / "pred"),
+        records = predict.predict_run(run_dir, str(image), str(tmp_path / "pred"),
                                        score_threshold=0.0)
         assert len(records[0]["detections"]) == 5  # threshold 0: one per query
         assert json.loads((tmp_path / "pred" / "detections.json").read_text())
-        export_dir = workflow.export_run(run_dir, str(tmp_path / "export"))
+        export_dir = export.export_run(run_dir, str(tmp_path / "export"))
         loaded = tf.saved_model.load(export_dir)
         result = loaded.signatures["serving_images"](images=tf.zeros([1, 80, 100, 3], tf.uint8))
         assert result["boxes"].shape[-1] == 4
@@ -95,3 +97,17 @@ def test_refuses_to_overwrite_a_run_in_one_line(imported):
     assert "import_weights.py: ValueError: output_dir" in result.stderr
     assert "already holds a checkpoint" in result.stderr
     assert (imported["dir"] / "checkpoints" / "ckpt-0.index").read_bytes() == before
+
+
+def test_a_model_only_config_imports_and_says_the_tools_need_an_experiment_file(tmp_path):
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["models/detr_tiny.gin"], ["NUM_CLASSES = 7", *NARROW])
+        report, path = run_dir_lib.import_to_run_dir(
+            str(FIXTURES / "detr_reference.safetensors"), str(tmp_path / "run"))
+        steps = run_dir_lib.next_steps(str(tmp_path / "run"))
+    finally:
+        gin.clear_config()
+    assert len(report.loaded) == 202 and not report.reinitialized
+    assert path.endswith("ckpt-0") and (tmp_path / "run" / "config.gin").is_file()
+    assert "binds no train.model_fn" in steps

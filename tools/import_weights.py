@@ -41,7 +41,6 @@ def main(argv):
         sys.exit("import_weights.py: --gin_file is required (the model to import into), e.g. "
                  "--gin_file=gin_configs/detr_r50.gin")
     cli.parse_gin_or_exit("import_weights.py", FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.evaluation import workflow
     from detr_tf.weights import run_dir
 
     # Flags given on the command line win; the others leave load_pretrained's Gin bindings be.
@@ -55,7 +54,7 @@ def main(argv):
         print(f"import_weights: wrote {path} and {FLAGS.output_dir}/config.gin", flush=True)
         print(run_dir.next_steps(FLAGS.output_dir), flush=True)
 
-    workflow.run_tool("import_weights.py", run)
+    cli.run_tool("import_weights.py", run)
 
 
 if __name__ == "__main__":

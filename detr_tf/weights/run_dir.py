@@ -5,6 +5,11 @@ Gin configuration the model was built from) and `checkpoints/ckpt-0` written thr
 CheckpointManager of `tf.train.Checkpoint(model=model)`, the trainer's own layout. So
 tools/eval.py, predict.py and export.py take `--model_dir=DIR` unchanged, and a training run
 can start from it (`train.init_weights`).
+
+The model is the run's `train.model_fn` (what training and the evaluation tools build) or,
+for a file that only configures a model (gin_configs/models/*.gin), `build_model`; it is built
+in float32 on a small canvas, since DETR's weights do not depend on the image size and the
+import should not need the data.
 """
 import os
 import shlex
@@ -19,14 +24,19 @@ from detr_tf.training import checkpointing
 from detr_tf.weights.importer import load_pretrained
 from detr_tf.weights.report import ImportReport
 
-# Any small canvas creates every variable (DETR's weights do not depend on the image size).
 _BUILD_SIZE = (64, 64)
 
 
-def build_float32_model() -> tf_keras.Model:
-    """The Gin-configured DETR under the float32 policy, built (its variables exist)."""
+def has_run_bindings() -> bool:
+    """Whether the Gin configuration binds the run's model (`train.model_fn`)."""
+    return "model_fn" in gin.get_bindings("train")
+
+
+def build_model() -> tf_keras.Model:
+    """The configured model (`train.model_fn`, else `build_model`), float32, built."""
     tf_keras.mixed_precision.set_global_policy("float32")
-    model = detr.build_model()
+    model_fn = gin.get_bindings("train")["model_fn"] if has_run_bindings() else detr.build_model
+    model = model_fn()
     h, w = _BUILD_SIZE
     model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
     return model
@@ -49,11 +59,11 @@ def import_to_run_dir(weights: str, output_dir: str,
       ValueError: output_dir already holds a checkpoint (nothing is overwritten).
       WeightImportError: the weights do not fit (nothing is written).
     """
-    if checkpointing.latest_checkpoint(output_dir):
-        raise ValueError(f"output_dir {output_dir!r} already holds a checkpoint "
-                              f"({checkpointing.latest_checkpoint(output_dir)}); choose a new "
-                              "directory")
-    model = build_float32_model()
+    existing = checkpointing.latest_checkpoint(output_dir)
+    if existing:
+        raise ValueError(f"output_dir {output_dir!r} already holds a checkpoint ({existing}); "
+                         "choose a new directory")
+    model = build_model()
     report = load_pretrained(model, weights, **load_args)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "config.gin"), "w") as f:
@@ -66,11 +76,14 @@ def import_to_run_dir(weights: str, output_dir: str,
 def next_steps(output_dir: str) -> str:
     """What to run on the imported run directory (the tool's last words)."""
     d = shlex.quote(output_dir)
+    note = [] if has_run_bindings() else [
+        "  (the config binds no train.model_fn / data: give the tools an experiment file, "
+        "e.g. --gin_file=gin_configs/detr_r50.gin with its required --gin_param values)"]
     return "\n".join([
-        "", "detr_tf: next steps",
+        "", "detr_tf: next steps", *note,
         f"  evaluate:        python tools/eval.py --model_dir={d}",
         f"  your own images: python tools/predict.py --model_dir={d} --images=PATH_OR_DIR "
         "--output_dir=OUT",
         f"  export:          python tools/export.py --model_dir={d} --export_dir=OUT",
         f"  fine-tune:       python tools/train.py --gin_file={d}/config.gin "
-        f"--gin_param=\"train.init_weights = '{output_dir}'\" --model_dir=NEW_DIR"])
+        f"--gin_param=\"train.init_weights='{output_dir}'\" --model_dir=NEW_DIR"])
