@@ -28,11 +28,11 @@ NARROW = ["ResNet.layers = (2, 2, 2, 2)", "ResNet.width = 4", "ResNet.stem_width
           "Transformer.dim_feedforward = 64", "NUM_QUERIES = 5"]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, tool: str = "import_weights.py") -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("DETR_TF_TRACEBACK", None)
-    return subprocess.run([sys.executable, str(REPO / "tools" / "import_weights.py"), *args],
+    return subprocess.run([sys.executable, str(REPO / "tools" / tool), *args],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
 
@@ -88,6 +88,18 @@ def test_the_run_directory_serves_the_evaluation_tools(imported, tmp_path):
         assert result["boxes"].shape[-1] == 4
     finally:
         gin.clear_config()
+
+
+def test_a_training_run_starts_from_the_imported_directory(imported):
+    """train.init_weights reads a detr_tf run (format 4) through the same load_pretrained."""
+    gin_args = [a for a in imported["args"] if not a.startswith("--weights")]
+    result = _run(*gin_args, f"--model_dir={imported['root'] / 'finetune'}",
+                  "--gin_param=train.num_steps = 1",
+                  f"--gin_param=train.init_weights = '{imported['dir']}'", tool="train.py")
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert f"initialised from {imported['dir']}" in result.stdout
+    assert "format: detr_tf checkpoint" in result.stdout
+    assert "left at their initial values: none" in result.stdout
 
 
 def test_refuses_to_overwrite_a_run_in_one_line(imported):
