@@ -1,19 +1,20 @@
 """Imports pretrained weights into a Gin-configured detr_tf model and writes a run directory.
 
     python tools/import_weights.py --weights=detr-r50-e632da11.pth \
-        --gin_file=gin_configs/detr_r50.gin --output_dir=/tmp/detr_r50_pretrained
-    python tools/import_weights.py --weights=model.safetensors --gin_file=gin_configs/detr_r50.gin \
-        --gin_param="NUM_CLASSES = 3" --output_dir=/tmp/detr_r50_3classes
-    python tools/import_weights.py --weights=resnet50-0676ba61.pth \
-        --gin_file=gin_configs/detr_r50.gin --output_dir=/tmp/r50_imagenet
+        --gin_file=gin_configs/models/detr_r50.gin --output_dir=/tmp/detr_r50_pretrained
+    python tools/import_weights.py --weights=model.safetensors \
+        --gin_file=gin_configs/models/detr_r50.gin --gin_param="NUM_CLASSES = 3" \
+        --output_dir=/tmp/detr_r50_3classes
 
 Reads a reference DETR checkpoint, a Hugging Face DETR model.safetensors (transformers 4.x or
 5.x), an ImageNet ResNet (backbone only) or another detr_tf run; the format comes from the
-file's keys (docs/WEIGHTS.md). Prints the import report (tensors loaded, file tensors not used,
-model variables left at their initial values, heads re-initialised) and writes
-OUTPUT_DIR/config.gin and OUTPUT_DIR/checkpoints/ckpt-0, which tools/eval.py, predict.py and
-export.py read with --model_dir=OUTPUT_DIR. Anything unexpected fails with the key, the shapes
-and the file, and nothing is written; --skip says what is left out on purpose.
+file's keys (docs/WEIGHTS.md). The model is the config's `train.model_fn` (an experiment file)
+or `build_model` (a model file), in float32. Prints the import report (tensors loaded, file
+tensors not used, model variables left at their initial values, heads re-initialised) and
+writes OUTPUT_DIR/config.gin and OUTPUT_DIR/checkpoints/ckpt-0, which tools/eval.py,
+predict.py and export.py read with --model_dir=OUTPUT_DIR (given an experiment file; the last
+lines say what to run). Anything unexpected fails with the key, the shapes and the file, and
+nothing is written; --skip says what is left out on purpose.
 """
 import sys
 
