@@ -170,3 +170,15 @@ def test_detr_r50_matches_transformers(hf_r50, tmp_path, layout):
     print(f"transformers {transformers.__version__}, {report.format}")
     ref = hf_r50["outputs"]
     _assert_close(_max_diffs(_run(model, hf_r50["pixels"]), ref), ref)
+
+
+def test_a_pth_pickling_more_than_tensors_is_refused(tmp_path):
+    import argparse
+
+    path = tmp_path / "checkpoint.pth"  # a training checkpoint: weights and its arguments
+    state = {k: torch.from_numpy(v) for k, v in
+             load_file(str(FIXTURES / "detr_reference.safetensors")).items()}
+    torch.save({"model": state, "args": argparse.Namespace(lr=1e-4)}, path)
+    with pytest.raises(weights.WeightImportError, match="pickles more than tensors") as e:
+        weights.load_pretrained(narrow_detr(), str(path))
+    assert "weights_only=False" in str(e.value) and "save_file" in str(e.value)

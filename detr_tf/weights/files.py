@@ -77,8 +77,11 @@ def _read_torch(path: str) -> Dict[str, np.ndarray]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickled Python objects beyond tensors: refuse, never unpickle them
-        raise WeightImportError(f"{path!r}: torch.load(weights_only=True) failed ({e}); "
-                                "save its state dict alone and import that") from e
+        raise WeightImportError(
+            f"{path!r}: torch.load(weights_only=True) failed: the file pickles more than "
+            f"tensors ({type(e).__name__}). If you trust it, convert its weights with "
+            "weights_only=False:\n  " + convert_command(path).replace(
+                "weights_only=True", "weights_only=False")) from e
     for wrapper in ("model", "state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
             obj = obj[wrapper]
