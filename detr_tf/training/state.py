@@ -148,8 +148,7 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
 
 
 def start(state: TrainState, checkpoint: tf.train.Checkpoint,
-          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str],
-          init_skip: Sequence[str] = ()) -> int:
+          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str]) -> int:
     """Resumes, or initialises a new run (see the module docstring); returns the start step.
 
     Raises:
@@ -169,8 +168,8 @@ def start(state: TrainState, checkpoint: tf.train.Checkpoint,
     if init_weights:
         from detr_tf import weights  # imported on use: most runs start from scratch
 
-        report = weights.load_pretrained(state.model, os.path.expanduser(init_weights),
-                                         skip=tuple(init_skip))
+        # What to leave out is load_pretrained's own Gin binding (`load_pretrained.skip`).
+        report = weights.load_pretrained(state.model, os.path.expanduser(init_weights))
         say(f"detr_tf: initialised from {init_weights}\n{report}")
     engine.broadcast_variables(state.model.variables)
     if state.ema is not None:

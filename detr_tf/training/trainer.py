@@ -21,7 +21,7 @@ import math
 import os
 import tempfile
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional
 
 import gin
 import tensorflow as tf
@@ -94,7 +94,6 @@ def train(model_dir: str,
           train_examples: Optional[int] = None,
           dataset_info_fn: Optional[Callable[..., Any]] = None,
           init_weights: Optional[str] = None,
-          init_skip: Sequence[str] = (),
           distribution: str = "default",
           cpu_devices: int = 0,
           precision: str = "float32",
@@ -132,8 +131,7 @@ def train(model_dir: str,
         (the official DETR .pth, Hugging Face safetensors, ImageNet ResNets) or another run's
         model_dir / checkpoint. Ignored, with a message, when model_dir already holds
         checkpoints (that is a resume). A class head or query count that differs from the
-        file's is re-initialised and reported.
-      init_skip: glob patterns of tensors in init_weights to leave out on purpose.
+        file's is re-initialised and reported; `load_pretrained.skip` leaves tensors out.
       distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod' (automatic under
         horovodrun).
       cpu_devices: with 'mirrored' on a CPU-only machine, logical CPU devices to mirror over.
@@ -197,7 +195,7 @@ def train(model_dir: str,
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
         participates=engine.name != "horovod")
-    start_step = state_lib.start(state, ckpt, saver, engine, init_weights, init_skip)
+    start_step = state_lib.start(state, ckpt, saver, engine, init_weights)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)
 
