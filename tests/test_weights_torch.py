@@ -15,8 +15,9 @@ raw output with forward hooks, and applies the decoder norm and the heads to the
 shows the difference is real.
 
 `pytest -m torch tests/test_weights_torch.py` takes about two minutes on 2 CPU cores (each
-full-size comparison 10-35 s: DETR-R50 in both layouts, DETR-R50-DC5, DETR-R101). Run it under transformers 5.x and 4.x to cover both key layouts
-(the reference layout is checked under both).
+full-size comparison 10-35 s: DETR-R50 in both layouts, DETR-R50-DC5, DETR-R101). Run it
+under transformers 5.x and 4.x to cover both key layouts (the reference layout is checked
+under both).
 """
 import importlib.util
 import sys
