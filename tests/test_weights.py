@@ -204,6 +204,9 @@ def test_a_pth_without_torch_says_how_to_convert_it(monkeypatch):
     msg = str(e.value)
     assert path in msg and "pip install 'detr_tf[torch]'" in msg
     assert "safetensors.torch" in msg and "save_file" in msg and "torch.load" in msg
+    # safetensors files need no torch.
+    report = weights.load_pretrained(narrow_detr(), str(FIXTURES / "detr_reference.safetensors"))
+    assert len(report.loaded) == 202
 
 
 def test_unknown_files_are_refused(tmp_path):

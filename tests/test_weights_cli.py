@@ -90,6 +90,7 @@ def test_the_run_directory_serves_the_evaluation_tools(imported, tmp_path):
         gin.clear_config()
 
 
+@pytest.mark.slow  # a training start-up on top of the import: 40-80 s on 2 shared cores
 def test_a_training_run_starts_from_the_imported_directory(imported):
     """train.init_weights reads a detr_tf run (format 4) through the same load_pretrained."""
     gin_args = [a for a in imported["args"] if not a.startswith("--weights")]

@@ -14,9 +14,10 @@ raw output with forward hooks, and applies the decoder norm and the heads to the
 (tools/make_weight_fixtures.py `detr_outputs`); `test_transformers_aux_mode_is_not_the_reference`
 shows the difference is real.
 
-`pytest -m torch tests/test_weights_torch.py` takes about a minute on 2 CPU cores (each
-full-size comparison 10-30 s). Run it under transformers 5.x and 4.x to cover both key layouts
-(the reference layout is checked under both).
+`pytest -m torch tests/test_weights_torch.py` takes about two minutes on 2 CPU cores (each
+full-size comparison 10-35 s: DETR-R50 in both layouts, DETR-R50-DC5, DETR-R101). Run it
+under transformers 5.x and 4.x to cover both key layouts (the reference layout is checked
+under both).
 """
 import importlib.util
 import sys
@@ -116,7 +117,7 @@ def test_resnet50_features_equal_torchvision(tmp_path):
     oracle.randomize_(net, seed=3)
     path = tmp_path / "resnet50.pth"
     torch.save(net.state_dict(), path)  # a plain state dict, like resnet50-0676ba61.pth
-    model = _detr_r50(num_classes=91)
+    model = _detr()
     report = weights.load_pretrained(model, str(path))
     assert "ImageNet ResNet" in report.format and len(report.loaded) == 53 + 53 * 4
     pixels = np.random.RandomState(3).randn(2, 3, 160, 224).astype(np.float32)
@@ -131,11 +132,10 @@ def test_resnet50_features_equal_torchvision(tmp_path):
     assert diff < 1e-4 * max(1.0, float(x.abs().max()))
 
 
-def _detr_r50(num_classes=91):
+def _detr(gin_file="models/detr_r50.gin", num_classes=91):
     gin.clear_config()
     try:
-        config.parse_gin_config(["models/detr_r50.gin"], [f"NUM_CLASSES = {num_classes}"],
-                                finalize=False)
+        config.parse_gin_config([gin_file], [f"NUM_CLASSES = {num_classes}"], finalize=False)
         model = detr.build_model()
     finally:
         gin.clear_config()
@@ -143,33 +143,42 @@ def _detr_r50(num_classes=91):
     return model
 
 
-@pytest.fixture(scope="module")
-def hf_r50():
-    """A random transformers DETR-R50 (timm backbone), its state dict and its outputs."""
-    model = oracle.hf_detr("resnet50", num_labels=91)  # COCO id space, as the Hub models
-    oracle.randomize_(model, seed=5, name_of=oracle.reference_name)
-    pixels = np.random.RandomState(5).randn(1, 3, 192, 256).astype(np.float32)
-    return {"state": oracle.numpy_state(model), "pixels": pixels,
-            "outputs": oracle.detr_outputs(model, pixels)}
+_HF = {}
 
 
-@pytest.mark.parametrize("layout", ["transformers", "reference_pth"])
-def test_detr_r50_matches_transformers(hf_r50, tmp_path, layout):
+def _hf(backbone: str, dilation: bool):
+    """A random transformers DETR (timm backbone), its state dict and its outputs (cached)."""
+    if (backbone, dilation) not in _HF:
+        model = oracle.hf_detr(backbone, num_labels=91, dilation=dilation)  # COCO's id space
+        oracle.randomize_(model, seed=5, name_of=oracle.reference_name)
+        pixels = np.random.RandomState(5).randn(1, 3, 192, 256).astype(np.float32)
+        _HF[backbone, dilation] = {"state": oracle.numpy_state(model), "pixels": pixels,
+                                   "outputs": oracle.detr_outputs(model, pixels)}
+    return _HF[backbone, dilation]
+
+
+@pytest.mark.parametrize("gin_file,backbone,dilation,layout", [
+    ("models/detr_r50.gin", "resnet50", False, "transformers"),
+    ("models/detr_r50.gin", "resnet50", False, "reference_pth"),
+    ("models/detr_r50_dc5.gin", "resnet50", True, "transformers"),
+    ("models/detr_r101.gin", "resnet101", False, "transformers"),
+])
+def test_full_size_detr_matches_transformers(tmp_path, gin_file, backbone, dilation, layout):
     import transformers
 
+    hf = _hf(backbone, dilation)
     if layout == "transformers":  # the installed version's own key names
         path = tmp_path / "model.safetensors"
-        save_file(hf_r50["state"], str(path))
+        save_file(hf["state"], str(path))
     else:  # the reference DETR's names and container, like detr-r50-e632da11.pth
         path = tmp_path / "detr-r50.pth"
-        ref = oracle.to_reference(hf_r50["state"])
+        ref = oracle.to_reference(hf["state"])
         torch.save({"model": {k: torch.from_numpy(v) for k, v in ref.items()}}, path)
-    model = _detr_r50(num_classes=91)
+    model = _detr(gin_file)
     report = weights.load_pretrained(model, str(path))
     assert len(report.loaded) == len(model.variables) and not report.not_loaded
-    print(f"transformers {transformers.__version__}, {report.format}")
-    ref = hf_r50["outputs"]
-    _assert_close(_max_diffs(_run(model, hf_r50["pixels"]), ref), ref)
+    print(f"{gin_file}, transformers {transformers.__version__}, {report.format}")
+    _assert_close(_max_diffs(_run(model, hf["pixels"]), hf["outputs"]), hf["outputs"])
 
 
 def test_a_pth_pickling_more_than_tensors_is_refused(tmp_path):

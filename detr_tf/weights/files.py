@@ -115,8 +115,8 @@ def read_tf_checkpoint(prefix: str) -> Dict[str, np.ndarray]:
     reader = tf.train.load_checkpoint(prefix)
     out = {}
     for name in reader.get_variable_to_shape_map():
-        if name.startswith("model/") and name.endswith(_VALUE_SUFFIX) and "/.OPTIMIZER_SLOT/" \
-                not in name:
+        is_weight = name.startswith("model/") and name.endswith(_VALUE_SUFFIX)
+        if is_weight and "/.OPTIMIZER_SLOT/" not in name:  # slots hang under their variable
             out[name[len("model/"):-len(_VALUE_SUFFIX)]] = reader.get_tensor(name)
     if not out:
         raise WeightImportError(f"checkpoint {prefix!r} holds no 'model' variables; expected a "
