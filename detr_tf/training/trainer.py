@@ -146,7 +146,8 @@ def train(model_dir: str,
       eval_every: steps between evaluations (also evaluates at the end when eval_fn is set).
       eval_fn: fn(model, model_dir, step) -> metrics dict, called on the chief with the EMA
         weights when there are any (e.g. `@coco_evaluate`).
-      deterministic: seeded, deterministic ops and input, for tests and exact resumption.
+      deterministic: seeded, deterministic ops and input, for tests and exact resumption
+        (not with jit='step': XLA has no deterministic max-pool gradient; 'auto' gives 'loss').
       seed: the seed for weights, dropout and input order.
       nan_policy: 'stop' (raise, naming the step and the loss terms) or 'skip' the step.
       after_train_fn: fn(model, model_dir) called on the chief after training (e.g. to write
