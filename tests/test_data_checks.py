@@ -70,3 +70,25 @@ def test_an_unknown_class_on_a_crowd_box_is_no_error():
     (_, _, labels), _ = _instance_both_ways(_raw([[0.1, 0.1, 0.5, 0.5]] * 2, [3, 99],
                                                  is_crowd=[0, 1]))
     np.testing.assert_array_equal(labels.numpy(), [0])
+
+
+def test_train_py_reports_a_pipeline_check_in_one_line(monkeypatch, tmp_path):
+    """The check fails inside tf.data, so it reaches the trainer as an InvalidArgumentError;
+    tools/train.py prints its message alone, not TensorFlow's op trace."""
+    from detr_tf.training import trainer
+
+    raw = _raw([[0.1, 0.1, 0.5, 0.5]], [99])
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        next(iter(tf.data.Dataset.from_tensors(raw).map(
+            lambda r: pipeline.raw_to_instance(r, LABEL_MAP))))
+
+    def failing_train(model_dir):
+        raise caught.value
+
+    monkeypatch.setattr(trainer, "train", failing_train)
+    monkeypatch.delenv("DETR_TF_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        trainer.run_from_command_line(str(tmp_path))
+    message = str(exit_.value.code)
+    assert message.startswith("train.py: bad input data:") and "category ids" in message
+    assert "99" in message and "node" not in message and str(tmp_path) in message
