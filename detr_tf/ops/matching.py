@@ -35,6 +35,8 @@ _SHRINK_FACTORS = (4, 16, 64)
 _CLIP = 1e15
 # Augmenting-row-reduction passes of the JV start, by default (see the benchmark's table).
 DEFAULT_ARR_PASSES = 4
+# Search steps per while-loop iteration, by default: fewer loop-condition round trips.
+DEFAULT_UNROLL = 4
 
 
 def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
@@ -105,7 +107,8 @@ def _start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_passes
 
 
 def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
-           arr_passes: Optional[int] = None) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
+           arr_passes: Optional[int] = None, unroll: int = 1
+           ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """Min-cost assignment of every masked row to a distinct masked column, for N problems.
 
     Requires, per problem, no more real rows than real columns.
@@ -116,6 +119,7 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
       col_mask: [N, C] bool, columns that may be used.
       arr_passes: None for the greedy start; otherwise the JV initialisation with at most this
         many augmenting-row-reduction passes (detr_tf/ops/matching_init.py).
+      unroll: search steps per while-loop iteration.
 
     Returns:
       row4col: [N, C] int32, the row assigned to each column, -1 for unused columns.
@@ -154,11 +158,12 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
         scanned=~col_mask,  # [N, C]
         steps=tf.zeros([n], tf.int32),  # [N] iterations each problem needed (statistics only)
     )
-    row4col, iterations, steps = _search(state, consts, cost.shape[0], max_iterations)
+    row4col, iterations, steps = _search(state, consts, cost.shape[0], max_iterations,
+                                       unroll)
     return row4col, dict(init_passes=init_passes, search_iterations=iterations, steps=steps)
 
 
-def _search(state, consts, static_n: Optional[int], max_iterations: int):
+def _search(state, consts, static_n: Optional[int], max_iterations: int, unroll: int):
     """Runs the search loop to the end, on ever smaller batches once few problems are left.
 
     Most problems finish within a few iterations while a few need many more, and every
@@ -170,7 +175,7 @@ def _search(state, consts, static_n: Optional[int], max_iterations: int):
     """
     iterations = tf.constant(0, tf.int32)
     if static_n is None:
-        state, iterations = _run_stage(state, consts, iterations, 0, max_iterations)
+        state, iterations = _run_stage(state, consts, iterations, 0, max_iterations, unroll)
         return state["row4col"], iterations, state["steps"]
     capacities = sorted({static_n} | {max(1, static_n // f) for f in _SHRINK_FACTORS},
                         reverse=True)
@@ -184,14 +189,16 @@ def _search(state, consts, static_n: Optional[int], max_iterations: int):
             consts = {k: tf.gather(x, pick) for k, x in consts.items()}
             global_index = tf.gather(global_index, pick)
         stop = capacities[stage + 1] if stage + 1 < len(capacities) else 0
-        state, iterations = _run_stage(state, consts, iterations, stop, max_iterations)
+        state, iterations = _run_stage(state, consts, iterations, stop, max_iterations,
+                                       unroll)
         row4col_out = tf.tensor_scatter_nd_update(row4col_out, global_index[:, None],
                                                   state["row4col"])
         steps_out = tf.tensor_scatter_nd_update(steps_out, global_index[:, None], state["steps"])
     return row4col_out, iterations, steps_out
 
 
-def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int):
+def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int,
+               unroll: int):
     """Runs the search loop until at most `stop_count` problems are unfinished.
 
     Args:
@@ -200,95 +207,117 @@ def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int):
       iterations: scalar int32 iterations so far (the loop also stops at `max_iterations`).
       stop_count: leave the loop once no more than this many problems are unfinished.
       max_iterations: a bound that the algorithm never reaches; it only guarantees termination.
+      unroll: search steps per loop iteration (a finished problem's extra steps change nothing).
 
     Returns:
       (state, iterations) after the loop.
     """
-    cost, order, num_todo, col_mask = (consts[k] for k in ("cost", "order", "num_todo",
-                                                             "col_mask"))
-    num_rows, num_cols = cost.shape[1], cost.shape[2]
-    num_words = (num_rows + 63) // 64
-    col_iota = tf.range(num_cols, dtype=tf.int32)
-    unusable = ~col_mask
-    flat_cost = tf.reshape(cost, [-1, num_cols])  # [n * R, C]
+    num_todo = consts["num_todo"]
 
     def cond(it, s):
         unfinished = tf.reduce_sum(tf.cast(s["ptr"] < num_todo, tf.int32))
         return (it < max_iterations) & (unfinished > stop_count)
 
     def body(it, s):
-        active = s["ptr"] < num_todo  # [n]
-        # The current row's costs [n, C], as a plain row gather from [n * R, C]: the batch_dims
-        # gather was the costliest fusion of the loop on XLA:CPU.
-        crow = tf.gather(flat_cost, tf.range(tf.shape(s["row"])[0]) * num_rows + s["row"])
-        crow.set_shape(s["row"].shape.concatenate([num_cols]))
-        v = s["v"]
-        # Offset that turns C[row, :] - v into labels: entry label minus the row's potential.
-        entry = tf.maximum(s["entry_col"], 0)[:, None]
-        u_row = (tf.gather(crow, entry, batch_dims=1)[:, 0]
-                 - tf.gather(v, entry, batch_dims=1)[:, 0])
-        offset = tf.where(s["entry_col"] >= 0, s["entry_dist"] - u_row, 0.0)
-        reduced = crow - v + offset[:, None]
-        better = active[:, None] & ~s["scanned"] & (reduced < s["shortest"])
-        shortest = tf.where(better, reduced, s["shortest"])
-        path = tf.where(better, s["row"][:, None], s["path"])
-        pathbits = tf.where(better[:, :, None], s["rowbits"][:, None, :], s["pathbits"])
-
-        # One reduction picks the cheapest unscanned column, free columns first on ties, then
-        # the lowest index: key = [label (32 bits) | owned flag | column index].
-        owner = s["row4col"]
-        low = tf.cast(tf.bitwise.bitwise_or(tf.cast(owner >= 0, tf.int32) * 65536, col_iota),
-                      tf.int64)
-        key = tf.where(s["scanned"], _INT64_MAX, sortable_int64(shortest) + low)
-        best = tf.reduce_min(key, axis=1)  # [n]
-        col = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
-        dist = float_from_key(best)
-        is_sink = active & (tf.bitwise.bitwise_and(best, 65536) == 0)
-        step = active & ~is_sink
-
-        # Augment: the rows on the path to the sink each take the column that reached them.
-        # A column is on the path iff its owner's bit is set in the sink's path mask.
-        sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [n, W]
-        word = tf.zeros_like(owner, tf.int64)
-        for w in range(num_words):
-            word = tf.where(owner // 64 == w, sink_bits[:, w:w + 1], word)
-        shift = tf.cast(tf.math.floormod(tf.maximum(owner, 0), 64), tf.int64)
-        on_path = (owner >= 0) & (tf.bitwise.bitwise_and(
-            tf.bitwise.right_shift(word, shift), 1) != 0)
-        on_path |= col_iota == col[:, None]
-        new_row4col = tf.where(is_sink[:, None] & on_path, path, owner)
-        # Dual update over the columns scanned in this search (the sink's change is zero).
-        new_v = tf.where(is_sink[:, None] & s["scanned"] & col_mask,
-                         v - (dist[:, None] - shortest), v)
-
-        # Next search state: either continue from the row owning `col`, or start the next row.
-        next_ptr = s["ptr"] + tf.cast(is_sink, tf.int32)
-        root = tf.gather(order, tf.minimum(next_ptr, num_rows - 1), batch_dims=1)  # [n]
-        next_row = tf.gather(owner, col[:, None], batch_dims=1)[:, 0]
-        step_bits = tf.bitwise.bitwise_or(sink_bits, _row_bit(next_row, num_words))
-        return it + 1, dict(
-            ptr=next_ptr,
-            row=tf.where(step, next_row, tf.where(is_sink, root, s["row"])),
-            entry_col=tf.where(step, col, -1),
-            entry_dist=tf.where(step, dist, 0.0),
-            rowbits=tf.where(step[:, None], step_bits,
-                             tf.where(is_sink[:, None], _row_bit(root, num_words),
-                                      s["rowbits"])),
-            row4col=new_row4col,
-            v=new_v,
-            shortest=tf.where(is_sink[:, None], float("inf"), shortest),
-            path=path,
-            pathbits=pathbits,
-            scanned=tf.where(is_sink[:, None], unusable,
-                             s["scanned"] | (step[:, None] & (col_iota == col[:, None]))),
-            steps=s["steps"] + tf.cast(active, tf.int32),
-        )
+        for _ in range(unroll):
+            s = _search_step(s, consts)
+        return it + 1, s
 
     iterations, state = tf.while_loop(cond, body, [iterations, state])
     return state, iterations
 
 
-def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optional[int]
+def _relax(s: Dict[str, tf.Tensor], flat_cost: tf.Tensor, num_rows: int, active: tf.Tensor
+           ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Relaxes the labels through the current row: (shortest [n, C], path [n, C], pathbits)."""
+    num_cols = flat_cost.shape[1]
+    # The current row's costs [n, C], as a plain row gather from [n * R, C]: the batch_dims
+    # gather was the costliest fusion of the loop on XLA:CPU.
+    crow = tf.gather(flat_cost, tf.range(tf.shape(s["row"])[0]) * num_rows + s["row"])
+    crow.set_shape(s["row"].shape.concatenate([num_cols]))
+    v = s["v"]
+    # Offset that turns C[row, :] - v into labels: entry label minus the row's potential.
+    entry = tf.maximum(s["entry_col"], 0)[:, None]
+    u_row = (tf.gather(crow, entry, batch_dims=1)[:, 0]
+             - tf.gather(v, entry, batch_dims=1)[:, 0])
+    offset = tf.where(s["entry_col"] >= 0, s["entry_dist"] - u_row, 0.0)
+    reduced = crow - v + offset[:, None]
+    better = active[:, None] & ~s["scanned"] & (reduced < s["shortest"])
+    shortest = tf.where(better, reduced, s["shortest"])
+    path = tf.where(better, s["row"][:, None], s["path"])
+    pathbits = tf.where(better[:, :, None], s["rowbits"][:, None, :], s["pathbits"])
+    return shortest, path, pathbits
+
+
+def _on_path(owner: tf.Tensor, sink_bits: tf.Tensor, col: tf.Tensor) -> tf.Tensor:
+    """[n, C] bool: the columns on the augmenting path to the sink `col` ([n]).
+
+    A column is on the path iff it is the sink or its owner's bit is set in the sink's path
+    mask `sink_bits` ([n, W]).
+    """
+    word = tf.zeros_like(owner, tf.int64)
+    for w in range(sink_bits.shape[1]):
+        word = tf.where(owner // 64 == w, sink_bits[:, w:w + 1], word)
+    shift = tf.cast(tf.math.floormod(tf.maximum(owner, 0), 64), tf.int64)
+    on_path = (owner >= 0) & (tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(word, shift), 1) != 0)
+    return on_path | (tf.range(owner.shape[1], dtype=tf.int32) == col[:, None])
+
+
+def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+    """One Dijkstra step of every unfinished problem (the state of `_solve`, see there)."""
+    cost, order, num_todo, col_mask = (consts[k] for k in ("cost", "order", "num_todo",
+                                                             "col_mask"))
+    num_rows, num_cols = cost.shape[1], cost.shape[2]
+    num_words = (num_rows + 63) // 64
+    col_iota = tf.range(num_cols, dtype=tf.int32)
+    active = s["ptr"] < num_todo  # [n]
+    shortest, path, pathbits = _relax(s, tf.reshape(cost, [-1, num_cols]), num_rows, active)
+
+    # One reduction picks the cheapest unscanned column, free columns first on ties, then
+    # the lowest index: key = [label (32 bits) | owned flag | column index].
+    owner = s["row4col"]
+    low = tf.cast(tf.bitwise.bitwise_or(tf.cast(owner >= 0, tf.int32) * 65536, col_iota),
+                  tf.int64)
+    key = tf.where(s["scanned"], _INT64_MAX, sortable_int64(shortest) + low)
+    best = tf.reduce_min(key, axis=1)  # [n]
+    col = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
+    dist = float_from_key(best)
+    is_sink = active & (tf.bitwise.bitwise_and(best, 65536) == 0)
+    step = active & ~is_sink
+
+    # Augment: the rows on the path to the sink each take the column that reached them.
+    sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [n, W]
+    new_row4col = tf.where(is_sink[:, None] & _on_path(owner, sink_bits, col), path, owner)
+    # Dual update over the columns scanned in this search (the sink's change is zero).
+    new_v = tf.where(is_sink[:, None] & s["scanned"] & col_mask,
+                     s["v"] - (dist[:, None] - shortest), s["v"])
+
+    # Next search state: either continue from the row owning `col`, or start the next row.
+    next_ptr = s["ptr"] + tf.cast(is_sink, tf.int32)
+    root = tf.gather(order, tf.minimum(next_ptr, num_rows - 1), batch_dims=1)  # [n]
+    next_row = tf.gather(owner, col[:, None], batch_dims=1)[:, 0]
+    step_bits = tf.bitwise.bitwise_or(sink_bits, _row_bit(next_row, num_words))
+    return dict(
+        ptr=next_ptr,
+        row=tf.where(step, next_row, tf.where(is_sink, root, s["row"])),
+        entry_col=tf.where(step, col, -1),
+        entry_dist=tf.where(step, dist, 0.0),
+        rowbits=tf.where(step[:, None], step_bits,
+                         tf.where(is_sink[:, None], _row_bit(root, num_words), s["rowbits"])),
+        row4col=new_row4col,
+        v=new_v,
+        shortest=tf.where(is_sink[:, None], float("inf"), shortest),
+        path=path,
+        pathbits=pathbits,
+        scanned=tf.where(is_sink[:, None], ~col_mask,
+                         s["scanned"] | (step[:, None] & (col_iota == col[:, None]))),
+        steps=s["steps"] + tf.cast(active, tf.int32),
+    )
+
+
+def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optional[int],
+                    unroll: int
                     ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """[N, Q, T] float32, [N, T] bool -> ([N, Q] query -> target or -1, stats of `_solve`)."""
     num_queries, num_targets = cost.shape[1], cost.shape[2]
@@ -297,7 +326,7 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
         # Rows are targets, columns queries: [N, T, Q], so a target's row is one contiguous read.
         rows_first = tf.transpose(cost, [0, 2, 1])
         rows_first = _sanitize(rows_first, target_mask, query_mask)
-        return _solve(rows_first, target_mask, query_mask, arr_passes)
+        return _solve(rows_first, target_mask, query_mask, arr_passes, unroll)
 
     # More target slots than queries. A problem with more real targets than queries is solved
     # transposed (rows = queries, columns = real targets); the others as usual, padded to the
@@ -313,7 +342,7 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     cols = tf.where(t, target_mask, padded_queries)
     square = tf.where(transposed[:, None, None], swapped, normal)
     square = _sanitize(square, rows, cols)
-    row4col, stats = _solve(square, rows, cols, arr_passes)  # [N, T]
+    row4col, stats = _solve(square, rows, cols, arr_passes, unroll)  # [N, T]
     # Normal problems: the first Q columns are the queries. Transposed ones: column = target,
     # row4col = its query; invert it so every query names its target.
     direct = row4col[:, :num_queries]
@@ -361,7 +390,8 @@ def flatten_problems(cost: tf.Tensor, target_mask: Optional[tf.Tensor], name: st
 
 
 def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
-                                  arr_passes: Optional[int] = DEFAULT_ARR_PASSES
+                                  arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
+                                  unroll: int = DEFAULT_UNROLL
                                   ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """`hungarian_matching` plus loop statistics.
 
@@ -379,7 +409,7 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
         stats = dict(init_passes=zero, search_iterations=zero, steps=tf.zeros(lead, tf.int32))
         matched = tf.fill(tf.concat([lead, [num_queries]], 0), -1)
     else:
-        matched, stats = _hungarian_flat(flat, mask, arr_passes)
+        matched, stats = _hungarian_flat(flat, mask, arr_passes, unroll)
         matched = tf.reshape(matched, tf.concat([lead, [num_queries]], 0))
         stats["steps"] = tf.reshape(stats["steps"], lead)
     stats["iterations"] = stats["init_passes"] + stats["search_iterations"]
@@ -387,7 +417,8 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
 
 
 def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
-                       arr_passes: Optional[int] = DEFAULT_ARR_PASSES) -> tf.Tensor:
+                       arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
+                       unroll: int = DEFAULT_UNROLL) -> tf.Tensor:
     """Batched exact minimum-cost matching of queries to targets.
 
     Args:
@@ -399,6 +430,9 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
       arr_passes: the start of the exact search. An int: the Jonker-Volgenant initialisation
         with at most this many augmenting-row-reduction passes (ops/matching_init.py); None:
         the plain greedy start. Only the speed depends on it, never the result's cost.
+      unroll: search steps per while-loop iteration. On an accelerator every iteration costs a
+        loop-condition round trip, so fewer, longer iterations help; a problem that finishes
+        mid-iteration just idles. Like arr_passes, it never changes the result.
 
     Returns:
       [..., Q] int32: the target index matched to each query, -1 for an unmatched query. With no
@@ -406,7 +440,7 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
       every query gets a distinct real target. The matched total cost is minimal (equal to
       scipy.optimize.linear_sum_assignment's optimum over the real targets, to float32 rounding).
     """
-    return hungarian_matching_with_stats(cost, target_mask, arr_passes)[0]
+    return hungarian_matching_with_stats(cost, target_mask, arr_passes, unroll)[0]
 
 
 @gin.configurable
@@ -414,14 +448,19 @@ class HungarianMatcher:
     """The exact matcher as an injectable component: `matcher(cost, target_mask) -> [..., Q]`.
 
     Args:
-      arr_passes: see `hungarian_matching` (None = greedy start, no JV initialisation).
+      arr_passes, unroll: see `hungarian_matching` (arr_passes=None: greedy start, no JV).
     """
 
-    def __init__(self, arr_passes: Optional[int] = DEFAULT_ARR_PASSES):
+    def __init__(self, arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
+                 unroll: int = DEFAULT_UNROLL):
+        if unroll < 1 or (arr_passes is not None and arr_passes < 0):
+            raise ValueError(f"HungarianMatcher: unroll must be >= 1 and arr_passes None or "
+                             f">= 0, got unroll={unroll}, arr_passes={arr_passes}.")
         self.arr_passes = arr_passes
+        self.unroll = unroll
 
     def __call__(self, cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
-        return hungarian_matching(cost, target_mask, self.arr_passes)
+        return hungarian_matching(cost, target_mask, self.arr_passes, self.unroll)
 
 
 @gin.configurable

@@ -26,15 +26,34 @@ import tensorflow as tf
 _INF = float("inf")
 
 
-def argmin_last(x: tf.Tensor) -> tf.Tensor:
-    """[..., C] -> [...] int32 index of the first minimum.
+def sortable_int64(x: tf.Tensor) -> tf.Tensor:
+    """float32 -> int64 whose signed order is the float order, shifted into the high 32 bits."""
+    bits = tf.bitcast(x, tf.int32)
+    # For negative floats the magnitude bits run backwards; flipping them makes the int order
+    # match the float order (sign bit kept, so negatives stay below positives).
+    flipped = tf.bitwise.bitwise_xor(
+        bits, tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 31), 0x7FFFFFFF))
+    return tf.bitwise.left_shift(tf.cast(flipped, tf.int64), 32)
 
-    Two plain reductions: the variadic reduction behind tf.argmin took ~2 ms on XLA:CPU at
-    [384, 20, 100].
+
+def float_from_key(key: tf.Tensor) -> tf.Tensor:
+    """Inverse of `sortable_int64` on the high 32 bits of a packed key."""
+    flipped = tf.cast(tf.bitwise.right_shift(key, 32), tf.int32)
+    bits = tf.bitwise.bitwise_xor(
+        flipped, tf.bitwise.bitwise_and(tf.bitwise.right_shift(flipped, 31), 0x7FFFFFFF))
+    return tf.bitcast(bits, tf.float32)
+
+
+def min_and_argmin(x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """[..., C] float32 (no NaN) -> ([...] minimum, [...] int32 index of the first minimum).
+
+    One int64 min-reduction over (value | index) keys: on XLA:CPU each pass over [384, 20, 100]
+    costs ~0.5 ms, and tf.argmin's variadic reduction or min-compare-min take two or three.
+    (-0.0 sorts below +0.0 here; both are minima, so either index is a valid answer.)
     """
-    low = tf.reduce_min(x, axis=-1, keepdims=True)
-    iota = tf.range(x.shape[-1], dtype=tf.int32)
-    return tf.reduce_min(tf.where(x == low, iota, x.shape[-1]), axis=-1)
+    key = sortable_int64(x) + tf.cast(tf.range(x.shape[-1]), tf.int64)
+    best = tf.reduce_min(key, axis=-1)
+    return float_from_key(best), tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
 
 
 def _batch_index(n: tf.Tensor, index: tf.Tensor) -> tf.Tensor:
@@ -81,7 +100,7 @@ def greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> t
     """
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
-    best = argmin_last(tf.where(col_mask[:, None, :], cost, tf.float32.max))  # [N, R]
+    _, best = min_and_argmin(tf.where(col_mask[:, None, :], cost, _INF))  # [N, R]
     winner = _scatter_min_rows(n, tf.where(row_mask, best, num_cols), num_cols, num_rows)
     return tf.where(winner < num_rows, winner, -1)
 
@@ -96,8 +115,7 @@ def _column_reduction(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
     by_col = tf.where(row_mask[:, None, :], tf.transpose(cost, [0, 2, 1]), _INF)  # [N, C, R]
-    v = tf.reduce_min(by_col, axis=2)  # [N, C]
-    best_row = argmin_last(by_col)  # [N, C]
+    v, best_row = min_and_argmin(by_col)  # [N, C]
     # Each row keeps the lowest-index column that chose it.
     chosen = _scatter_min_rows(n, tf.where(col_mask, best_row, num_rows), num_rows, num_cols)
     owner_choice = tf.gather(chosen, tf.minimum(best_row, num_rows - 1), batch_dims=1)  # [N, C]
@@ -108,11 +126,10 @@ def _column_reduction(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
 
 def _two_smallest(reduced: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """[N, R, C] -> (u1, j1, u2, j2), each [N, R]: the smallest entry and the next one."""
-    j1 = argmin_last(reduced)
+    u1, j1 = min_and_argmin(reduced)
     first = tf.range(reduced.shape[2], dtype=tf.int32) == j1[:, :, None]
-    u1 = tf.reduce_min(reduced, axis=2)
-    rest = tf.where(first, _INF, reduced)
-    return u1, j1, tf.reduce_min(rest, axis=2), argmin_last(rest)
+    u2, j2 = min_and_argmin(tf.where(first, _INF, reduced))
+    return u1, j1, u2, j2
 
 
 def _reduced_costs(cost: tf.Tensor, v: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
@@ -147,7 +164,7 @@ def _arr_pass(cost, row_mask, col_mask, row4col, v):
     """One augmenting-row-reduction pass: every free real row bids for its best column.
 
     A free row i with best reduced cost u1 at j1 and second best u2 at j2 offers to lower v[j1]
-    to C[i, j1] - u2 (it is then tight at j1 and still feasible); the lowest offer per column
+    by u2 - u1 (it is then tight at j1 and still feasible); the lowest offer per column
     wins (lowest row on ties) and displaces the owner, who becomes free. On a tie (u1 == u2)
     with j1 taken, the row takes j2 at its current price instead, as JV does.
 
@@ -161,10 +178,8 @@ def _arr_pass(cost, row_mask, col_mask, row4col, v):
     j1_taken = tf.gather(row4col, j1, batch_dims=1) >= 0
     use_j2 = (u1 >= u2) & j1_taken & tf.math.is_finite(u2)
     target = tf.where(use_j2, j2, j1)  # [N, R]
-    c_j1 = tf.gather(cost, j1[:, :, None], batch_dims=2)[:, :, 0]
     v_target = tf.gather(v, target, batch_dims=1)
-    offer = tf.where(use_j2 | ~tf.math.is_finite(u2), v_target, c_j1 - u2)
-    offer = tf.minimum(offer, v_target)  # never raise a potential (float rounding)
+    offer = tf.where(use_j2 | ~tf.math.is_finite(u2), v_target, v_target - (u2 - u1))
     # Pack (offer, row) into one int64 key so that one scatter-min picks each column's winner.
     key = tf.bitwise.bitwise_or(sortable_int64(offer), tf.cast(tf.range(num_rows), tf.int64))
     slot = tf.where(free, target, num_cols)
@@ -175,24 +190,6 @@ def _arr_pass(cost, row_mask, col_mask, row4col, v):
     new_v = tf.where(won, tf.minimum(float_from_key(best), v), v)
     bidders = tf.reduce_sum(tf.cast(free, tf.int32), axis=1)
     return tf.where(won, winner, row4col), new_v, bidders
-
-
-def sortable_int64(x: tf.Tensor) -> tf.Tensor:
-    """float32 -> int64 whose signed order is the float order, shifted into the high 32 bits."""
-    bits = tf.bitcast(x, tf.int32)
-    # For negative floats the magnitude bits run backwards; flipping them makes the int order
-    # match the float order (sign bit kept, so negatives stay below positives).
-    flipped = tf.bitwise.bitwise_xor(
-        bits, tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 31), 0x7FFFFFFF))
-    return tf.bitwise.left_shift(tf.cast(flipped, tf.int64), 32)
-
-
-def float_from_key(key: tf.Tensor) -> tf.Tensor:
-    """Inverse of `sortable_int64` on the high 32 bits of a packed key."""
-    flipped = tf.cast(tf.bitwise.right_shift(key, 32), tf.int32)
-    bits = tf.bitwise.bitwise_xor(
-        flipped, tf.bitwise.bitwise_and(tf.bitwise.right_shift(flipped, 31), 0x7FFFFFFF))
-    return tf.bitcast(bits, tf.float32)
 
 
 def jv_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_passes: int
@@ -209,11 +206,15 @@ def jv_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_pass
       row4col: [N, C] int32 row owning each column or -1; v: [N, C] float32 column potentials,
       dual feasible for the search phase; passes: scalar int32, ARR passes run.
     """
-    real_rows = tf.reduce_sum(tf.cast(row_mask, tf.int32), axis=1)
-    square = (real_rows == tf.reduce_sum(tf.cast(col_mask, tf.int32), axis=1)) & (real_rows > 0)
-    col_row4col, col_v = _column_reduction(cost, row_mask, col_mask)
-    row4col = tf.where(square[:, None], col_row4col, greedy_start(cost, row_mask, col_mask))
-    v = tf.where(square[:, None], col_v, 0.0)
+    row4col = greedy_start(cost, row_mask, col_mask)
+    v = tf.zeros_like(cost[:, 0, :])
+    if cost.shape[1] == cost.shape[2]:  # else no problem can have as many real rows as columns
+        real_rows = tf.reduce_sum(tf.cast(row_mask, tf.int32), axis=1)
+        square = ((real_rows == tf.reduce_sum(tf.cast(col_mask, tf.int32), axis=1))
+                  & (real_rows > 0))[:, None]  # [N, 1]
+        col_row4col, col_v = _column_reduction(cost, row_mask, col_mask)
+        row4col = tf.where(square, col_row4col, row4col)
+        v = tf.where(square, col_v, v)
     v = reduction_transfer(cost, row4col, v, col_mask)
 
     def cond(passes, row4col, v):
