@@ -37,6 +37,10 @@ _CLIP = 1e15
 DEFAULT_ARR_PASSES = 4
 # Search steps per while-loop iteration, by default: fewer loop-condition round trips.
 DEFAULT_UNROLL = 4
+# The JV start runs only when min(Q, T) >= this fraction of max(Q, T), by default. With few
+# targets the greedy start already places nearly every row, and the JV sweeps over [N, T, Q]
+# cost more than the handful of search steps they save (docs/PERFORMANCE.md).
+DEFAULT_JV_MIN_FILL = 0.5
 
 
 def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
@@ -48,7 +52,7 @@ def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
     return tf.where(hit, tf.bitwise.left_shift(tf.ones_like(shift), shift), tf.zeros_like(shift))
 
 
-def _worst_cost(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
+def worst_cost(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
     """[N, R, C] float32 -> [N] a finite cost worse than every real finite entry (max+range+1)."""
     finite = tf.math.is_finite(cost)
     real = row_mask[:, :, None] & col_mask[:, None, :] & finite
@@ -60,7 +64,7 @@ def _worst_cost(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf
     return hi + tf.maximum(hi - lo, 0.0) + 1.0
 
 
-def _sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
+def sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
     """Replaces non-finite entries by a finite cost worse than every finite one of the problem.
 
     Args:
@@ -75,7 +79,7 @@ def _sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.T
     """
     ok = tf.reduce_all(tf.reduce_all(tf.abs(cost) <= _CLIP, axis=2))  # False for NaN, +-inf
     worst = tf.cond(ok, lambda: tf.zeros_like(cost[:, 0, 0]),
-                    lambda: _worst_cost(cost, row_mask, col_mask))  # [N]
+                    lambda: worst_cost(cost, row_mask, col_mask))  # [N]
     out = tf.where(tf.math.is_finite(cost), tf.clip_by_value(cost, -_CLIP, _CLIP),
                    worst[:, None, None])
     out.set_shape(cost.shape)
@@ -325,7 +329,7 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     if num_targets <= num_queries:
         # Rows are targets, columns queries: [N, T, Q], so a target's row is one contiguous read.
         rows_first = tf.transpose(cost, [0, 2, 1])
-        rows_first = _sanitize(rows_first, target_mask, query_mask)
+        rows_first = sanitize(rows_first, target_mask, query_mask)
         return _solve(rows_first, target_mask, query_mask, arr_passes, unroll)
 
     # More target slots than queries. A problem with more real targets than queries is solved
@@ -341,7 +345,7 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     rows = tf.where(t, padded_queries, target_mask)
     cols = tf.where(t, target_mask, padded_queries)
     square = tf.where(transposed[:, None, None], swapped, normal)
-    square = _sanitize(square, rows, cols)
+    square = sanitize(square, rows, cols)
     row4col, stats = _solve(square, rows, cols, arr_passes, unroll)  # [N, T]
     # Normal problems: the first Q columns are the queries. Transposed ones: column = target,
     # row4col = its query; invert it so every query names its target.
@@ -391,7 +395,8 @@ def flatten_problems(cost: tf.Tensor, target_mask: Optional[tf.Tensor], name: st
 
 def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
                                   arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
-                                  unroll: int = DEFAULT_UNROLL
+                                  unroll: int = DEFAULT_UNROLL,
+                                  jv_min_fill: float = DEFAULT_JV_MIN_FILL
                                   ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """`hungarian_matching` plus loop statistics.
 
@@ -409,6 +414,8 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
         stats = dict(init_passes=zero, search_iterations=zero, steps=tf.zeros(lead, tf.int32))
         matched = tf.fill(tf.concat([lead, [num_queries]], 0), -1)
     else:
+        if min(num_queries, num_targets) < jv_min_fill * max(num_queries, num_targets):
+            arr_passes = None
         matched, stats = _hungarian_flat(flat, mask, arr_passes, unroll)
         matched = tf.reshape(matched, tf.concat([lead, [num_queries]], 0))
         stats["steps"] = tf.reshape(stats["steps"], lead)
@@ -418,7 +425,8 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
 
 def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
                        arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
-                       unroll: int = DEFAULT_UNROLL) -> tf.Tensor:
+                       unroll: int = DEFAULT_UNROLL,
+                       jv_min_fill: float = DEFAULT_JV_MIN_FILL) -> tf.Tensor:
     """Batched exact minimum-cost matching of queries to targets.
 
     Args:
@@ -433,6 +441,8 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
       unroll: search steps per while-loop iteration. On an accelerator every iteration costs a
         loop-condition round trip, so fewer, longer iterations help; a problem that finishes
         mid-iteration just idles. Like arr_passes, it never changes the result.
+      jv_min_fill: the JV start is used only when min(Q, T) >= jv_min_fill * max(Q, T) (static
+        shapes); otherwise the greedy start. 0 = always when arr_passes is set.
 
     Returns:
       [..., Q] int32: the target index matched to each query, -1 for an unmatched query. With no
@@ -440,7 +450,8 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
       every query gets a distinct real target. The matched total cost is minimal (equal to
       scipy.optimize.linear_sum_assignment's optimum over the real targets, to float32 rounding).
     """
-    return hungarian_matching_with_stats(cost, target_mask, arr_passes, unroll)[0]
+    return hungarian_matching_with_stats(cost, target_mask, arr_passes, unroll,
+                                        jv_min_fill)[0]
 
 
 @gin.configurable
@@ -448,19 +459,22 @@ class HungarianMatcher:
     """The exact matcher as an injectable component: `matcher(cost, target_mask) -> [..., Q]`.
 
     Args:
-      arr_passes, unroll: see `hungarian_matching` (arr_passes=None: greedy start, no JV).
+      arr_passes, unroll, jv_min_fill: see `hungarian_matching` (arr_passes=None: greedy
+        start, no JV).
     """
 
     def __init__(self, arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
-                 unroll: int = DEFAULT_UNROLL):
+                 unroll: int = DEFAULT_UNROLL, jv_min_fill: float = DEFAULT_JV_MIN_FILL):
         if unroll < 1 or (arr_passes is not None and arr_passes < 0):
             raise ValueError(f"HungarianMatcher: unroll must be >= 1 and arr_passes None or "
                              f">= 0, got unroll={unroll}, arr_passes={arr_passes}.")
         self.arr_passes = arr_passes
         self.unroll = unroll
+        self.jv_min_fill = jv_min_fill
 
     def __call__(self, cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
-        return hungarian_matching(cost, target_mask, self.arr_passes, self.unroll)
+        return hungarian_matching(cost, target_mask, self.arr_passes, self.unroll,
+                                  self.jv_min_fill)
 
 
 @gin.configurable
