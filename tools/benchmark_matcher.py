@@ -110,7 +110,8 @@ def _matchers(n: int, q: int, t: int, full: bool) -> Dict[str, Callable]:
 
 def _summary(name: str, values: List[float], scipy_values: List[float]) -> Dict:
     ratios = [a / b for a, b in zip(values, scipy_values)]
-    return {f"{name}_ms_min": 1e3 * min(values), f"{name}_ms_median": 1e3 * float(np.median(values)),
+    return {f"{name}_ms_min": 1e3 * min(values),
+            f"{name}_ms_median": 1e3 * float(np.median(values)),
             f"{name}_ratio_median": float(np.median(ratios)) if ratios else None,
             f"{name}_rounds": len(values)}
 
@@ -130,7 +131,8 @@ def run_case(spec: str, rng: np.random.Generator) -> Dict:
         out, stats = fn(cost_t, mask_t)
         got = matched_totals(cost, out.numpy())
         excess = (got - best) / np.maximum(np.abs(best), 1e-9)
-        result[f"{name}_exact"] = bool(np.all(np.abs(got - best) <= 1e-5 * np.maximum(1, abs(best))))
+        result[f"{name}_exact"] = bool(np.all(np.abs(got - best)
+                                              <= 1e-5 * np.maximum(1, np.abs(best))))
         result[f"{name}_excess_mean"] = float(excess.mean())
         result[f"{name}_optimal_fraction"] = float(np.mean(np.abs(got - best) <= 1e-4))
         for key, value in stats.items():

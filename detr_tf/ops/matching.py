@@ -10,8 +10,10 @@ of problems. "Rows" are the items inserted one at a time (targets), "columns" ar
 matched to (queries). Each loop iteration advances every unfinished problem by one Dijkstra step:
 relax the current row, pick the cheapest unscanned column (one min-reduction over a packed int64
 key), and either move on to the row that owns it or, if the column is free, augment and start the
-next row of that problem's own list. A greedy start places most rows before the loop. Why this
-shape, and the measurements behind it: /work/shared/notes/matcher-feasibility.md and
+next row of that problem's own list (`unroll` such steps per loop iteration). A start places most
+rows before the loop: each row's cheapest column (greedy), or, when targets fill at least half
+the queries, the Jonker-Volgenant initialisation in matching_init.py, which leaves fewer and
+shorter searches on crowded problems. Why this shape, and the measurements behind it:
 docs/PERFORMANCE.md.
 
 Row potentials are never stored: an assigned row's potential is implied by its tight edge,
@@ -24,6 +26,7 @@ import tensorflow as tf
 
 from detr_tf.ops import box_ops
 from detr_tf.ops import matching_init
+from detr_tf.ops import matching_inputs
 from detr_tf.ops.matching_init import float_from_key, sortable_int64
 
 _INT64_MAX = tf.int64.max
@@ -31,8 +34,6 @@ _INT64_MAX = tf.int64.max
 _MAX_COLUMNS = 1 << 16
 # The loop continues on batches of N / factor once that few problems are unfinished.
 _SHRINK_FACTORS = (4, 16, 64)
-# Finite costs are clipped to +-_CLIP (far beyond any real matching cost, far below overflow).
-_CLIP = 1e15
 # Augmenting-row-reduction passes of the JV start, by default (see the benchmark's table).
 DEFAULT_ARR_PASSES = 4
 # Search steps per while-loop iteration, by default: fewer loop-condition round trips.
@@ -50,40 +51,6 @@ def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
     hit = (rows >= 0) & (rows // 64 == word)
     shift = tf.cast(tf.math.floormod(tf.maximum(rows, 0), 64), tf.int64)
     return tf.where(hit, tf.bitwise.left_shift(tf.ones_like(shift), shift), tf.zeros_like(shift))
-
-
-def worst_cost(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
-    """[N, R, C] float32 -> [N] a finite cost worse than every real finite entry (max+range+1)."""
-    finite = tf.math.is_finite(cost)
-    real = row_mask[:, :, None] & col_mask[:, None, :] & finite
-    clipped = tf.clip_by_value(tf.where(finite, cost, 0.0), -_CLIP, _CLIP)
-    # Reduce the minor axis first: XLA:CPU vectorises that, while a reduction over [R, C] at
-    # once took several ms here.
-    hi = tf.reduce_max(tf.reduce_max(tf.where(real, clipped, -_CLIP), axis=2), axis=1)
-    lo = tf.reduce_min(tf.reduce_min(tf.where(real, clipped, _CLIP), axis=2), axis=1)
-    return hi + tf.maximum(hi - lo, 0.0) + 1.0
-
-
-def sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
-    """Replaces non-finite entries by a finite cost worse than every finite one of the problem.
-
-    Args:
-      cost: [N, R, C] float32.
-      row_mask, col_mask: [N, R], [N, C] bool; only real entries set the worst value.
-
-    Returns:
-      [N, R, C] float32, all finite. Finite values are clipped to +-1e15 so that the worst cost
-      and the potentials built from it stay far from float32 overflow. The worst value is only
-      computed (in a conditional) when some entry needs it: those reductions cost more than the
-      whole search on typical inputs.
-    """
-    ok = tf.reduce_all(tf.reduce_all(tf.abs(cost) <= _CLIP, axis=2))  # False for NaN, +-inf
-    worst = tf.cond(ok, lambda: tf.zeros_like(cost[:, 0, 0]),
-                    lambda: worst_cost(cost, row_mask, col_mask))  # [N]
-    out = tf.where(tf.math.is_finite(cost), tf.clip_by_value(cost, -_CLIP, _CLIP),
-                   worst[:, None, None])
-    out.set_shape(cost.shape)
-    return out
 
 
 def _insertion_order(todo: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -329,7 +296,7 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     if num_targets <= num_queries:
         # Rows are targets, columns queries: [N, T, Q], so a target's row is one contiguous read.
         rows_first = tf.transpose(cost, [0, 2, 1])
-        rows_first = sanitize(rows_first, target_mask, query_mask)
+        rows_first = matching_inputs.sanitize(rows_first, target_mask, query_mask)
         return _solve(rows_first, target_mask, query_mask, arr_passes, unroll)
 
     # More target slots than queries. A problem with more real targets than queries is solved
@@ -345,7 +312,7 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     rows = tf.where(t, padded_queries, target_mask)
     cols = tf.where(t, target_mask, padded_queries)
     square = tf.where(transposed[:, None, None], swapped, normal)
-    square = sanitize(square, rows, cols)
+    square = matching_inputs.sanitize(square, rows, cols)
     row4col, stats = _solve(square, rows, cols, arr_passes, unroll)  # [N, T]
     # Normal problems: the first Q columns are the queries. Transposed ones: column = target,
     # row4col = its query; invert it so every query names its target.
@@ -354,43 +321,6 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     inverse = tf.where(tf.reduce_any(hit, axis=2),
                        tf.argmax(tf.cast(hit, tf.int32), axis=2, output_type=tf.int32), -1)
     return tf.where(t, inverse, direct), stats
-
-
-def flatten_problems(cost: tf.Tensor, target_mask: Optional[tf.Tensor], name: str
-                     ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Checks a matcher's inputs and flattens the leading dims.
-
-    Args:
-      cost: [..., Q, T] float, Q and T static.
-      target_mask: [..., T] bool (broadcast to the cost's leading dims) or None (all real).
-      name: the calling matcher, named in errors.
-
-    Returns:
-      flat cost [N, Q, T] float32 (no gradient), mask [N, T] bool, lead (the leading dims).
-    """
-    cost = tf.convert_to_tensor(cost)
-    if cost.shape.rank is None or cost.shape.rank < 2:
-        raise ValueError(f"{name}: cost must be [..., Q, T], got shape {cost.shape}.")
-    num_queries, num_targets = cost.shape[-2], cost.shape[-1]
-    if num_queries is None or num_targets is None:
-        raise ValueError(f"{name}: Q and T must be static, got shape {cost.shape}.")
-    if not (cost.dtype.is_floating):
-        raise ValueError(f"{name}: cost must be floating point, got {cost.dtype}.")
-    lead = tf.shape(cost)[:-2]
-    # Matching is a discrete decision: no gradient, and low-precision costs are solved in float32
-    # (bf16 has 8 mantissa bits, too few to order close costs).
-    flat = tf.reshape(tf.cast(tf.stop_gradient(cost), tf.float32), [-1, num_queries, num_targets])
-    if target_mask is None:
-        return flat, tf.ones_like(flat[:, 0, :], dtype=tf.bool), lead  # keeps a static N
-    target_mask = tf.convert_to_tensor(target_mask)
-    if target_mask.dtype != tf.bool:
-        raise ValueError(f"{name}: target_mask must be bool, got {target_mask.dtype}.")
-    if target_mask.shape.rank is not None and target_mask.shape[-1] not in (None, num_targets):
-        raise ValueError(f"{name}: target_mask shape {target_mask.shape} does not "
-                         f"end in T={num_targets} of cost shape {cost.shape}.")
-    mask = tf.reshape(tf.broadcast_to(target_mask, tf.concat([lead, [num_targets]], 0)),
-                      [-1, num_targets])
-    return flat, mask, lead
 
 
 def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
@@ -407,7 +337,8 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
         as for the hardest problem in the batch. 'init_passes', 'search_iterations': its two
         parts. 'steps' ([...] int32): the search iterations each problem needed on its own.
     """
-    flat, mask, lead = flatten_problems(cost, target_mask, "hungarian_matching")
+    flat, mask, lead = matching_inputs.flatten_problems(cost, target_mask,
+                                                          "hungarian_matching")
     num_queries, num_targets = flat.shape[1], flat.shape[2]
     if num_queries == 0 or num_targets == 0:
         zero = tf.constant(0, tf.int32)

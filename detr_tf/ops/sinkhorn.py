@@ -24,7 +24,7 @@ from typing import Optional
 import gin
 import tensorflow as tf
 
-from detr_tf.ops import matching
+from detr_tf.ops import matching_inputs
 from detr_tf.ops.matching_init import float_from_key, sortable_int64
 
 _INF = float("inf")
@@ -117,11 +117,11 @@ def sinkhorn_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
       [..., Q] int32 target per query or -1, a valid matching of min(Q, real targets) pairs
       whose total cost is close to, but not always, the optimum.
     """
-    flat, mask, lead = matching.flatten_problems(cost, target_mask, "sinkhorn_matching")
+    flat, mask, lead = matching_inputs.flatten_problems(cost, target_mask, "sinkhorn_matching")
     num_queries, num_targets = flat.shape[1], flat.shape[2]
     if num_queries == 0 or num_targets == 0:
         return tf.fill(tf.concat([lead, [num_queries]], 0), -1)
-    flat = matching.sanitize(flat, tf.ones_like(flat[:, :, 0], tf.bool), mask)
+    flat = matching_inputs.sanitize(flat, tf.ones_like(flat[:, :, 0], tf.bool), mask)
     score = tf.transpose(sinkhorn_log_plan(flat, mask, epsilon, num_iters), [0, 2, 1])  # [N,T,Q]
     query4target = tf.fill(tf.shape(mask), -1)
 
