@@ -101,8 +101,11 @@ def _matchers(n: int, q: int, t: int, full: bool) -> Dict[str, Callable]:
     }
     out = {k: tf.function(f, jit_compile=True) for k, f in out.items() if k in FLAGS.variants}
     if full and q == t and n <= FLAGS.mg_max_n:
-        # Imported only here: the package is heavy and only the square cases need it.
-        from official.projects.detr.ops import matchers as mg_matchers
+        try:  # imported only here: the package is heavy and only the square cases need it
+            from official.projects.detr.ops import matchers as mg_matchers
+        except ImportError:
+            print("tf-models-official is not installed: Model Garden's matcher is skipped.")
+            return out
         out["model_garden"] = tf.function(lambda c, m: (mg_matchers.hungarian_matching(c)[1], {}),
                                           jit_compile=True)
     return out
