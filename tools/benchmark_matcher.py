@@ -41,7 +41,8 @@ flags.DEFINE_list("variants", ["ours", "greedy", "sinkhorn", "scipy"],
                   "Which matchers to time (Model Garden is added by --mg_max_n).")
 flags.DEFINE_integer("arr_passes", matching.DEFAULT_ARR_PASSES,
                      "JV augmenting-row-reduction passes of 'ours'; -1 = greedy start.")
-flags.DEFINE_integer("unroll", matching.DEFAULT_UNROLL, "Search steps per loop iteration.")
+flags.DEFINE_integer("unroll", 0, "Search steps per loop iteration of 'ours'; 0 = the default "
+                     "(4 on crowded shapes, else 1).")
 flags.DEFINE_float("sinkhorn_epsilon", 0.02, "Entropic regularisation of 'sinkhorn'.")
 flags.DEFINE_integer("sinkhorn_iters", 50, "Sinkhorn iterations of 'sinkhorn'.")
 flags.DEFINE_integer("seed", 0, "Random seed.")
@@ -93,8 +94,9 @@ def timed(fn) -> float:
 def _matchers(n: int, q: int, t: int, full: bool) -> Dict[str, Callable]:
     """name -> jit-compiled fn(cost, mask) -> (matching, stats dict), for this case."""
     passes = None if FLAGS.arr_passes < 0 else FLAGS.arr_passes
+    unroll = FLAGS.unroll or None
     out = {
-        "ours": lambda c, m: matching.hungarian_matching_with_stats(c, m, passes, FLAGS.unroll),
+        "ours": lambda c, m: matching.hungarian_matching_with_stats(c, m, passes, unroll),
         "greedy": lambda c, m: matching.hungarian_matching_with_stats(c, m, None, 1),
         "sinkhorn": lambda c, m: (sinkhorn.sinkhorn_matching(
             c, m, FLAGS.sinkhorn_epsilon, FLAGS.sinkhorn_iters), {}),

@@ -36,7 +36,8 @@ _MAX_COLUMNS = 1 << 16
 _SHRINK_FACTORS = (4, 16, 64)
 # Augmenting-row-reduction passes of the JV start, by default (see the benchmark's table).
 DEFAULT_ARR_PASSES = 4
-# Search steps per while-loop iteration, by default: fewer loop-condition round trips.
+# Search steps per while-loop iteration on crowded problems (see jv_min_fill), by default: fewer
+# loop-condition round trips. Sparse problems need a handful of steps and run one per iteration.
 DEFAULT_UNROLL = 4
 # The JV start runs only when min(Q, T) >= this fraction of max(Q, T), by default. With few
 # targets the greedy start already places nearly every row, and the JV sweeps over [N, T, Q]
@@ -325,7 +326,7 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
 
 def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
                                   arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
-                                  unroll: int = DEFAULT_UNROLL,
+                                  unroll: Optional[int] = None,
                                   jv_min_fill: float = DEFAULT_JV_MIN_FILL
                                   ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """`hungarian_matching` plus loop statistics.
@@ -345,7 +346,10 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
         stats = dict(init_passes=zero, search_iterations=zero, steps=tf.zeros(lead, tf.int32))
         matched = tf.fill(tf.concat([lead, [num_queries]], 0), -1)
     else:
-        if min(num_queries, num_targets) < jv_min_fill * max(num_queries, num_targets):
+        crowded = min(num_queries, num_targets) >= jv_min_fill * max(num_queries, num_targets)
+        if unroll is None:
+            unroll = DEFAULT_UNROLL if crowded else 1
+        if not crowded:
             arr_passes = None
         matched, stats = _hungarian_flat(flat, mask, arr_passes, unroll)
         matched = tf.reshape(matched, tf.concat([lead, [num_queries]], 0))
@@ -356,7 +360,7 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
 
 def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
                        arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
-                       unroll: int = DEFAULT_UNROLL,
+                       unroll: Optional[int] = None,
                        jv_min_fill: float = DEFAULT_JV_MIN_FILL) -> tf.Tensor:
     """Batched exact minimum-cost matching of queries to targets.
 
@@ -369,11 +373,13 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
       arr_passes: the start of the exact search. An int: the Jonker-Volgenant initialisation
         with at most this many augmenting-row-reduction passes (ops/matching_init.py); None:
         the plain greedy start. Only the speed depends on it, never the result's cost.
-      unroll: search steps per while-loop iteration. On an accelerator every iteration costs a
-        loop-condition round trip, so fewer, longer iterations help; a problem that finishes
-        mid-iteration just idles. Like arr_passes, it never changes the result.
-      jv_min_fill: the JV start is used only when min(Q, T) >= jv_min_fill * max(Q, T) (static
-        shapes); otherwise the greedy start. 0 = always when arr_passes is set.
+      unroll: search steps per while-loop iteration. Every iteration costs a loop-condition round
+        trip, so on crowded problems fewer, longer iterations help; a problem that finishes
+        mid-iteration just idles. None: 4 (DEFAULT_UNROLL) when the shapes are crowded (see
+        jv_min_fill), else 1. Like arr_passes, it never changes the result.
+      jv_min_fill: the shapes count as crowded when min(Q, T) >= jv_min_fill * max(Q, T)
+        (static shapes). Only crowded shapes get the JV start; others the greedy start.
+        0 = the JV start whenever arr_passes is set.
 
     Returns:
       [..., Q] int32: the target index matched to each query, -1 for an unmatched query. With no
@@ -395,9 +401,9 @@ class HungarianMatcher:
     """
 
     def __init__(self, arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
-                 unroll: int = DEFAULT_UNROLL, jv_min_fill: float = DEFAULT_JV_MIN_FILL):
-        if unroll < 1 or (arr_passes is not None and arr_passes < 0):
-            raise ValueError(f"HungarianMatcher: unroll must be >= 1 and arr_passes None or "
+                 unroll: Optional[int] = None, jv_min_fill: float = DEFAULT_JV_MIN_FILL):
+        if (unroll is not None and unroll < 1) or (arr_passes is not None and arr_passes < 0):
+            raise ValueError(f"HungarianMatcher: unroll must be None or >= 1 and arr_passes None or "
                              f">= 0, got unroll={unroll}, arr_passes={arr_passes}.")
         self.arr_passes = arr_passes
         self.unroll = unroll
