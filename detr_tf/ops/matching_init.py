@@ -169,7 +169,7 @@ def _arr_pass(cost, row_mask, col_mask, row4col, v):
     with j1 taken, the row takes j2 at its current price instead, as JV does.
 
     Returns:
-      (row4col [N, C], v [N, C], bidders [N] int32 number of rows that bid).
+      (row4col [N, C], v [N, C]).
     """
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
@@ -188,8 +188,7 @@ def _arr_pass(cost, row_mask, col_mask, row4col, v):
     won = best < tf.int64.max
     winner = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
     new_v = tf.where(won, tf.minimum(float_from_key(best), v), v)
-    bidders = tf.reduce_sum(tf.cast(free, tf.int32), axis=1)
-    return tf.where(won, winner, row4col), new_v, bidders
+    return tf.where(won, winner, row4col), new_v
 
 
 def jv_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_passes: int
@@ -222,7 +221,7 @@ def jv_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_pass
         return (passes < arr_passes) & free
 
     def body(passes, row4col, v):
-        row4col, v, _ = _arr_pass(cost, row_mask, col_mask, row4col, v)
+        row4col, v = _arr_pass(cost, row_mask, col_mask, row4col, v)
         return passes + 1, row4col, v
 
     passes, row4col, v = tf.while_loop(cond, body, [tf.constant(0), row4col, v])
