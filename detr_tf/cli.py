@@ -1,11 +1,35 @@
-"""What the tools/ entry scripts share: the Gin flags and their start-up checks.
+"""What the tools/ entry scripts share: the Gin flags, their start-up checks, and a quiet
+TensorFlow.
 
-Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads.
+Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads, and
+importing this module, which every tool does first, sets TensorFlow's C++ log level before
+TensorFlow is imported (see `quiet_tensorflow`).
 """
+import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from absl import flags
+
+VERBOSE_ENV = "DETR_TF_VERBOSE"
+
+
+def quiet_tensorflow() -> None:
+    """Hides TensorFlow's C++ logs unless DETR_TF_VERBOSE=1.
+
+    Without it a tool opens with a screen of C++ notices a user can do nothing about (CUDA
+    probing and cuInit errors on a machine without a GPU, oneDNN and CPU-feature notices) and
+    XLA's "Ignoring Assert operator" warning at every retrace. Only takes effect before
+    TensorFlow is imported; a TF_CPP_MIN_LOG_LEVEL already set in the environment wins. Python
+    exceptions, the trainer's own lines and the progress line are unaffected.
+    """
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+quiet_tensorflow()
 
 
 def define_gin_flags(example: str = "", saved_config_default: bool = False) -> None:
@@ -48,3 +72,41 @@ def parse_gin_or_exit(tool: str, gin_files: Sequence[str], gin_params: Sequence[
         config.parse_gin_config(gin_files, gin_params)
     except config.ConfigError as e:
         sys.exit(f"{tool}: {e}")
+
+
+def parse_tool_config(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
+                      model_dir: Optional[str]) -> None:
+    """The tools' Gin parse: strict, with a one-line exit on any configuration error.
+
+    Without --gin_file the run's own model_dir/config.gin (written by the trainer) is used, so
+    `tools/eval.py --model_dir=DIR` evaluates a run exactly as it was configured.
+
+    Raises:
+      SystemExit: with "<tool>: <what is wrong>" (exit status 1).
+    """
+    if not gin_files:
+        saved = os.path.join(model_dir or "", "config.gin")
+        if not model_dir or not os.path.isfile(saved):
+            sys.exit(f"{tool}: no --gin_file given and no {saved!r} (written by "
+                     "tools/train.py) to fall back on; pass --gin_file=gin_configs/<file>.gin")
+        gin_files = [saved]
+    parse_gin_or_exit(tool, gin_files, gin_params)
+
+
+def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
+    """Calls `fn`, turning the errors a user can fix into one line and exit status 1.
+
+    A missing checkpoint or image path (FileNotFoundError), a bad value (ValueError) and an
+    incomplete Gin configuration print "<tool>: <message>"; set DETR_TF_TRACEBACK=1 to get the
+    traceback instead.
+    """
+    try:
+        return fn()
+    except (FileNotFoundError, ValueError) as e:
+        if os.environ.get("DETR_TF_TRACEBACK"):
+            raise
+        sys.exit(f"{tool}: {type(e).__name__}: {e}")
+    except RuntimeError as e:
+        if "Required bindings" not in str(e):
+            raise
+        sys.exit(f"{tool}: gin configuration incomplete: {e}")

@@ -6,6 +6,7 @@ was expected, and no traceback.
 """
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -13,6 +14,10 @@ import gin
 
 # The repository's gin_configs/ (present in a source checkout or an editable install).
 GIN_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "gin_configs"
+
+
+# Gin's words for a macro left at %gin.REQUIRED when the configuration is finalized.
+_REQUIRED_MACRO = re.compile(r"(\w+)/macro\.value set to `%gin\.REQUIRED` but not subsequently")
 
 
 class ConfigError(ValueError):
@@ -100,6 +105,12 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
             paths, list(gin_params), skip_unknown=False, finalize_config=finalize)
     except (ValueError, SyntaxError, OSError, TypeError) as e:
         where = f"gin files {paths}" if paths else "gin bindings"
+        missing = _REQUIRED_MACRO.search(str(e))
+        if missing:
+            name = missing.group(1)
+            raise ConfigError(
+                f"{name} is required ({where} set it to %gin.REQUIRED): give it with "
+                f"--gin_param=\"{name}='...'\"; the file's header comment says what it is") from e
         raise ConfigError(f"invalid gin configuration ({where}, bindings {list(gin_params)}):\n"
                           f"  {type(e).__name__}: {e}") from e
     finally:

@@ -73,3 +73,16 @@ def test_train_script_rejects_bad_config_without_traceback(tmp_path):
     missing = _run_train("--gin_file=does_not_exist.gin", f"--model_dir={tmp_path}")
     assert missing.returncode != 0
     assert "does_not_exist.gin" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_required_macro_names_the_macro_and_how_to_set_it():
+    # detr_r50.gin leaves the COCO paths and the ImageNet backbone to the user.
+    data = [f"{m} = 'x'" for m in ("COCO_TRAIN_PATTERN", "COCO_VAL_PATTERN",
+                                   "COCO_VAL_ANNOTATIONS")]
+    with pytest.raises(config.ConfigError,
+                       match=r"BACKBONE_WEIGHTS is required .*--gin_param=\"BACKBONE_WEIGHTS="):
+        config.parse_gin_config(["detr_r50.gin"], data)
+    config.parse_gin_config(["detr_r50.gin"], data + ["BACKBONE_WEIGHTS = '/w/r50.pth'"],
+                            finalize=False)
+    assert gin.query_parameter("%BACKBONE_WEIGHTS") == "/w/r50.pth"
+    assert str(gin.query_parameter("train.init_weights")) == "%BACKBONE_WEIGHTS"

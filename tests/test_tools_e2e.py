@@ -20,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 from detr_tf import config
-from detr_tf.evaluation import predict, workflow
+from detr_tf import cli
+from detr_tf.evaluation import predict, restore
 
 REPO = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {"AP", "AP50", "AP75", "APs", "APm", "APl"}
@@ -99,6 +100,10 @@ def test_train_ends_with_metrics_predictions_and_next_steps(trained):
     assert f"tensorboard --logdir {model_dir}" in next_steps
     assert str(model_dir / "eval" / "metrics.json") in next_steps
     assert str(model_dir / "predictions") in next_steps
+    # The very last line says how long the run took and where the time went.
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("detr_tf: done in ") and "final evaluation" in last, last
+    assert "after-train" in last, last
 
 
 def test_eval_writes_exactly_the_six_metrics(trained):
@@ -186,17 +191,17 @@ def test_errors_name_the_missing_thing(run, tmp_path):
     try:
         config.parse_gin_config(["tiny.gin"], [run["cache_binding"]], finalize=False)
         with pytest.raises(FileNotFoundError, match="no_such_dir.*does not exist"):
-            workflow.load_trained_model(str(tmp_path / "no_such_dir"))
+            restore.load_trained_model(str(tmp_path / "no_such_dir"))
         with pytest.raises(FileNotFoundError, match=f"{re.escape(str(tmp_path))}.*no checkpoint"):
-            workflow.load_trained_model(str(tmp_path))
+            restore.load_trained_model(str(tmp_path))
         missing = str(run["model_dir"] / "checkpoints" / "ckpt-999")
         with pytest.raises(FileNotFoundError, match="ckpt-999"):
-            workflow.load_trained_model(str(run["model_dir"]), checkpoint=missing)
+            restore.load_trained_model(str(run["model_dir"]), checkpoint=missing)
         with pytest.raises(SystemExit, match="predict.py: FileNotFoundError: .*no_such_images"):
-            workflow.run_tool("predict.py", lambda: workflow.predict_run(
+            cli.run_tool("predict.py", lambda: predict.predict_run(
                 str(run["model_dir"]), str(tmp_path / "no_such_images"), str(tmp_path / "out")))
     finally:
         gin.clear_config()
     # No --gin_file and no config.gin to fall back on.
     with pytest.raises(SystemExit, match="eval.py: no --gin_file"):
-        workflow.parse_tool_config("eval.py", [], [], str(tmp_path))
+        cli.parse_tool_config("eval.py", [], [], str(tmp_path))

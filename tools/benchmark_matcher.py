@@ -23,6 +23,7 @@ import time
 from typing import Callable, Dict, List
 
 from absl import app, flags
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
 import numpy as np
 import scipy.optimize
 import tensorflow as tf

@@ -22,10 +22,10 @@ FLAGS = flags.FLAGS
 def main(argv):
     logging.set_verbosity(logging.WARNING)
     cli.reject_positional("export.py", argv)
-    from detr_tf.evaluation import workflow
+    from detr_tf.evaluation import export
 
-    workflow.parse_tool_config("export.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
-    workflow.run_tool("export.py", lambda: workflow.export_run(
+    cli.parse_tool_config("export.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
+    cli.run_tool("export.py", lambda: export.export_run(
         FLAGS.model_dir, FLAGS.export_dir, FLAGS.checkpoint))
 
 

@@ -25,10 +25,10 @@ FLAGS = flags.FLAGS
 def main(argv):
     logging.set_verbosity(logging.WARNING)
     cli.reject_positional("predict.py", argv)
-    from detr_tf.evaluation import workflow
+    from detr_tf.evaluation import predict
 
-    workflow.parse_tool_config("predict.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
-    workflow.run_tool("predict.py", lambda: workflow.predict_run(
+    cli.parse_tool_config("predict.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
+    cli.run_tool("predict.py", lambda: predict.predict_run(
         FLAGS.model_dir, FLAGS.images, FLAGS.output_dir, FLAGS.score_threshold,
         FLAGS.checkpoint))
 

@@ -128,12 +128,12 @@ def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequenc
                     precision: str, peak_tflops: Optional[float] = None,
                     log: Callable[[str], None] = print) -> Dict[str, object]:
     """Latency (mean, p50, p90, p95, p99) and throughput of the forward pass per batch size."""
-    from detr_tf.training import trainer
+    from detr_tf.training import state
 
     previous = tf_keras.mixed_precision.global_policy().name
-    trainer._set_precision(precision)
+    state.set_precision(precision)
     try:
-        model = trainer._build_model(model_fn)
+        model = state.build_model(model_fn)
     finally:
         tf_keras.mixed_precision.set_global_policy(previous)
     infer = ours.build_infer_step(model, jit)

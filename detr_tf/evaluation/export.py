@@ -28,6 +28,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.evaluation import postprocess as pp
+from detr_tf.evaluation import preprocess, restore
 
 PreprocessFn = Callable[[tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
 
@@ -161,7 +162,7 @@ class DetectionModule(tf.Module):
         top = pp.select_top_detections(dets, self._max_detections, self._score_threshold)
         # Served boxes stay inside the image: a predicted box may overhang it (cx +- w/2 is not
         # bounded), which a consumer drawing or cropping should not have to handle. COCO
-        # evaluation (eval_loop) keeps the reference's unclipped boxes.
+        # evaluation (coco_eval) keeps the reference's unclipped boxes.
         size = tf.cast(orig_sizes, tf.float32)  # [N, 2] (h, w)
         upper = tf.stack([size[:, 1], size[:, 0], size[:, 1], size[:, 0]], -1)[:, None, :]
         boxes = tf.clip_by_value(top["boxes"], 0.0, upper)  # [N, K, 4] x0, y0, x1, y1
@@ -228,3 +229,19 @@ def export_saved_model(model: tf.Module,
     export_dir = os.fspath(export_dir)
     tf.saved_model.save(module, export_dir, signatures=module.signatures())
     return export_dir
+
+
+def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None) -> str:
+    """tools/export.py: a SavedModel of a run's checkpoint with its eval preprocessing inside.
+
+    Other export settings (max_detections, score_threshold) come from Gin
+    (`export_saved_model.*`).
+    """
+    model, path = restore.load_trained_model(model_dir, checkpoint)
+    print(f"export: restored {path}", flush=True)
+    info = restore.run_bindings().dataset_info_fn(is_training=False)
+    out = export_saved_model(model, export_dir,
+                             preprocess_fn=preprocess.eval_preprocess_fn(info.buckets))
+    print(f"export: wrote SavedModel to {out} (signatures: {SERVING_DEFAULT}, "
+          f"{SERVING_IMAGES})", flush=True)
+    return out

@@ -19,12 +19,15 @@ import json
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+import gin
 import numpy as np
 import tensorflow as tf
+import tf_keras
 from PIL import Image
 
-from detr_tf.evaluation import visualize
+from detr_tf.evaluation import export, preprocess, restore, visualize
 
+PREDICTIONS_SUBDIR = "predictions"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 DETECTIONS_FILENAME = "detections.json"
 
@@ -129,4 +132,66 @@ def predict_images(detector: Any,
             visualize.save_png(drawn, os.path.join(output_dir, png_name))
     with open(os.path.join(output_dir, DETECTIONS_FILENAME), "w") as f:
         json.dump(records, f, indent=1)
+    return records
+
+
+def _annotated_image_paths(annotations_file: str, limit: int) -> List[str]:
+    """Image files named by a COCO json, resolved next to it (as the shapes dataset lays out)."""
+    with open(annotations_file) as f:
+        images = json.load(f)["images"][:limit]
+    base = os.path.dirname(annotations_file)
+    found = []
+    for image in images:
+        for candidate in (os.path.join(base, image["file_name"]),
+                          os.path.join(base, "val", image["file_name"]),
+                          os.path.join(base, "images", image["file_name"])):
+            if os.path.exists(candidate):
+                found.append(candidate)
+                break
+    return found
+
+
+def _run_detector(model: tf_keras.Model, info: Any) -> export.DetectionModule:
+    return export.DetectionModule(model, preprocess_fn=preprocess.eval_preprocess_fn(info.buckets))
+
+
+@gin.configurable(denylist=["model", "model_dir"])
+def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int = 8,
+                        score_threshold: float = 0.5) -> Optional[str]:
+    """Draws the model's detections on the first eval images into model_dir/predictions/.
+
+    Returns:
+      The output directory, or None when the eval split has no image files to draw on.
+    """
+    info = restore.run_bindings().dataset_info_fn(is_training=False)
+    if not info.annotations_file:
+        return None
+    paths = _annotated_image_paths(info.annotations_file, num_images)
+    if not paths:
+        return None
+    out = os.path.join(model_dir, PREDICTIONS_SUBDIR)
+    predict_images(_run_detector(model, info), paths, out, class_names=list(info.class_names),
+                   category_ids=list(info.category_ids), score_threshold=score_threshold)
+    print(f"predict: wrote {len(paths)} images with detections to {out}", flush=True)
+    return out
+
+
+def predict_run(model_dir: str, images: str, output_dir: str, score_threshold: float = 0.5,
+                checkpoint: Optional[str] = None) -> List[Dict[str, Any]]:
+    """tools/predict.py: annotated PNGs and one detections.json for an image or a directory.
+
+    The images are listed (and a bad path reported) before the model is built.
+    """
+    paths = list_images(images)
+    model, path = restore.load_trained_model(model_dir, checkpoint)
+    print(f"predict: restored {path}", flush=True)
+    info = restore.run_bindings().dataset_info_fn(is_training=False)
+    records = predict_images(_run_detector(model, info), paths, output_dir,
+                             class_names=list(info.class_names),
+                             category_ids=list(info.category_ids),
+                             score_threshold=score_threshold)
+    found = sum(len(r["detections"]) for r in records)
+    print(f"predict: {found} detections (score >= {score_threshold}) on {len(records)} images; "
+          f"wrote {output_dir}/*.png and {os.path.join(output_dir, DETECTIONS_FILENAME)}",
+          flush=True)
     return records

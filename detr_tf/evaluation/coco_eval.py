@@ -1,21 +1,27 @@
-"""One pass of a model over an eval dataset into a CocoEvaluator, then metrics and files.
+"""COCO evaluation of a model: the loop over an eval dataset, and the run-level entry points.
 
-This is the loop tools/eval.py (and the trainer's end-of-run evaluation) can call:
+`evaluate_model` is one pass of any model over any eval dataset into a CocoEvaluator:
 
     evaluator = CocoEvaluator(annotations_json_or_None)
     metrics = evaluate_model(model, dataset, evaluator, output_dir=f"{model_dir}/eval")
 
 It writes output_dir/metrics.json (exactly AP, AP50, AP75, APs, APm, APl as fractions) and
 output_dir/detections.json (COCO results format) and prints the metrics table.
+`coco_evaluate` (the trainer's `eval_fn`) and `evaluate_run` (tools/eval.py) run it on the run's
+own eval data (`train.dataset_fn`, see restore.py).
 """
 import os
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
+import gin
 import tensorflow as tf
+import tf_keras
 
-from detr_tf.evaluation import coco_evaluator
+from detr_tf.evaluation import coco_evaluator, restore
 from detr_tf.evaluation import postprocess as pp
+
+EVAL_SUBDIR = "eval"
 
 METRICS_FILENAME = "metrics.json"
 DETECTIONS_FILENAME = "detections.json"
@@ -95,3 +101,45 @@ def evaluate_model(model: Any,
         print(f"eval: wrote {os.path.join(output_dir, METRICS_FILENAME)} and "
               f"{DETECTIONS_FILENAME}")
     return metrics
+
+
+def _evaluator(info: Any) -> coco_evaluator.CocoEvaluator:
+    names = {cid: name for cid, name in zip(info.category_ids, info.class_names)}
+    return coco_evaluator.CocoEvaluator(annotations=info.annotations_file, category_names=names,
+                                        label_map=list(info.category_ids))
+
+
+@gin.configurable(denylist=["model", "model_dir", "step"])
+def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = None,
+                  batch_size: int = 8, max_batches: Optional[int] = None,
+                  jit_compile: bool = False) -> Dict[str, float]:
+    """COCO box metrics of `model` on the run's eval split (`train.dataset_fn`).
+
+    Writes model_dir/eval/metrics.json (AP, AP50, AP75, APs, APm, APl as fractions) and
+    model_dir/eval/detections.json (COCO results format, category ids of the dataset).
+
+    Args:
+      model: a built model holding the weights to evaluate.
+      model_dir: the run directory.
+      step: the training step, for the log line.
+      batch_size: eval batch size (the last batch is filled with masked images, not dropped).
+      max_batches: evaluate only this many batches (a quick look during training).
+      jit_compile: XLA-compile the forward pass and post-processing.
+    """
+    bindings = restore.run_bindings()
+    info = bindings.dataset_info_fn(is_training=False)
+    dataset = bindings.dataset_fn(is_training=False, global_batch_size=batch_size,
+                                  deterministic=True, seed=0)
+    if step is not None:
+        print(f"eval: step {step}", flush=True)
+    return evaluate_model(model, dataset, _evaluator(info),
+                          output_dir=os.path.join(model_dir, EVAL_SUBDIR),
+                          max_batches=max_batches, jit_compile=jit_compile)
+
+
+def evaluate_run(model_dir: str, checkpoint: Optional[str] = None,
+                 use_ema: bool = True) -> Dict[str, float]:
+    """tools/eval.py: COCO metrics of a run's checkpoint on its eval split (`coco_evaluate`)."""
+    model, path = restore.load_trained_model(model_dir, checkpoint, use_ema)
+    print(f"eval: restored {path}", flush=True)
+    return coco_evaluate(model, model_dir, step=restore.checkpoint_step(path))

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.evaluation import eval_loop
+from detr_tf.evaluation import coco_eval
 from detr_tf.evaluation.coco_evaluator import METRIC_NAMES, CocoEvaluator
 
 # Every image holds the same two objects (normalized cx, cy, w, h), so an input-independent
@@ -49,7 +49,7 @@ def _dataset(num_images=5, batch_size=2):
 
 def test_oracle_scores_one_and_files_are_written(tmp_path, capsys):
     evaluator = CocoEvaluator(None)
-    metrics = eval_loop.evaluate_model(OracleModel(), _dataset(), evaluator,
+    metrics = coco_eval.evaluate_model(OracleModel(), _dataset(), evaluator,
                                        output_dir=tmp_path / "eval", log_every=1)
     assert evaluator.num_images == 5  # the padding image (id -1) is not evaluated
     for name in ("AP", "AP50", "AP75", "APl"):
@@ -69,10 +69,10 @@ def test_oracle_scores_one_and_files_are_written(tmp_path, capsys):
 def test_max_batches_and_feature_dict_layout():
     dataset = _dataset().map(lambda im, m, t: ({"images": im, "pixel_mask": m}, t))
     evaluator = CocoEvaluator(None)
-    eval_loop.evaluate_model(OracleModel(), dataset, evaluator, max_batches=1, log_every=0)
+    coco_eval.evaluate_model(OracleModel(), dataset, evaluator, max_batches=1, log_every=0)
     assert evaluator.num_images == 2
 
 
 def test_unknown_layout_is_explained():
     with pytest.raises(ValueError, match="pass unpack="):
-        eval_loop.unpack_batch({"images": 1})
+        coco_eval.unpack_batch({"images": 1})

@@ -1,0 +1,177 @@
+"""What a run trains and saves, and how a run starts: resumed, or initialised from weights.
+
+A run's state is the model, the two optimizers, the step counter, the dynamic loss scale
+(mixed_float16) and the EMA of the weights, all in one `tf.train.Checkpoint`. A run starts in
+one of three ways, in this order of precedence:
+  1. model_dir holds checkpoints: resume from the latest (`train.init_weights` is ignored, and
+     the run says so: a restart must never overwrite trained weights with pretrained ones);
+  2. `train.init_weights` names a file: pretrained weights (any format detr_tf.weights reads,
+     or another run's checkpoint) initialise the model, with an import report;
+  3. neither: the initialisers' random weights, identical on every replica.
+"""
+import dataclasses
+import os
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.training import checkpointing, optimization
+from detr_tf.training.step import split_variables
+
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
+def set_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r} is not one of {PRECISIONS}")
+    tf_keras.mixed_precision.set_global_policy(precision)
+
+
+def build_model(model_fn: Callable[[], tf_keras.Model],
+                image_size: Tuple[int, int] = (64, 64)) -> tf_keras.Model:
+    """Creates the model and its variables with one small eager call (never inside XLA).
+
+    The call is in training mode so that dropout layers create their random generators now,
+    outside any compiled function, and `dropout_generators` can put them in the checkpoint.
+
+    Args:
+      model_fn: builds the model.
+      image_size: (height, width) of the build call; a canvas the data really has (see
+        `smallest_canvas`), because some models need enough feature cells (two-stage selects
+        num_queries of them) and should fail here, naming the canvas, if a canvas is too small.
+    """
+    model = model_fn()
+    h, w = image_size
+    try:
+        model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
+    except ValueError as e:
+        raise ValueError(f"the model does not fit the data's smallest canvas, {h}x{w} px "
+                         f"(height x width; the smallest of the input's canvas buckets): {e}"
+                         ) from e
+    if not hasattr(model, "backbone"):
+        raise TypeError(f"{type(model).__name__} has no `backbone` attribute; the trainer needs it "
+                        "to give the backbone its own learning rate")
+    return model
+
+
+def smallest_canvas(buckets: Optional[Sequence[Tuple[int, int]]]) -> Tuple[int, int]:
+    """The smallest (by area) canvas bucket, or 64x64 when the data names none."""
+    if not buckets:
+        return (64, 64)
+    h, w = min(buckets, key=lambda b: (b[0] * b[1], b))
+    return int(h), int(w)
+
+
+def dropout_generators(model: tf_keras.Model) -> tf.Module:
+    """The model's dropout random generators, gathered so a checkpoint can hold them.
+
+    tf_keras leaves layers' random generators out of checkpoints on purpose (for compatibility
+    of old checkpoints); without their state a resumed run would restart every dropout stream
+    and drift from the uninterrupted run.
+    """
+    holder = tf.Module(name="dropout_rng")
+    holder.generators = [
+        layer._random_generator._generator  # pylint: disable=protected-access
+        for layer in model.submodules
+        if getattr(getattr(layer, "_random_generator", None), "_generator", None) is not None]
+    return holder
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a checkpoint holds. Create it inside the engine's scope."""
+
+    model: tf_keras.Model
+    optimizers: Tuple[Any, Any]  # (backbone, rest)
+    global_step: tf.Variable
+    loss_scale: Optional[optimization.DynamicLossScale]
+    ema: Optional[optimization.ExponentialMovingAverage]
+
+    def checkpoint(self) -> tf.train.Checkpoint:
+        items = dict(model=self.model, backbone_optimizer=self.optimizers[0],
+                     optimizer=self.optimizers[1], global_step=self.global_step,
+                     dropout_rng=dropout_generators(self.model))
+        if self.ema is not None:
+            items["ema"] = self.ema
+        if self.loss_scale is not None:
+            items["loss_scale"] = self.loss_scale
+        return tf.train.Checkpoint(**items)
+
+
+def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Tuple[int, int],
+                 steps_per_epoch: int, precision: str,
+                 ema_decay: Optional[float]) -> TrainState:
+    """Builds the model and the optimizer state (call inside the engine's scope)."""
+    model = build_model(model_fn, build_size)
+    optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch)
+    for opt, vars_ in zip(optimizers, split_variables(model)):
+        opt.build(vars_)
+    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
+                              aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    loss_scale = optimization.DynamicLossScale() if precision == "mixed_float16" else None
+    ema = (optimization.ExponentialMovingAverage(model.trainable_variables, ema_decay)
+           if ema_decay else None)
+    return TrainState(model, optimizers, global_step, loss_scale, ema)
+
+
+def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
+           saver: checkpointing.CheckpointSaver, engine) -> Optional[int]:
+    """Restores the chief's latest checkpoint on every process; returns its step (None: there
+    is none).
+
+    The chief picks the checkpoint and every process learns its step from the chief (a
+    collective, so all take part), then each restores that same file from the shared model_dir.
+    Restoring the file everywhere, rather than restoring on the chief and broadcasting, brings
+    back the whole state on every process (optimizer slots, EMA, loss scale, step) without a
+    broadcast per variable, and every process starts at the same step by construction.
+
+    Raises:
+      FileNotFoundError: a process cannot read the chief's checkpoint (the
+        model_dir must be one directory shared by all processes).
+    """
+    latest = saver.latest if engine.is_chief else None
+    step = engine.chief_value(checkpointing.checkpoint_step(latest) if latest else -1)
+    if step < 0:
+        return None
+    path = saver.checkpoint_path(step)
+    if not tf.io.gfile.exists(path + ".index"):
+        raise FileNotFoundError(
+            f"worker {engine.rank} cannot read the chief's checkpoint {path!r} (step {step}): "
+            "every process of a run must see the same model_dir (a shared file system)")
+    checkpoint.restore(path).assert_existing_objects_matched()
+    restored = int(state.global_step.numpy())
+    if restored != step:
+        raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
+    saver.saved_step = step
+    return step
+
+
+def start(state: TrainState, checkpoint: tf.train.Checkpoint,
+          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str]) -> int:
+    """Resumes, or initialises a new run (see the module docstring); returns the start step.
+
+    Raises:
+      FileNotFoundError / ValueError: init_weights cannot be read or does not fit the model;
+        the message names the file and the tensor.
+    """
+    say = (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
+    step = resume(state, checkpoint, saver, engine)
+    if step is not None:
+        say(f"detr_tf: resumed from {saver.checkpoint_path(step)} at step {step}")
+        if not engine.is_chief:
+            print(f"detr_tf: worker {engine.rank} resumed at step {step}", flush=True)
+        if init_weights:
+            say(f"detr_tf: train.init_weights={init_weights!r} ignored: this run resumes from "
+                "its own checkpoint (init_weights only initialises a new run)")
+        return step
+    if init_weights:
+        from detr_tf import weights  # imported on use: most runs start from scratch
+
+        # What to leave out is load_pretrained's own Gin binding (`load_pretrained.skip`).
+        report = weights.load_pretrained(state.model, os.path.expanduser(init_weights))
+        say(f"detr_tf: initialised from {init_weights}\n{report}")
+    engine.broadcast_variables(state.model.variables)
+    if state.ema is not None:
+        state.ema.reset()
+    return 0

@@ -1,0 +1,186 @@
+"""The per-replica train step: normalizers, forward + criterion + backward, all-reduce, update.
+
+`StepBuilder` is kept apart from the training loop so that benchmarks time exactly the step the
+trainer runs. See detr_tf/training/trainer.py for the three phases of a step and what XLA
+compiles in each `jit` setting.
+"""
+from typing import Callable
+
+import tensorflow as tf
+
+JIT_CHOICES = ("auto", "step", "loss", "none")
+
+
+def resolve_jit(jit: str, deterministic: bool = False) -> str:
+    """'auto' -> 'step' with a GPU or TPU, else 'loss'; other choices are checked and kept.
+
+    A deterministic run cannot compile the backward pass: TensorFlow's op determinism refuses
+    XLA's max-pool gradient (the backbone's stem), at the first step's compile. So 'auto' gives
+    'loss' then, and an explicit 'step' fails here, before anything compiles.
+    """
+    if jit not in JIT_CHOICES:
+        raise ValueError(f"train.jit={jit!r} is not one of {JIT_CHOICES}")
+    if jit == "step" and deterministic:
+        raise ValueError("train.jit='step' cannot run with train.deterministic=True: XLA has no "
+                         "deterministic max-pool gradient; use jit='loss' (matching and losses "
+                         "compiled, the same results) or turn off deterministic")
+    if jit != "auto":
+        return jit
+    accelerated = tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
+    return "step" if accelerated and not deterministic else "loss"
+
+
+def _zeros_for_missing(grads, variables):
+    # Variables the loss does not reach (e.g. unused aux heads) get zero gradients, so every
+    # collective and optimizer sees the same, complete list on every replica.
+    return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+            for g, v in zip(grads, variables)]
+
+
+def _all_finite(tensors) -> tf.Tensor:
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+
+
+class StepBuilder:
+    """Builds the per-replica step; kept apart from `train` so benchmarks can time the same step.
+
+    Args:
+      engine: the distribution engine.
+      model: a built DETR model with `backbone` exposing its trainable variables.
+      criterion: callable(outputs, targets, num_boxes=..., ce_weight=...) -> dict of scalar
+        losses with 'loss', with a `local_normalizers(targets, num_queries)` method.
+      optimizers: (backbone_optimizer, main_optimizer).
+      jit: 'step', 'loss' or 'none' (already resolved).
+      clip_norm: global-norm gradient clipping (<= 0 disables).
+      grad_accum_steps: micro-batches per optimizer step.
+      loss_scale: a DynamicLossScale for mixed_float16, else None.
+      ema: an ExponentialMovingAverage or None.
+      global_step: int64 variable counting steps (including skipped ones).
+    """
+
+    def __init__(self, engine, model, criterion, optimizers, jit: str, clip_norm: float,
+                 grad_accum_steps: int, loss_scale, ema, global_step):
+        self.engine = engine
+        self.model = model
+        self.criterion = criterion
+        self.backbone_opt, self.main_opt = optimizers
+        self.backbone_vars, self.main_vars = split_variables(model)
+        self.variables = self.backbone_vars + self.main_vars
+        self.jit = jit
+        self.clip_norm = clip_norm
+        self.grad_accum_steps = grad_accum_steps
+        self.loss_scale = loss_scale
+        self.ema = ema
+        self.global_step = global_step
+        criterion_fn = criterion
+        if jit == "loss":
+            criterion_fn = tf.function(criterion.__call__, jit_compile=True)
+        self._criterion_fn = criterion_fn
+        self._grads_fn = (tf.function(self._losses_and_grads, jit_compile=True)
+                          if jit == "step" else self._losses_and_grads)
+
+    def _losses_and_grads(self, inputs, targets, norms, scale):
+        with tf.GradientTape() as tape:
+            outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True)
+            losses = self._criterion_fn(outputs, targets, **norms)
+            scaled = tf.cast(losses["loss"], tf.float32) * scale
+        grads = tape.gradient(scaled, self.variables)
+        grads = [g / scale for g in _zeros_for_missing(grads, self.variables)]
+        return losses, grads
+
+    def replica_step(self, *micro_batches):
+        """One optimizer step on this replica's micro-batches; returns logging values."""
+        engine = self.engine
+        scale = self.loss_scale.scale.read_value() if self.loss_scale else tf.constant(1.0)
+        # Loss normalizers (DETR's box count and the class-weight sum) averaged over
+        # micro-batches and replicas, all-reduced here outside XLA: then any replica count and
+        # any accumulation gives the loss and gradients of one device with the whole batch.
+        local = [self.criterion.local_normalizers(targets, self.model.num_queries)
+                 for _, targets in micro_batches]
+        norms = engine.all_reduce_mean(
+            {k: tf.add_n([n[k] for n in local]) / len(local) for k in local[0]})
+        norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0)
+        grad_sum, loss_sum = None, None
+        for inputs, targets in micro_batches:
+            losses, grads = self._grads_fn(inputs, targets, norms, scale)
+            losses = {k: tf.cast(v, tf.float32) for k, v in losses.items()}
+            if grad_sum is None:
+                grad_sum, loss_sum = grads, losses
+            else:
+                grad_sum = [a + b for a, b in zip(grad_sum, grads)]
+                loss_sum = {k: loss_sum[k] + v for k, v in losses.items()}
+        k = float(len(micro_batches))
+        grads = [g / k for g in grad_sum] if k > 1 else grad_sum
+        losses = {name: v / k for name, v in loss_sum.items()} if k > 1 else loss_sum
+        grads = engine.all_reduce_mean(grads)
+        losses = engine.all_reduce_mean(losses)
+        grads_finite = _all_finite(grads)
+        loss_finite = tf.math.is_finite(losses["loss"])
+        if self.clip_norm and self.clip_norm > 0:
+            grads, grad_norm = tf.clip_by_global_norm(grads, self.clip_norm)
+        else:
+            grad_norm = tf.linalg.global_norm(grads)
+        applied = engine.merge_call(self._apply, (grads, grads_finite, loss_finite))
+        stats = dict(losses)
+        stats["grad_norm"] = grad_norm
+        stats["loss_finite"] = loss_finite
+        stats["applied"] = applied
+        return stats
+
+    def _apply(self, strategy, grads, grads_finite, loss_finite):
+        """Cross-replica context: the guarded optimizer update.
+
+        The condition is decided here, in cross-replica context, because tf.distribute cannot run
+        a cond in replica context whose branch calls merge_call (Keras optimizers do); inside the
+        branch the update goes back to replica context, as tf_keras's LossScaleOptimizer does.
+        """
+        first = lambda v: strategy.experimental_local_results(v)[0]  # noqa: E731
+        grads_ok, loss_ok = first(grads_finite), first(loss_finite)
+        # Hidden from tf.distribute so the variables stay mirrored when passed back to replicas.
+        held = _Opaque(self.variables)
+
+        def apply():
+            strategy.extended.call_for_each_replica(self._apply_in_replica, args=(grads, held))
+            return tf.constant(True)
+
+        applied = tf.cond(tf.logical_and(grads_ok, loss_ok), apply, lambda: tf.constant(False))
+        if self.loss_scale is not None:
+            self.loss_scale.update(grads_ok)
+        self.global_step.assign_add(1)
+        return applied
+
+    def _apply_in_replica(self, grads, held):
+        nb = len(self.backbone_vars)
+        variables = held.value
+        self.backbone_opt.apply_gradients(zip(grads[:nb], variables[:nb]),
+                                          skip_gradients_aggregation=True)
+        self.main_opt.apply_gradients(zip(grads[nb:], variables[nb:]),
+                                      skip_gradients_aggregation=True)
+        if self.ema is not None:
+            tf.distribute.get_replica_context().merge_call(self.ema.update)
+
+    def make_step_fn(self) -> Callable:
+        engine = self.engine
+
+        @tf.function
+        def train_step(iterator):
+            batches = tuple(next(iterator) for _ in range(self.grad_accum_steps))
+            return engine.run(self.replica_step, batches)
+
+        return train_step
+
+
+class _Opaque:
+    """Holds a value that tf.distribute must pass through without unwrapping."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def split_variables(model):
+    """(backbone, rest) trainable variables; the backbone group is the backbone's own variables,
+    not a guess from names."""
+    backbone_ids = {v.ref() for v in model.backbone.trainable_variables}
+    backbone = [v for v in model.trainable_variables if v.ref() in backbone_ids]
+    rest = [v for v in model.trainable_variables if v.ref() not in backbone_ids]
+    return backbone, rest
