@@ -21,8 +21,11 @@ setup(
         "absl-py>=1.4",
         "Pillow>=10",
         "tqdm>=4.66",
+        "safetensors>=0.4",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        # Reading torch .pth weight files, and the `pytest -m torch` comparisons.
+        "torch": ["torch>=2.1", "torchvision", "timm", "transformers"],
     },
 )

@@ -1,12 +1,35 @@
-"""What the tools/ entry scripts share: the Gin flags and their start-up checks.
+"""What the tools/ entry scripts share: the Gin flags, their start-up checks, and a quiet
+TensorFlow.
 
-Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads.
+Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads, and
+importing this module, which every tool does first, sets TensorFlow's C++ log level before
+TensorFlow is imported (see `quiet_tensorflow`).
 """
 import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
 from absl import flags
+
+VERBOSE_ENV = "DETR_TF_VERBOSE"
+
+
+def quiet_tensorflow() -> None:
+    """Hides TensorFlow's C++ logs unless DETR_TF_VERBOSE=1.
+
+    Without it a tool opens with a screen of C++ notices a user can do nothing about (CUDA
+    probing and cuInit errors on a machine without a GPU, oneDNN and CPU-feature notices) and
+    XLA's "Ignoring Assert operator" warning at every retrace. Only takes effect before
+    TensorFlow is imported; a TF_CPP_MIN_LOG_LEVEL already set in the environment wins. Python
+    exceptions, the trainer's own lines and the progress line are unaffected.
+    """
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+quiet_tensorflow()
 
 
 def define_gin_flags(example: str = "", saved_config_default: bool = False) -> None:

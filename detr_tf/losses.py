@@ -18,7 +18,7 @@ as anchor-free dense detectors do), every other real cell is no-object, and the 
 losses apply (loss_enc_ce, loss_enc_bbox, loss_enc_giou; the class term is normalized by the box
 count like the box terms, which keeps it independent of how many cells a bucket pads to).
 """
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import gin
 import tensorflow as tf
@@ -38,12 +38,16 @@ class SetCriterion:
       weight_ce, weight_bbox, weight_giou: loss weights in the total `loss`.
       aux_loss: whether the decoder layers before the last are matched and added to `loss`.
       weight_enc: weight of the dense encoder-proposal losses (two-stage models).
+      matcher: `matcher(cost [..., Q, T], target_mask [..., T]) -> [..., Q]` target per query
+        or -1, injected by Gin reference: `SetCriterion.matcher = @HungarianMatcher()` (exact,
+        the default when None) or `@SinkhornMatcher()` (approximate, detr_tf/ops/sinkhorn.py).
     """
 
     def __init__(self, num_classes: int, eos_coef: float = 0.1, cost_class: float = 1.0,
                  cost_bbox: float = 5.0, cost_giou: float = 2.0, weight_ce: float = 1.0,
                  weight_bbox: float = 5.0, weight_giou: float = 2.0, aux_loss: bool = True,
-                 weight_enc: float = 1.0):
+                 weight_enc: float = 1.0, matcher: Optional[Callable] = None):
+        self.matcher = matching.HungarianMatcher() if matcher is None else matcher
         self.num_classes = num_classes
         self.eos_coef = eos_coef
         self.cost_class = cost_class
@@ -104,7 +108,7 @@ class SetCriterion:
         mask = tf.broadcast_to(targets["mask"][None],
                                tf.concat([tf.shape(pred_logits)[:1], tf.shape(targets["mask"])],
                                          0))  # [N, B, T]
-        idx = matching.hungarian_matching(cost, mask)  # [N, B, Q]
+        idx = self.matcher(cost, mask)  # [N, B, Q]
         return tf.cast(idx, tf.int32)
 
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],

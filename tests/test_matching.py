@@ -274,10 +274,16 @@ def test_iteration_count_is_bounded():
     # A worst-case style problem: every row prefers the same column, with graded alternatives.
     q = t = 12
     cost = np.add.outer(np.arange(q), np.arange(t) * 0.5).astype(np.float32)[None]
-    out, iterations, steps = matching.hungarian_matching_with_stats(cost)
-    _assert_optimal(cost, np.ones((1, t), bool), out.numpy())
-    assert int(iterations) <= t * (t + 1) + 1
-    assert int(steps[0]) == int(iterations)
+    for passes, unroll in [(None, 1), (0, 1), (4, 1), (4, 4)]:
+        out, stats = matching.hungarian_matching_with_stats(cost, arr_passes=passes,
+                                                            unroll=unroll)
+        _assert_optimal(cost, np.ones((1, t), bool), out.numpy())
+        steps = int(stats["steps"][0])
+        assert steps <= t * (t + 1) + 1
+        # One problem: the loop runs exactly until its last step, `unroll` steps per iteration.
+        assert int(stats["search_iterations"]) == -(-steps // unroll)
+        assert int(stats["init_passes"]) <= (passes or 0)
+        assert int(stats["iterations"]) == int(stats["init_passes"] + stats["search_iterations"])
 
 
 # ----------------------------------------------------------------------------------- match_cost

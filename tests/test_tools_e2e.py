@@ -100,6 +100,10 @@ def test_train_ends_with_metrics_predictions_and_next_steps(trained):
     assert f"tensorboard --logdir {model_dir}" in next_steps
     assert str(model_dir / "eval" / "metrics.json") in next_steps
     assert str(model_dir / "predictions") in next_steps
+    # The very last line says how long the run took and where the time went.
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("detr_tf: done in ") and "final evaluation" in last, last
+    assert "after-train" in last, last
 
 
 def test_eval_writes_exactly_the_six_metrics(trained):

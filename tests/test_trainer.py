@@ -64,8 +64,15 @@ def _assert_same_training(ref_dir, other_dir):
     # Same global batch -> same loss at every step (float32 reduction order aside).
     np.testing.assert_allclose(other["losses"], ref["losses"], rtol=1e-5)
     names = [k for k in ref.files if k != "losses" and not k.startswith("step1/")]
-    assert len(names) > 100 and set(names) <= set(other.files)
-    update = max(np.abs(ref[k] - ref["step1/" + k]).max() for k in names)
+    _assert_same_weights({k: ref[k] for k in names}, {k: other[k] for k in other.files},
+                         {k: ref["step1/" + k] for k in names})
+
+
+def _assert_same_weights(ref, other, ref_before):
+    """`other` equals `ref` up to far less than one step's update (ref - ref_before)."""
+    names = list(ref)
+    assert len(names) > 100 and set(names) <= set(other)
+    update = max(np.abs(ref[k] - ref_before[k]).max() for k in names)
     assert update > 1e-5
     # The weights differ by far less than one step changes them, up to a few float32 ulps
     # (reductions in another order round differently).
@@ -73,6 +80,69 @@ def _assert_same_training(ref_dir, other_dir):
         tol = 1e-3 * update + 4 * np.finfo(np.float32).eps * np.abs(ref[k])
         excess = np.abs(ref[k] - other[k]) - tol
         assert np.all(excess <= 0), (k, float(np.abs(ref[k] - other[k]).max()), update)
+
+
+def _model_weights(ckpt):
+    reader = tf.train.load_checkpoint(str(ckpt))
+    return {n: reader.get_tensor(n) for n, _ in tf.train.list_variables(str(ckpt))
+            if n.startswith("model/") and "OPTIMIZER_SLOT" not in n}
+
+
+def _losses(model_dir):
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def _preempt_then_resume(launch, out, reference):
+    """A 2-process run gets SIGTERM on worker 1 only: both workers stop after the same step S
+    and the chief's checkpoint of S exists; restarted to S + 2, every worker resumes at S and
+    the run ends with the uninterrupted single-device reference's weights and losses.
+
+    launch(num_steps) starts the job and returns its Popen objects.
+    """
+    run_dir = out / "run"
+    procs = launch(1000)
+    deadline = time.time() + 600
+    # Signal once the chief has logged a step (everyone has then compiled and trained).
+    while not ((run_dir / "metrics.jsonl").exists()
+               and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "no step logged"
+        time.sleep(0.05)
+    os.kill(int((out / "pid_1").read_text()), signal.SIGTERM)
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    log = "\n".join(logs)
+    assert all(p.returncode == 0 for p in procs), log[-6000:]
+
+    def results(log):
+        found = [json.loads(line.split("PREEMPT_RESULT ", 1)[1])
+                 for line in log.splitlines() if "PREEMPT_RESULT " in line]
+        assert sorted(r["rank"] for r in found) == [0, 1], log[-6000:]
+        return {r["rank"]: r["step"] for r in found}
+
+    steps = results(log)
+    stop = steps[0]
+    assert steps[1] == stop and 1 <= stop <= 10, steps  # the reference has 12 steps
+    assert "termination signal received; saved" in log
+    assert "worker 1: termination signal received (here)" in log, log[-6000:]
+    ckpt = tf.train.latest_checkpoint(str(run_dir / "checkpoints"))
+    assert ckpt.endswith(f"ckpt-{stop}")
+    assert int(tf.train.load_checkpoint(ckpt).get_tensor(
+        "global_step/.ATTRIBUTES/VARIABLE_VALUE")) == stop
+
+    procs = launch(stop + 2)
+    log = "\n".join(p.communicate(timeout=600)[0] for p in procs)
+    assert all(p.returncode == 0 for p in procs), log[-6000:]
+    assert f"at step {stop}" in log and f"worker 1 resumed at step {stop}" in log, log[-6000:]
+    assert results(log) == {0: stop + 2, 1: stop + 2}
+    end = stop + 2
+    ref_ckpts = reference / "checkpoints"
+    _assert_same_weights(_model_weights(ref_ckpts / f"ckpt-{end}"),
+                         _model_weights(run_dir / "checkpoints" / f"ckpt-{end}"),
+                         _model_weights(ref_ckpts / f"ckpt-{end - 1}"))
+    ref_losses, losses = _losses(reference), _losses(run_dir)
+    assert sorted(losses) == list(range(1, end + 1))
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)],
+                               [ref_losses[s] for s in sorted(losses)], rtol=1e-5)
 
 
 def test_mirrored_two_replicas_equals_one_device(engine_runs):
@@ -90,6 +160,34 @@ def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
                      "horovod", str(engine_runs), shapes_cache])
     assert proc.returncode == 0, log[-4000:]
     _assert_same_training(engine_runs / "default", engine_runs / "horovod")
+
+
+@pytest.mark.horovod
+def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs, shapes_cache,
+                                                                     tmp_path):
+    exe = horovodrun_or_skip()
+
+    def launch(num_steps):
+        return [subprocess.Popen(
+            [exe, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(PROG),
+             "preempt", str(tmp_path), shapes_cache, str(num_steps)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)]
+
+    _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
+
+
+def test_multi_worker_preempted_on_one_worker_stops_all_and_resumes_exactly(
+        engine_runs, shapes_cache, tmp_path):
+    def launch(num_steps):
+        cluster = {"worker": [f"localhost:{p}" for p in _free_ports(2)]}
+        return [subprocess.Popen(
+            [sys.executable, str(PROG), "preempt", str(tmp_path), shapes_cache, str(num_steps)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            env=dict(ENV, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                "task": {"type": "worker", "index": i}})))
+            for i in range(2)]
+
+    _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
 
 
 def _free_ports(n):
@@ -126,6 +224,9 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     common = ("train.deterministic = True", "train.num_steps = 4", "train.log_every = 1")
     proc, log = train_cli(full, shapes_cache, *common)
     assert proc.returncode == 0, log[-4000:]
+    # The last line says how long the run took, and where the time went.
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("detr_tf: done in ") and "4 steps" in last, last
 
     # config.gin at start, operative_config.gin (what was actually called) after step one.
     config_gin = (full / "config.gin").read_text()

@@ -3,7 +3,12 @@
     python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR   (2 logical CPUs: default, mirrored)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
+    python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
+        EMA and periodic evaluation; writes OUT_DIR/<run>/... and OUT_DIR/paths.npz)
     TF_CONFIG=... python tests/trainer_prog.py multi_worker OUT_DIR SHAPES_CACHE_DIR  (x2 workers)
+    [horovodrun -np 2 | TF_CONFIG=...] python tests/trainer_prog.py preempt OUT_DIR CACHE STEPS
+        (one run of a 2-process job into OUT_DIR/run: writes OUT_DIR/pid_RANK, prints
+        "PREEMPT_RESULT {rank, step}"; stopped by a signal to one worker or after STEPS steps)
 
 Every engine run trains the tiny model for STEPS steps on the same global batches: the eval
 pipeline's first batches (deterministic, source order), each replica taking its slice, so any
@@ -17,6 +22,7 @@ import numpy as np
 
 MODE, OUT, CACHE = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, GLOBAL_BATCH = 2, 4
+REF_STEPS = 12  # the reference run for resumed multi-process runs: one checkpoint per step
 
 if MODE == "engines":
     import tensorflow as tf
@@ -67,14 +73,15 @@ def same_global_batches(is_training, global_batch_size, input_context=None, num_
     return ds.flat_map(slices)
 
 
-def run(model_dir, distribution, **kwargs):
+def run(model_dir, distribution, num_steps=STEPS, jit="loss", deterministic=True, **kwargs):
     trainer.train(model_dir, dataset_fn=same_global_batches,
                   global_batch_size=GLOBAL_BATCH // kwargs.get("grad_accum_steps", 1),
-                  num_steps=STEPS, distribution=distribution, cpu_devices=2, deterministic=True,
-                  jit="loss", checkpoint_every=1, **kwargs)
+                  num_steps=num_steps, distribution=distribution, cpu_devices=2,
+                  deterministic=deterministic, jit=jit, checkpoint_every=1, **kwargs)
     if not os.path.exists(os.path.join(model_dir, "metrics.jsonl")):
         return None  # not the chief: it wrote no checkpoints or metrics
-    losses = [json.loads(line)["loss"] for line in open(os.path.join(model_dir, "metrics.jsonl"))]
+    records = [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl"))]
+    losses = [r["loss"] for r in records if r["split"] == "train"]
     reader = tf.train.load_checkpoint(os.path.join(model_dir, "checkpoints"))
     weights = {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(
         os.path.join(model_dir, "checkpoints")) if name.startswith("model/")
@@ -90,6 +97,8 @@ if MODE == "engines":
     for name in ("default", "mirrored"):
         print(name, run(os.path.join(OUT, name), name), flush=True)
     # Two micro-batches of 2 accumulated on one device: the same global batches of 4.
+    print("reference", run(os.path.join(OUT, "reference"), "default", num_steps=REF_STEPS,
+                           keep_checkpoints=REF_STEPS), flush=True)
     ACCUM = 2
     print("accumulated", run(os.path.join(OUT, "accumulated"), "default",
                              grad_accum_steps=ACCUM), flush=True)
@@ -100,6 +109,64 @@ elif MODE == "multi_worker":
     losses = run(os.path.join(OUT, "multi_worker" if task == 0 else f"worker_{task}"),
                  "multi_worker_mirrored")
     print("multi_worker", task, losses, flush=True)
+elif MODE == "preempt":
+    multi_worker = "TF_CONFIG" in os.environ
+    rank = (json.loads(os.environ["TF_CONFIG"])["task"]["index"] if multi_worker
+            else int(os.environ["HOROVOD_RANK"]))
+    with open(os.path.join(OUT, f"pid_{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    result = trainer.train(os.path.join(OUT, "run"), dataset_fn=same_global_batches,
+                           global_batch_size=GLOBAL_BATCH, num_steps=int(sys.argv[4]),
+                           distribution="multi_worker_mirrored" if multi_worker else "default",
+                           deterministic=True, jit="loss", checkpoint_every=1000,
+                           keep_checkpoints=10)
+    print("PREEMPT_RESULT " + json.dumps({"rank": rank, "step": result["step"]}), flush=True)
+elif MODE == "paths":
+    import gin
+
+    from detr_tf.evaluation import restore
+    from detr_tf.training import optimization
+
+    import tf_keras
+
+    arrays = {}
+    for jit in ("none", "loss", "step"):
+        # Not deterministic: op determinism refuses XLA's max-pool gradient (jit='step'). The
+        # same seed right before each run gives the same initial weights; the input is fixed.
+        tf_keras.utils.set_random_seed(0)
+        arrays[f"{jit}/losses"] = run(os.path.join(OUT, jit), "default", num_steps=3, jit=jit,
+                                      deterministic=False)
+        arrays.update({f"{jit}/{k}": v for k, v in np.load(
+            os.path.join(OUT, jit, "result.npz")).items() if k != "losses"})
+
+    # mixed_float16: a loss scale so large that the gradients overflow float16 at every step.
+    # num_steps=0 saves the initial weights (ckpt-0): the same seed builds the same model.
+    with gin.unlock_config():
+        gin.bind_parameter("DynamicLossScale.initial_scale", 2.0 ** 100)
+    for steps in (0, 2):
+        trainer.train(os.path.join(OUT, "float16"), dataset_fn=same_global_batches,
+                      global_batch_size=GLOBAL_BATCH, num_steps=steps, deterministic=True,
+                      jit="loss", precision="mixed_float16", checkpoint_every=1,
+                      keep_checkpoints=5, nan_policy="stop")
+    with gin.unlock_config():
+        gin.bind_parameter("DynamicLossScale.initial_scale", 2.0 ** 15)
+
+    # EMA and evaluation every 2 steps: what eval_fn sees at each evaluation.
+    def eval_fn(model, model_dir, step):
+        np.savez(os.path.join(model_dir, f"eval_weights_{step}.npz"),
+                 *[v.numpy() for v in model.trainable_variables])
+        return {"AP": step / 100.0}
+
+    ema_dir = os.path.join(OUT, "ema")
+    run(ema_dir, "default", num_steps=4, jit="loss", ema_decay=0.5, eval_every=2,
+        eval_fn=eval_fn, keep_checkpoints=5)
+    # What the tools (eval.py, predict.py, export.py) load from the run: EMA weights by default.
+    for use_ema in (True, False):
+        model, path = restore.load_trained_model(ema_dir, use_ema=use_ema)
+        arrays[f"tools_weights_ema_{use_ema}"] = np.array(
+            [np.concatenate([v.numpy().ravel() for v in model.trainable_variables])])[0]
+    np.savez(os.path.join(OUT, "paths.npz"), **arrays)
+    print("PATHS_DONE", flush=True)
 elif MODE == "horovod":
     print("horovod", run(os.path.join(OUT, "horovod"), "default"), flush=True)
 elif MODE == "nan":

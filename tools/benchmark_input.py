@@ -14,6 +14,7 @@ import json
 import os
 
 from absl import app, flags
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
 import gin
 
 # Imported before any gin parsing: gin locks its registry once a config is parsed.

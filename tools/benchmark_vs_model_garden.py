@@ -14,6 +14,8 @@ import sys
 
 from absl import app, flags
 
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
+
 flags.DEFINE_multi_string("gin_file", ["models/detr_r50.gin"], "Our model's Gin file(s).")
 flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings for our model.")
 flags.DEFINE_integer("image_size", 256, "Square image side in pixels (multiple of 32).")

@@ -9,6 +9,7 @@ prints a summary of every bad-input count, and exits non-zero only if no image w
 """
 from absl import app, flags
 
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
 from detr_tf.data import coco_converter
 
 FLAGS = flags.FLAGS

@@ -9,6 +9,7 @@ import os
 
 from absl import app, flags
 
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
 from detr_tf.data import shapes
 
 FLAGS = flags.FLAGS

@@ -1,10 +1,10 @@
 """detr_tf's own train and inference steps, built the way the trainer builds them, for timing.
 
-The train step is `step.StepBuilder.replica_step` (forward, criterion with batched matching,
-backward, all-reduce, clipping, the guarded AdamW update) run by the engine inside one
-`tf.function`, exactly what `train` runs, except that the batch arrives as an argument instead of
-from an iterator inside the function: the benchmark pulls batches in Python so it can time how
-long the step waits on input.
+The train step is detr_tf/training/step.py's `StepBuilder.replica_step` (forward, criterion
+with batched matching, backward, all-reduce, clipping, the guarded AdamW update) run by the
+engine inside one `tf.function`, exactly what `train` runs, except that the batch arrives as an
+argument instead of from an iterator inside the function: the benchmark pulls batches in Python
+so it can time how long the step waits on input.
 """
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
@@ -14,14 +14,14 @@ import tf_keras
 
 from detr_tf.benchmarks import flops as flops_lib
 from detr_tf.training import distribution as dist
-from detr_tf.training import optimization, state, step
+from detr_tf.training import optimization, state, step as step_lib
 
 
 @dataclasses.dataclass
 class TrainStep:
     """A built train step and what the benchmark needs to measure it."""
     step: Callable  # step(batch) -> dict of scalars
-    builder: step.StepBuilder
+    builder: step_lib.StepBuilder
     model: tf_keras.Model
     criterion: object
     jit: str
@@ -47,14 +47,14 @@ def build_train_step(model_fn: Callable[[], tf_keras.Model], criterion, jit: str
         with engine.scope():
             model = state.build_model(model_fn, image_size)
             optimizers = optimization.build_optimizers(steps_per_epoch=1000)
-            for opt, vars_ in zip(optimizers, step.split_variables(model)):
+            for opt, vars_ in zip(optimizers, step_lib.split_variables(model)):
                 opt.build(vars_)
             global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
             loss_scale = (optimization.DynamicLossScale() if precision == "mixed_float16"
                           else None)
-            builder = step.StepBuilder(engine, model, criterion, optimizers,
-                                       step.resolve_jit(jit), clip_norm, 1, loss_scale,
-                                       None, global_step)
+            builder = step_lib.StepBuilder(engine, model, criterion, optimizers,
+                                           step_lib.resolve_jit(jit), clip_norm, 1, loss_scale,
+                                           None, global_step)
     finally:
         tf_keras.mixed_precision.set_global_policy(previous)
 

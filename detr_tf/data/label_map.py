@@ -8,7 +8,8 @@ TFDS source's conversion, in TFDS) into the integer class the model predicts. Tw
 * `label_map_from_coco_json(path)`: contiguous classes 0..K-1 from a COCO json's `categories`,
   sorted by id; `num_classes = K`. Used for the shapes dataset and any custom dataset.
 
-Category ids that the map does not know are mapped to -1 and the pipeline drops those boxes.
+Category ids that the map does not know are mapped to -1; the pipeline stops with an error
+naming the image when a record has one (detr_tf.data.pipeline.check_annotations).
 """
 import dataclasses
 import json

@@ -1,6 +1,7 @@
 """The input pipeline the trainer calls: `build_dataset` (and `dataset_info`).
 
-Flow per example: source (raw example) -> drop crowd / unknown-class / empty boxes -> DETR train
+Flow per example: source (raw example) -> check the annotations (an unknown class or a box
+outside the image is an error naming the image), drop crowd and empty boxes -> DETR train
 augmentation (or eval resize) -> ImageNet normalize -> pad onto a canvas bucket -> pad targets to
 `max_boxes`. Then examples are batched within their bucket, so every batch has one of the bucket
 shapes and an XLA step compiles once per bucket.
@@ -43,19 +44,64 @@ AUTOTUNE = tf.data.AUTOTUNE
 COCO_BUCKETS = tuple(buckets_lib.canvas_buckets((576, 704, 832), (704, 896, 1088, 1344)))
 
 
+# Normalized coordinates may overshoot [0, 1] by rounding (they are clipped), but not by more.
+BOX_TOLERANCE = 0.01
+
+
+def check_annotations(raw: Dict[str, tf.Tensor], labels: tf.Tensor, label_map) -> tf.Operation:
+    """Fails the input pipeline, naming the image and the values, on annotations no converter
+    of ours writes: a category id the label map does not know, a box coordinate outside [0, 1]
+    (beyond BOX_TOLERANCE) or not finite, or an inverted box (max < min).
+
+    Such records come from another writer or another label map, and dropping their boxes in
+    silence would train on part of the data without anyone knowing (an xywh box stored as
+    ymin, xmin, ymax, xmax is "inverted" for about half the objects). The converter
+    (detr_tf/data/coco_converter.py) is where bad annotations are dropped and counted; by the time
+    a record reaches training it must be clean.
+
+    Args:
+      raw: a decoded example ('image_id', 'boxes' [N, 4] normalized ymin, xmin, ymax, xmax,
+        'classes' [N], 'is_crowd' [N]).
+      labels: [N] class indices from label_map.lookup (-1: unknown).
+      label_map: the LabelMap, named in the message.
+    """
+    ids = sorted(label_map.class_of_id)
+    known = f"{label_map.num_classes} classes, category ids {ids[0]}..{ids[-1]}" if ids else "empty"
+    boxes = tf.reshape(raw["boxes"], [-1, 4])
+    unknown = tf.boolean_mask(raw["classes"], (labels < 0) & ~raw["is_crowd"])
+    out_of_range = ~tf.reduce_all(tf.math.is_finite(boxes) & (boxes >= -BOX_TOLERANCE)
+                                  & (boxes <= 1.0 + BOX_TOLERANCE), axis=-1)
+    inverted = (boxes[:, 2] < boxes[:, 0]) | (boxes[:, 3] < boxes[:, 1])
+    bad_boxes = tf.boolean_mask(boxes, out_of_range | inverted)
+    return tf.group(
+        tf.debugging.Assert(tf.size(unknown) == 0, [
+            "input data: image_id", raw["image_id"], "has category ids", unknown,
+            f"that the label map ({known}) does not know; the label map and the records "
+            "disagree (check the label map / annotations file the data was converted with)"],
+            summarize=16),
+        tf.debugging.Assert(tf.size(bad_boxes) == 0, [
+            "input data: image_id", raw["image_id"], "has boxes (ymin, xmin, ymax, xmax)",
+            bad_boxes, "outside [0, 1] or inverted: image/object/bbox/* must be normalized "
+            "ymin <= ymax, xmin <= xmax (tools/create_coco_tfrecord.py writes them so)"],
+            summarize=16))
+
+
 def raw_to_instance(raw: Dict[str, tf.Tensor], label_map
                     ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Raw example -> (image uint8 [H, W, 3], boxes [N, 4] absolute xyxy, labels int32 [N]).
 
-    Crowd boxes, boxes of classes the label map does not know, and boxes with no area are
-    dropped: none of them is a training target (the reference DETR drops crowd boxes too).
+    Crowd boxes and boxes with no area (after clipping to the image) are dropped: neither is a
+    training target (the reference DETR drops crowd boxes too). Annotations that cannot be
+    right (an unknown category, a box outside the image or inverted) stop the pipeline with an
+    error naming the image (`check_annotations`).
     """
     image = raw["image"]
-    hw = tf.cast(tf.shape(image)[:2], tf.float32)
+    labels = label_map.lookup(raw["classes"])
+    with tf.control_dependencies([check_annotations(raw, labels, label_map)]):
+        hw = tf.cast(tf.shape(image)[:2], tf.float32)
     ymin, xmin, ymax, xmax = tf.unstack(tf.reshape(raw["boxes"], [-1, 4]), 4, axis=-1)
     boxes = tf.stack([xmin * hw[1], ymin * hw[0], xmax * hw[1], ymax * hw[0]], axis=-1)
     boxes = tf.clip_by_value(boxes, 0.0, tf.stack([hw[1], hw[0], hw[1], hw[0]]))
-    labels = label_map.lookup(raw["classes"])
     keep = (~raw["is_crowd"]) & (labels >= 0) & (boxes[:, 2] > boxes[:, 0]) & (
         boxes[:, 3] > boxes[:, 1])
     return image, tf.boolean_mask(boxes, keep), tf.boolean_mask(labels, keep)

@@ -184,12 +184,14 @@ class ResNet(tf_keras.layers.Layer):
         pretrained; a backbone trained from scratch needs them).
       norm: 'frozen' (DETR, torchvision-compatible) or 'batch' (trainable batch norm, for a
         backbone trained from scratch), see `make_norm`.
+      stem_width: channels of the stem alone (default: `width`); timm's narrow ResNets keep a
+        64-channel stem whatever their stage widths (the weight-import fixtures use one).
     """
 
     def __init__(self, block: Type[tf_keras.layers.Layer] = Bottleneck,
                  layers: Sequence[int] = (3, 4, 6, 3), width: int = 64, dilation: bool = False,
                  train_backbone: bool = True, train_stem: bool = False, norm: str = "frozen",
-                 **kwargs):
+                 stem_width: Optional[int] = None, **kwargs):
         kwargs.setdefault("name", "backbone")
         super().__init__(**kwargs)
         layers = tuple(int(n) for n in layers)
@@ -197,12 +199,13 @@ class ResNet(tf_keras.layers.Layer):
             raise ValueError(f"ResNet.layers must hold 1 to 4 positive block counts, got {layers}")
         if dilation and len(layers) < 2:
             raise ValueError("ResNet.dilation (DC5) needs at least 2 stages")
-        self.conv1 = TorchConv2D(width, 7, 2, name="conv1")
+        stem_width = stem_width or width
+        self.conv1 = TorchConv2D(stem_width, 7, 2, name="conv1")
         self.bn1 = make_norm(norm, "bn1")
         self.conv1.trainable = train_backbone and train_stem
         self.stages = []
         self._strides = []  # stride of each stage's first block
-        in_ch, cur_dilation = width, 1
+        in_ch, cur_dilation = stem_width, 1
         output_stride = 4
         for i, n in enumerate(layers):
             planes = width * 2 ** i
@@ -268,7 +271,8 @@ def torchvision_variables(backbone: ResNet) -> Dict[str, tf.Variable]:
     """Maps torchvision state-dict keys to this backbone's variables, for loading weights.
 
     Conv kernels here are [kh, kw, in, out]; torch's are [out, in, kh, kw], so a loader assigns
-    `np.transpose(w, (2, 3, 1, 0))`. Batch-norm vectors load as they are.
+    `np.transpose(w, (2, 3, 1, 0))`. Batch-norm vectors load as they are (into a trainable
+    BatchNormalization's gamma, beta and moving statistics with norm='batch').
 
     Returns:
       {'conv1.weight': kernel, 'bn1.running_mean': ..., 'layer1.0.conv1.weight': ..., ...};
@@ -280,6 +284,11 @@ def torchvision_variables(backbone: ResNet) -> Dict[str, tf.Variable]:
         if isinstance(layer, FrozenBatchNorm):
             for name in ("weight", "bias", "running_mean", "running_var"):
                 out[f"{prefix}{layer.name}.{name}"] = getattr(layer, name)
+        elif isinstance(layer, tf_keras.layers.BatchNormalization):
+            for name, attr in (("weight", "gamma"), ("bias", "beta"),
+                               ("running_mean", "moving_mean"),
+                               ("running_var", "moving_variance")):
+                out[f"{prefix}{layer.name}.{name}"] = getattr(layer, attr)
         else:
             out[f"{prefix}{layer.name}.weight"] = layer.kernel
 

@@ -91,8 +91,9 @@ def select_anchors(logits: tf.Tensor, boxes: tf.Tensor, mask: tf.Tensor,
       (anchor logits [B, k, 4] float32, indices [B, k] int32 into S).
     """
     if logits.shape[1] is not None and logits.shape[1] < k:
-        raise ValueError(f"select_anchors: the feature map has {logits.shape[1]} cells but "
-                         f"{k} queries need one each; use fewer queries or larger images")
+        raise ValueError(f"two-stage anchor selection: the feature map has {logits.shape[1]} "
+                         f"cells but num_queries={k} queries need one cell each; use fewer "
+                         "queries or larger images (canvases)")
     probs = tf.nn.softmax(tf.stop_gradient(logits), axis=-1)[..., :-1]
     score = tf.where(mask, tf.reduce_max(probs, axis=-1), -1.0)  # [B, S]
     _, idx = tf.math.top_k(score, k=k, sorted=True)

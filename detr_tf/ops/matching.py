@@ -10,45 +10,39 @@ of problems. "Rows" are the items inserted one at a time (targets), "columns" ar
 matched to (queries). Each loop iteration advances every unfinished problem by one Dijkstra step:
 relax the current row, pick the cheapest unscanned column (one min-reduction over a packed int64
 key), and either move on to the row that owns it or, if the column is free, augment and start the
-next row of that problem's own list. A greedy start places most rows before the loop. Why this
-shape, and the measurements behind it: /work/shared/notes/matcher-feasibility.md and
+next row of that problem's own list (`unroll` such steps per loop iteration). A start places most
+rows before the loop: each row's cheapest column (greedy), or, when targets fill at least half
+the queries, the Jonker-Volgenant initialisation in matching_init.py, which leaves fewer and
+shorter searches on crowded problems. Why this shape, and the measurements behind it:
 docs/PERFORMANCE.md.
 
 Row potentials are never stored: an assigned row's potential is implied by its tight edge,
 u[i] = C[i, col(i)] - v[col(i)], which saves one state tensor and its updates.
 """
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import gin
 import tensorflow as tf
 
 from detr_tf.ops import box_ops
+from detr_tf.ops import matching_init
+from detr_tf.ops import matching_inputs
+from detr_tf.ops.matching_init import float_from_key, sortable_int64
 
 _INT64_MAX = tf.int64.max
 # Column indices are packed into the low 16 bits of the search key.
 _MAX_COLUMNS = 1 << 16
 # The loop continues on batches of N / factor once that few problems are unfinished.
 _SHRINK_FACTORS = (4, 16, 64)
-# Finite costs are clipped to +-_CLIP (far beyond any real matching cost, far below overflow).
-_CLIP = 1e15
-
-
-def _sortable_int64(x: tf.Tensor) -> tf.Tensor:
-    """float32 -> int64 whose signed order is the float order, shifted into the high 32 bits."""
-    bits = tf.bitcast(x, tf.int32)
-    # For negative floats the magnitude bits run backwards; flipping them makes the int order
-    # match the float order (sign bit kept, so negatives stay below positives).
-    flipped = tf.bitwise.bitwise_xor(
-        bits, tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 31), 0x7FFFFFFF))
-    return tf.bitwise.left_shift(tf.cast(flipped, tf.int64), 32)
-
-
-def _float_from_key(key: tf.Tensor) -> tf.Tensor:
-    """Inverse of `_sortable_int64` on the high 32 bits of a packed key."""
-    flipped = tf.cast(tf.bitwise.right_shift(key, 32), tf.int32)
-    bits = tf.bitwise.bitwise_xor(
-        flipped, tf.bitwise.bitwise_and(tf.bitwise.right_shift(flipped, 31), 0x7FFFFFFF))
-    return tf.bitcast(bits, tf.float32)
+# Augmenting-row-reduction passes of the JV start, by default (see the benchmark's table).
+DEFAULT_ARR_PASSES = 4
+# Search steps per while-loop iteration on crowded problems (see jv_min_fill), by default: fewer
+# loop-condition round trips. Sparse problems need a handful of steps and run one per iteration.
+DEFAULT_UNROLL = 4
+# The JV start runs only when min(Q, T) >= this fraction of max(Q, T), by default. With few
+# targets the greedy start already places nearly every row, and the JV sweeps over [N, T, Q]
+# cost more than the handful of search steps they save (docs/PERFORMANCE.md).
+DEFAULT_JV_MIN_FILL = 0.5
 
 
 def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
@@ -60,85 +54,33 @@ def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
     return tf.where(hit, tf.bitwise.left_shift(tf.ones_like(shift), shift), tf.zeros_like(shift))
 
 
-def _worst_cost(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
-    """[N, R, C] float32 -> [N] a finite cost worse than every real finite entry (max+range+1)."""
-    finite = tf.math.is_finite(cost)
-    real = row_mask[:, :, None] & col_mask[:, None, :] & finite
-    clipped = tf.clip_by_value(tf.where(finite, cost, 0.0), -_CLIP, _CLIP)
-    # Reduce the minor axis first: XLA:CPU vectorises that, while a reduction over [R, C] at
-    # once took several ms here.
-    hi = tf.reduce_max(tf.reduce_max(tf.where(real, clipped, -_CLIP), axis=2), axis=1)
-    lo = tf.reduce_min(tf.reduce_min(tf.where(real, clipped, _CLIP), axis=2), axis=1)
-    return hi + tf.maximum(hi - lo, 0.0) + 1.0
+def _insertion_order(todo: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """[N, R] bool rows to insert -> (order [N, R] int32, num_todo [N] int32).
 
-
-def _sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
-    """Replaces non-finite entries by a finite cost worse than every finite one of the problem.
-
-    Args:
-      cost: [N, R, C] float32.
-      row_mask, col_mask: [N, R], [N, C] bool; only real entries set the worst value.
-
-    Returns:
-      [N, R, C] float32, all finite. Finite values are clipped to +-1e15 so that the worst cost
-      and the potentials built from it stay far from float32 overflow. The worst value is only
-      computed (in a conditional) when some entry needs it: those reductions cost more than the
-      whole search on typical inputs.
+    order[k] is the k-th row to insert (entries past num_todo are never used): a scatter by
+    running count, as XLA:CPU's sort took ~1 ms for this.
     """
-    ok = tf.reduce_all(tf.reduce_all(tf.abs(cost) <= _CLIP, axis=2))  # False for NaN, +-inf
-    worst = tf.cond(ok, lambda: tf.zeros_like(cost[:, 0, 0]),
-                    lambda: _worst_cost(cost, row_mask, col_mask))  # [N]
-    out = tf.where(tf.math.is_finite(cost), tf.clip_by_value(cost, -_CLIP, _CLIP),
-                   worst[:, None, None])
-    out.set_shape(cost.shape)
-    return out
-
-
-def _argmin_last(x: tf.Tensor) -> tf.Tensor:
-    """[..., C] -> [...] int32 index of the first minimum.
-
-    Two plain reductions: the variadic reduction behind tf.argmin took ~2 ms on XLA:CPU at
-    [384, 20, 100].
-    """
-    low = tf.reduce_min(x, axis=-1, keepdims=True)
-    iota = tf.range(x.shape[-1], dtype=tf.int32)
-    return tf.reduce_min(tf.where(x == low, iota, x.shape[-1]), axis=-1)
-
-
-def _greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
-                  ) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Every real row takes its cheapest column; on collisions the lowest row index wins.
-
-    With all column potentials at 0 and u[i] = min_j C[i, j], every assigned edge is tight and
-    every reduced cost is >= 0, so this is a valid starting point for the augmenting-path phase.
-
-    Args:
-      cost: [N, R, C] float32, finite.
-      row_mask, col_mask: [N, R], [N, C] bool.
-
-    Returns:
-      row4col: [N, C] int32, the row owning each column or -1.
-      placed: [N, R] bool, the rows that got their column.
-    """
-    n = tf.shape(cost)[0]
-    num_rows, num_cols = cost.shape[1], cost.shape[2]
-    masked = tf.where(col_mask[:, None, :], cost, tf.float32.max)
-    best = _argmin_last(masked)  # [N, R]
-    # Scatter-min of row indices into the wanted columns (padded rows aim at a dummy column C);
-    # cheaper than an [N, R, C] comparison reduced over R.
-    target = tf.where(row_mask, best, num_cols)
-    index = tf.stack([tf.broadcast_to(tf.range(n)[:, None], [n, num_rows]), target], axis=-1)
+    n = tf.shape(todo)[0]
+    num_rows = todo.shape[1]
+    position = tf.where(todo, tf.cumsum(tf.cast(todo, tf.int32), axis=1) - 1, num_rows)
+    index = tf.stack([tf.broadcast_to(tf.range(n)[:, None], [n, num_rows]), position], axis=-1)
     rows = tf.broadcast_to(tf.range(num_rows, dtype=tf.int32)[None, :], [n, num_rows])
-    winner = tf.tensor_scatter_nd_min(tf.fill([n, num_cols + 1], num_rows), index, rows)
-    winner = winner[:, :num_cols]
-    row4col = tf.where(winner < num_rows, winner, -1)
-    # A row is placed iff it won the column it wanted.
-    placed = row_mask & (tf.gather(row4col, best, batch_dims=1) == rows)
-    return row4col, placed
+    order = tf.tensor_scatter_nd_update(tf.zeros([n, num_rows + 1], tf.int32), index, rows)
+    return order[:, :num_rows], tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)
 
 
-def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
+def _start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_passes: Optional[int]
            ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(row4col [N, C], v [N, C], init passes): the greedy start, or JV's if arr_passes is set."""
+    if arr_passes is None:
+        row4col = matching_init.greedy_start(cost, row_mask, col_mask)
+        return row4col, tf.zeros_like(cost[:, 0, :]), tf.constant(0, tf.int32)
+    return matching_init.jv_start(cost, row_mask, col_mask, arr_passes)
+
+
+def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
+           arr_passes: Optional[int] = None, unroll: int = 1
+           ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """Min-cost assignment of every masked row to a distinct masked column, for N problems.
 
     Requires, per problem, no more real rows than real columns.
@@ -147,11 +89,15 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
       cost: [N, R, C] float32, finite.
       row_mask: [N, R] bool, rows that must be assigned.
       col_mask: [N, C] bool, columns that may be used.
+      arr_passes: None for the greedy start; otherwise the JV initialisation with at most this
+        many augmenting-row-reduction passes (detr_tf/ops/matching_init.py).
+      unroll: search steps per while-loop iteration.
 
     Returns:
       row4col: [N, C] int32, the row assigned to each column, -1 for unused columns.
-      iterations: scalar int32, while-loop iterations taken (the cost driver; see the benchmark).
-      steps: [N] int32, the iterations each problem needed on its own.
+      stats: 'init_passes' (scalar int32, ARR passes), 'search_iterations' (scalar int32,
+        while-loop iterations of the search: the cost driver, see the benchmark), 'steps' ([N]
+        int32, the search iterations each problem needed on its own).
     """
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
@@ -160,17 +106,10 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
                          f"got cost with {num_cols} (the larger of Q and T).")
     num_words = (num_rows + 63) // 64
 
-    row4col, placed = _greedy_start(cost, row_mask, col_mask)
-    # Each problem walks its own list of rows still to insert: the unplaced real rows first.
-    todo = row_mask & ~placed  # [N, R]
-    # order[k] = the k-th row to insert (entries past num_todo are never used): a scatter by
-    # running count, as XLA:CPU's sort took ~1 ms for this.
-    position = tf.where(todo, tf.cumsum(tf.cast(todo, tf.int32), axis=1) - 1, num_rows)
-    index = tf.stack([tf.broadcast_to(tf.range(n)[:, None], [n, num_rows]), position], axis=-1)
-    rows = tf.broadcast_to(tf.range(num_rows, dtype=tf.int32)[None, :], [n, num_rows])
-    order = tf.tensor_scatter_nd_update(tf.zeros([n, num_rows + 1], tf.int32), index, rows)
-    order = order[:, :num_rows]  # [N, R]
-    num_todo = tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)  # [N]
+    row4col, v, init_passes = _start(cost, row_mask, col_mask, arr_passes)
+    # Each problem walks its own list of rows still to insert: the real rows the start left free.
+    placed = matching_init.col4row(row4col, num_rows) >= 0
+    order, num_todo = _insertion_order(row_mask & ~placed)  # [N, R], [N]
     # A search scans at most min(R, C) columns before it reaches a free one, plus the sink step.
     max_iterations = num_rows * (min(num_rows, num_cols) + 1) + 1
 
@@ -184,22 +123,32 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
         entry_dist=tf.zeros([n], tf.float32),  # [N] shortest-path label of entry_col
         rowbits=_row_bit(row0, num_words),  # [N, W] rows on the tree path from the root to `row`
         row4col=row4col,  # [N, C]
-        v=tf.zeros([n, num_cols], tf.float32),  # [N, C] column potentials
+        v=v,  # [N, C] column potentials
         shortest=tf.fill([n, num_cols], float("inf")),  # [N, C] Dijkstra labels
         path=tf.fill([n, num_cols], -1),  # [N, C] row that set each label
         pathbits=tf.zeros([n, num_cols, num_words], tf.int64),  # [N, C, W] tree path of that row
         scanned=~col_mask,  # [N, C]
         steps=tf.zeros([n], tf.int32),  # [N] iterations each problem needed (statistics only)
     )
-    iterations = tf.constant(0, tf.int32)
-    static_n = cost.shape[0]
-    if static_n is None:
-        state, iterations = _run_stage(state, consts, iterations, 0, max_iterations)
-        return state["row4col"], iterations, state["steps"]
+    row4col, iterations, steps = _search(state, consts, cost.shape[0], max_iterations,
+                                       unroll)
+    return row4col, dict(init_passes=init_passes, search_iterations=iterations, steps=steps)
 
-    # Most problems finish within a few iterations while a few need many more, and every
-    # iteration costs as much as the whole batch. So once few problems are left, they are
-    # gathered into a smaller batch (static size), solved on, and scattered back.
+
+def _search(state, consts, static_n: Optional[int], max_iterations: int, unroll: int):
+    """Runs the search loop to the end, on ever smaller batches once few problems are left.
+
+    Most problems finish within a few iterations while a few need many more, and every
+    iteration costs as much as the whole batch. So once few problems are left, they are
+    gathered into a smaller batch (static size), solved on, and scattered back.
+
+    Returns:
+      (row4col [N, C], iterations scalar int32, steps [N] int32).
+    """
+    iterations = tf.constant(0, tf.int32)
+    if static_n is None:
+        state, iterations = _run_stage(state, consts, iterations, 0, max_iterations, unroll)
+        return state["row4col"], iterations, state["steps"]
     capacities = sorted({static_n} | {max(1, static_n // f) for f in _SHRINK_FACTORS},
                         reverse=True)
     row4col_out, steps_out = state["row4col"], state["steps"]
@@ -212,14 +161,16 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
             consts = {k: tf.gather(x, pick) for k, x in consts.items()}
             global_index = tf.gather(global_index, pick)
         stop = capacities[stage + 1] if stage + 1 < len(capacities) else 0
-        state, iterations = _run_stage(state, consts, iterations, stop, max_iterations)
+        state, iterations = _run_stage(state, consts, iterations, stop, max_iterations,
+                                       unroll)
         row4col_out = tf.tensor_scatter_nd_update(row4col_out, global_index[:, None],
                                                   state["row4col"])
         steps_out = tf.tensor_scatter_nd_update(steps_out, global_index[:, None], state["steps"])
     return row4col_out, iterations, steps_out
 
 
-def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int):
+def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int,
+               unroll: int):
     """Runs the search loop until at most `stop_count` problems are unfinished.
 
     Args:
@@ -228,104 +179,126 @@ def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int):
       iterations: scalar int32 iterations so far (the loop also stops at `max_iterations`).
       stop_count: leave the loop once no more than this many problems are unfinished.
       max_iterations: a bound that the algorithm never reaches; it only guarantees termination.
+      unroll: search steps per loop iteration (a finished problem's extra steps change nothing).
 
     Returns:
       (state, iterations) after the loop.
     """
-    cost, order, num_todo, col_mask = (consts[k] for k in ("cost", "order", "num_todo",
-                                                             "col_mask"))
-    num_rows, num_cols = cost.shape[1], cost.shape[2]
-    num_words = (num_rows + 63) // 64
-    col_iota = tf.range(num_cols, dtype=tf.int32)
-    unusable = ~col_mask
-    flat_cost = tf.reshape(cost, [-1, num_cols])  # [n * R, C]
+    num_todo = consts["num_todo"]
 
     def cond(it, s):
         unfinished = tf.reduce_sum(tf.cast(s["ptr"] < num_todo, tf.int32))
         return (it < max_iterations) & (unfinished > stop_count)
 
     def body(it, s):
-        active = s["ptr"] < num_todo  # [n]
-        # The current row's costs [n, C], as a plain row gather from [n * R, C]: the batch_dims
-        # gather was the costliest fusion of the loop on XLA:CPU.
-        crow = tf.gather(flat_cost, tf.range(tf.shape(s["row"])[0]) * num_rows + s["row"])
-        crow.set_shape(s["row"].shape.concatenate([num_cols]))
-        v = s["v"]
-        # Offset that turns C[row, :] - v into labels: entry label minus the row's potential.
-        entry = tf.maximum(s["entry_col"], 0)[:, None]
-        u_row = (tf.gather(crow, entry, batch_dims=1)[:, 0]
-                 - tf.gather(v, entry, batch_dims=1)[:, 0])
-        offset = tf.where(s["entry_col"] >= 0, s["entry_dist"] - u_row, 0.0)
-        reduced = crow - v + offset[:, None]
-        better = active[:, None] & ~s["scanned"] & (reduced < s["shortest"])
-        shortest = tf.where(better, reduced, s["shortest"])
-        path = tf.where(better, s["row"][:, None], s["path"])
-        pathbits = tf.where(better[:, :, None], s["rowbits"][:, None, :], s["pathbits"])
-
-        # One reduction picks the cheapest unscanned column, free columns first on ties, then
-        # the lowest index: key = [label (32 bits) | owned flag | column index].
-        owner = s["row4col"]
-        low = tf.cast(tf.bitwise.bitwise_or(tf.cast(owner >= 0, tf.int32) * 65536, col_iota),
-                      tf.int64)
-        key = tf.where(s["scanned"], _INT64_MAX, _sortable_int64(shortest) + low)
-        best = tf.reduce_min(key, axis=1)  # [n]
-        col = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
-        dist = _float_from_key(best)
-        is_sink = active & (tf.bitwise.bitwise_and(best, 65536) == 0)
-        step = active & ~is_sink
-
-        # Augment: the rows on the path to the sink each take the column that reached them.
-        # A column is on the path iff its owner's bit is set in the sink's path mask.
-        sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [n, W]
-        word = tf.zeros_like(owner, tf.int64)
-        for w in range(num_words):
-            word = tf.where(owner // 64 == w, sink_bits[:, w:w + 1], word)
-        shift = tf.cast(tf.math.floormod(tf.maximum(owner, 0), 64), tf.int64)
-        on_path = (owner >= 0) & (tf.bitwise.bitwise_and(
-            tf.bitwise.right_shift(word, shift), 1) != 0)
-        on_path |= col_iota == col[:, None]
-        new_row4col = tf.where(is_sink[:, None] & on_path, path, owner)
-        # Dual update over the columns scanned in this search (the sink's change is zero).
-        new_v = tf.where(is_sink[:, None] & s["scanned"] & col_mask,
-                         v - (dist[:, None] - shortest), v)
-
-        # Next search state: either continue from the row owning `col`, or start the next row.
-        next_ptr = s["ptr"] + tf.cast(is_sink, tf.int32)
-        root = tf.gather(order, tf.minimum(next_ptr, num_rows - 1), batch_dims=1)  # [n]
-        next_row = tf.gather(owner, col[:, None], batch_dims=1)[:, 0]
-        step_bits = tf.bitwise.bitwise_or(sink_bits, _row_bit(next_row, num_words))
-        return it + 1, dict(
-            ptr=next_ptr,
-            row=tf.where(step, next_row, tf.where(is_sink, root, s["row"])),
-            entry_col=tf.where(step, col, -1),
-            entry_dist=tf.where(step, dist, 0.0),
-            rowbits=tf.where(step[:, None], step_bits,
-                             tf.where(is_sink[:, None], _row_bit(root, num_words),
-                                      s["rowbits"])),
-            row4col=new_row4col,
-            v=new_v,
-            shortest=tf.where(is_sink[:, None], float("inf"), shortest),
-            path=path,
-            pathbits=pathbits,
-            scanned=tf.where(is_sink[:, None], unusable,
-                             s["scanned"] | (step[:, None] & (col_iota == col[:, None]))),
-            steps=s["steps"] + tf.cast(active, tf.int32),
-        )
+        for _ in range(unroll):
+            s = _search_step(s, consts)
+        return it + 1, s
 
     iterations, state = tf.while_loop(cond, body, [iterations, state])
     return state, iterations
 
 
-def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor
-                    ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """[N, Q, T] float32, [N, T] bool -> ([N, Q] query -> target or -1, iterations, [N] steps)."""
+def _relax(s: Dict[str, tf.Tensor], flat_cost: tf.Tensor, num_rows: int, active: tf.Tensor
+           ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Relaxes the labels through the current row: (shortest [n, C], path [n, C], pathbits)."""
+    num_cols = flat_cost.shape[1]
+    # The current row's costs [n, C], as a plain row gather from [n * R, C]: the batch_dims
+    # gather was the costliest fusion of the loop on XLA:CPU.
+    crow = tf.gather(flat_cost, tf.range(tf.shape(s["row"])[0]) * num_rows + s["row"])
+    crow.set_shape(s["row"].shape.concatenate([num_cols]))
+    v = s["v"]
+    # Offset that turns C[row, :] - v into labels: entry label minus the row's potential.
+    entry = tf.maximum(s["entry_col"], 0)[:, None]
+    u_row = (tf.gather(crow, entry, batch_dims=1)[:, 0]
+             - tf.gather(v, entry, batch_dims=1)[:, 0])
+    offset = tf.where(s["entry_col"] >= 0, s["entry_dist"] - u_row, 0.0)
+    reduced = crow - v + offset[:, None]
+    better = active[:, None] & ~s["scanned"] & (reduced < s["shortest"])
+    shortest = tf.where(better, reduced, s["shortest"])
+    path = tf.where(better, s["row"][:, None], s["path"])
+    pathbits = tf.where(better[:, :, None], s["rowbits"][:, None, :], s["pathbits"])
+    return shortest, path, pathbits
+
+
+def _on_path(owner: tf.Tensor, sink_bits: tf.Tensor, col: tf.Tensor) -> tf.Tensor:
+    """[n, C] bool: the columns on the augmenting path to the sink `col` ([n]).
+
+    A column is on the path iff it is the sink or its owner's bit is set in the sink's path
+    mask `sink_bits` ([n, W]).
+    """
+    word = tf.zeros_like(owner, tf.int64)
+    for w in range(sink_bits.shape[1]):
+        word = tf.where(owner // 64 == w, sink_bits[:, w:w + 1], word)
+    shift = tf.cast(tf.math.floormod(tf.maximum(owner, 0), 64), tf.int64)
+    on_path = (owner >= 0) & (tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(word, shift), 1) != 0)
+    return on_path | (tf.range(owner.shape[1], dtype=tf.int32) == col[:, None])
+
+
+def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+    """One Dijkstra step of every unfinished problem (the state of `_solve`, see there)."""
+    cost, order, num_todo, col_mask = (consts[k] for k in ("cost", "order", "num_todo",
+                                                             "col_mask"))
+    num_rows, num_cols = cost.shape[1], cost.shape[2]
+    num_words = (num_rows + 63) // 64
+    col_iota = tf.range(num_cols, dtype=tf.int32)
+    active = s["ptr"] < num_todo  # [n]
+    shortest, path, pathbits = _relax(s, tf.reshape(cost, [-1, num_cols]), num_rows, active)
+
+    # One reduction picks the cheapest unscanned column, free columns first on ties, then
+    # the lowest index: key = [label (32 bits) | owned flag | column index].
+    owner = s["row4col"]
+    low = tf.cast(tf.bitwise.bitwise_or(tf.cast(owner >= 0, tf.int32) * 65536, col_iota),
+                  tf.int64)
+    key = tf.where(s["scanned"], _INT64_MAX, sortable_int64(shortest) + low)
+    best = tf.reduce_min(key, axis=1)  # [n]
+    col = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
+    dist = float_from_key(best)
+    is_sink = active & (tf.bitwise.bitwise_and(best, 65536) == 0)
+    step = active & ~is_sink
+
+    # Augment: the rows on the path to the sink each take the column that reached them.
+    sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [n, W]
+    new_row4col = tf.where(is_sink[:, None] & _on_path(owner, sink_bits, col), path, owner)
+    # Dual update over the columns scanned in this search (the sink's change is zero).
+    new_v = tf.where(is_sink[:, None] & s["scanned"] & col_mask,
+                     s["v"] - (dist[:, None] - shortest), s["v"])
+
+    # Next search state: either continue from the row owning `col`, or start the next row.
+    next_ptr = s["ptr"] + tf.cast(is_sink, tf.int32)
+    root = tf.gather(order, tf.minimum(next_ptr, num_rows - 1), batch_dims=1)  # [n]
+    next_row = tf.gather(owner, col[:, None], batch_dims=1)[:, 0]
+    step_bits = tf.bitwise.bitwise_or(sink_bits, _row_bit(next_row, num_words))
+    return dict(
+        ptr=next_ptr,
+        row=tf.where(step, next_row, tf.where(is_sink, root, s["row"])),
+        entry_col=tf.where(step, col, -1),
+        entry_dist=tf.where(step, dist, 0.0),
+        rowbits=tf.where(step[:, None], step_bits,
+                         tf.where(is_sink[:, None], _row_bit(root, num_words), s["rowbits"])),
+        row4col=new_row4col,
+        v=new_v,
+        shortest=tf.where(is_sink[:, None], float("inf"), shortest),
+        path=path,
+        pathbits=pathbits,
+        scanned=tf.where(is_sink[:, None], ~col_mask,
+                         s["scanned"] | (step[:, None] & (col_iota == col[:, None]))),
+        steps=s["steps"] + tf.cast(active, tf.int32),
+    )
+
+
+def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optional[int],
+                    unroll: int
+                    ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
+    """[N, Q, T] float32, [N, T] bool -> ([N, Q] query -> target or -1, stats of `_solve`)."""
     num_queries, num_targets = cost.shape[1], cost.shape[2]
     query_mask = tf.ones_like(cost[:, :, 0], dtype=tf.bool)  # [N, Q]
     if num_targets <= num_queries:
         # Rows are targets, columns queries: [N, T, Q], so a target's row is one contiguous read.
         rows_first = tf.transpose(cost, [0, 2, 1])
-        rows_first = _sanitize(rows_first, target_mask, query_mask)
-        return _solve(rows_first, target_mask, query_mask)
+        rows_first = matching_inputs.sanitize(rows_first, target_mask, query_mask)
+        return _solve(rows_first, target_mask, query_mask, arr_passes, unroll)
 
     # More target slots than queries. A problem with more real targets than queries is solved
     # transposed (rows = queries, columns = real targets); the others as usual, padded to the
@@ -340,61 +313,55 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor
     rows = tf.where(t, padded_queries, target_mask)
     cols = tf.where(t, target_mask, padded_queries)
     square = tf.where(transposed[:, None, None], swapped, normal)
-    square = _sanitize(square, rows, cols)
-    row4col, iterations, steps = _solve(square, rows, cols)  # [N, T]
+    square = matching_inputs.sanitize(square, rows, cols)
+    row4col, stats = _solve(square, rows, cols, arr_passes, unroll)  # [N, T]
     # Normal problems: the first Q columns are the queries. Transposed ones: column = target,
     # row4col = its query; invert it so every query names its target.
     direct = row4col[:, :num_queries]
     hit = row4col[:, None, :] == tf.range(num_queries)[None, :, None]  # [N, Q, T]
     inverse = tf.where(tf.reduce_any(hit, axis=2),
                        tf.argmax(tf.cast(hit, tf.int32), axis=2, output_type=tf.int32), -1)
-    return tf.where(t, inverse, direct), iterations, steps
+    return tf.where(t, inverse, direct), stats
 
 
-def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None
-                                  ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
+                                  arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
+                                  unroll: Optional[int] = None,
+                                  jv_min_fill: float = DEFAULT_JV_MIN_FILL
+                                  ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """`hungarian_matching` plus loop statistics.
 
     Returns:
       matching: [..., Q] int32, as `hungarian_matching`.
-      iterations: scalar int32, while-loop iterations of the batched solve. This is what a call
-        pays for: every iteration costs as much as for the hardest problem in the batch.
-      steps: [...] int32, the iterations each problem needed on its own (their max is
-        `iterations` unless the batch was split).
+      stats: 'iterations' (scalar int32): while-loop iterations of the batched solve, the JV
+        passes plus the search's. This is what a call pays for: every iteration costs as much
+        as for the hardest problem in the batch. 'init_passes', 'search_iterations': its two
+        parts. 'steps' ([...] int32): the search iterations each problem needed on its own.
     """
-    cost = tf.convert_to_tensor(cost)
-    if cost.shape.rank is None or cost.shape.rank < 2:
-        raise ValueError(f"hungarian_matching: cost must be [..., Q, T], got shape {cost.shape}.")
-    num_queries, num_targets = cost.shape[-2], cost.shape[-1]
-    if num_queries is None or num_targets is None:
-        raise ValueError(f"hungarian_matching: Q and T must be static, got shape {cost.shape}.")
-    if not (cost.dtype.is_floating):
-        raise ValueError(f"hungarian_matching: cost must be floating point, got {cost.dtype}.")
-    lead = tf.shape(cost)[:-2]
-    # Matching is a discrete decision: no gradient, and low-precision costs are solved in float32
-    # (bf16 has 8 mantissa bits, too few to order close costs).
-    flat = tf.reshape(tf.cast(tf.stop_gradient(cost), tf.float32), [-1, num_queries, num_targets])
-    if target_mask is None:
-        mask = tf.ones_like(flat[:, 0, :], dtype=tf.bool)  # [N, T], keeps a static N
-    else:
-        target_mask = tf.convert_to_tensor(target_mask)
-        if target_mask.dtype != tf.bool:
-            raise ValueError(f"hungarian_matching: target_mask must be bool, got "
-                             f"{target_mask.dtype}.")
-        if target_mask.shape.rank is not None and target_mask.shape[-1] not in (None, num_targets):
-            raise ValueError(f"hungarian_matching: target_mask shape {target_mask.shape} does not "
-                             f"end in T={num_targets} of cost shape {cost.shape}.")
-        mask = tf.reshape(tf.broadcast_to(target_mask, tf.concat([lead, [num_targets]], 0)),
-                          [-1, num_targets])
+    flat, mask, lead = matching_inputs.flatten_problems(cost, target_mask,
+                                                          "hungarian_matching")
+    num_queries, num_targets = flat.shape[1], flat.shape[2]
     if num_queries == 0 or num_targets == 0:
-        out = tf.fill(tf.concat([lead, [num_queries]], 0), -1)
-        return out, tf.constant(0, tf.int32), tf.zeros(lead, tf.int32)
-    matched, iterations, steps = _hungarian_flat(flat, mask)
-    return (tf.reshape(matched, tf.concat([lead, [num_queries]], 0)), iterations,
-            tf.reshape(steps, lead))
+        zero = tf.constant(0, tf.int32)
+        stats = dict(init_passes=zero, search_iterations=zero, steps=tf.zeros(lead, tf.int32))
+        matched = tf.fill(tf.concat([lead, [num_queries]], 0), -1)
+    else:
+        crowded = min(num_queries, num_targets) >= jv_min_fill * max(num_queries, num_targets)
+        if unroll is None:
+            unroll = DEFAULT_UNROLL if crowded else 1
+        if not crowded:
+            arr_passes = None
+        matched, stats = _hungarian_flat(flat, mask, arr_passes, unroll)
+        matched = tf.reshape(matched, tf.concat([lead, [num_queries]], 0))
+        stats["steps"] = tf.reshape(stats["steps"], lead)
+    stats["iterations"] = stats["init_passes"] + stats["search_iterations"]
+    return matched, stats
 
 
-def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
+def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
+                       arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
+                       unroll: Optional[int] = None,
+                       jv_min_fill: float = DEFAULT_JV_MIN_FILL) -> tf.Tensor:
     """Batched exact minimum-cost matching of queries to targets.
 
     Args:
@@ -403,6 +370,16 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None)
         (NaN, +-inf) count as a cost worse than every finite entry of their problem.
       target_mask: [..., T] bool, True for real targets; padded targets never influence the
         result. None means every target is real.
+      arr_passes: the start of the exact search. An int: the Jonker-Volgenant initialisation
+        with at most this many augmenting-row-reduction passes (ops/matching_init.py); None:
+        the plain greedy start. Only the speed depends on it, never the result's cost.
+      unroll: search steps per while-loop iteration. Every iteration costs a loop-condition round
+        trip, so on crowded problems fewer, longer iterations help; a problem that finishes
+        mid-iteration just idles. None: 4 (DEFAULT_UNROLL) when the shapes are crowded (see
+        jv_min_fill), else 1. Like arr_passes, it never changes the result.
+      jv_min_fill: the shapes count as crowded when min(Q, T) >= jv_min_fill * max(Q, T)
+        (static shapes). Only crowded shapes get the JV start; others the greedy start.
+        0 = the JV start whenever arr_passes is set.
 
     Returns:
       [..., Q] int32: the target index matched to each query, -1 for an unmatched query. With no
@@ -410,7 +387,31 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None)
       every query gets a distinct real target. The matched total cost is minimal (equal to
       scipy.optimize.linear_sum_assignment's optimum over the real targets, to float32 rounding).
     """
-    return hungarian_matching_with_stats(cost, target_mask)[0]
+    return hungarian_matching_with_stats(cost, target_mask, arr_passes, unroll,
+                                        jv_min_fill)[0]
+
+
+@gin.configurable
+class HungarianMatcher:
+    """The exact matcher as an injectable component: `matcher(cost, target_mask) -> [..., Q]`.
+
+    Args:
+      arr_passes, unroll, jv_min_fill: see `hungarian_matching` (arr_passes=None: greedy
+        start, no JV).
+    """
+
+    def __init__(self, arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
+                 unroll: Optional[int] = None, jv_min_fill: float = DEFAULT_JV_MIN_FILL):
+        if (unroll is not None and unroll < 1) or (arr_passes is not None and arr_passes < 0):
+            raise ValueError(f"HungarianMatcher: unroll must be None or >= 1 and arr_passes None or "
+                             f">= 0, got unroll={unroll}, arr_passes={arr_passes}.")
+        self.arr_passes = arr_passes
+        self.unroll = unroll
+        self.jv_min_fill = jv_min_fill
+
+    def __call__(self, cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
+        return hungarian_matching(cost, target_mask, self.arr_passes, self.unroll,
+                                  self.jv_min_fill)
 
 
 @gin.configurable

@@ -22,27 +22,43 @@ def checkpoint_dir(model_dir: str) -> str:
 
 
 class CheckpointSaver:
-    """A CheckpointManager that only the chief writes to.
+    """Saves a run's checkpoints into the chief's `checkpoints/` directory, which every process
+    of a run reads when it resumes.
 
-    MultiWorkerMirroredStrategy needs every worker to take part in a save; non-chief workers write
-    to a private temporary directory that is removed afterwards.
+    Only the chief's checkpoints are kept. MultiWorkerMirroredStrategy needs every worker to take
+    part in a save, so non-chief workers write to a private temporary directory that is removed
+    afterwards; Horovod ranks other than 0 do not save at all (`participates=False`). On a
+    restart every process restores the chief's checkpoint (state.start), so `checkpoint_path`
+    always names the chief's directory.
     """
 
     def __init__(self, checkpoint: tf.train.Checkpoint, model_dir: str, is_chief: bool,
                  rank: int, max_to_keep: int = 3, participates: bool = True):
         self.is_chief = is_chief
         self.participates = participates or is_chief
-        directory = checkpoint_dir(model_dir)
+        self.directory = checkpoint_dir(model_dir)
+        write_dir = self.directory
         if not is_chief:
-            directory = os.path.join(model_dir, f".worker_{rank}_tmp_checkpoints")
-        self._tmp_dir = None if is_chief else directory
-        self.manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
+            write_dir = os.path.join(model_dir, f".worker_{rank}_tmp_checkpoints")
+        self._tmp_dir = None if is_chief else write_dir
+        self.manager = tf.train.CheckpointManager(checkpoint, write_dir, max_to_keep=max_to_keep)
+        # The step of the last checkpoint this run wrote or restored, the same on every process
+        # (unlike `latest`, which only the chief knows): saving decisions must agree, or a
+        # collective save under MultiWorkerMirroredStrategy waits forever.
+        self.saved_step: Optional[int] = None
 
     @property
     def latest(self) -> Optional[str]:
-        return self.manager.latest_checkpoint
+        """The chief's latest checkpoint (what a restarted run resumes from)."""
+        return tf.train.latest_checkpoint(self.directory)
+
+    def checkpoint_path(self, step: int) -> str:
+        """The chief's checkpoint of `step`."""
+        return os.path.join(self.directory, f"ckpt-{step}")
 
     def save(self, step: int) -> Optional[str]:
+        """Saves `step` (every process calls it); returns the chief's path, None elsewhere."""
+        self.saved_step = step
         if not self.participates:
             return None
         path = self.manager.save(checkpoint_number=step)
@@ -50,6 +66,11 @@ class CheckpointSaver:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             return None
         return path
+
+
+def checkpoint_step(path: str) -> int:
+    """The step of a checkpoint path `.../ckpt-N`."""
+    return int(path.rsplit("-", 1)[1])
 
 
 def latest_checkpoint(model_dir: str) -> Optional[str]:

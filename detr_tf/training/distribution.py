@@ -2,9 +2,12 @@
 
 An `Engine` answers the few questions the trainer asks: how many replicas there are, whether this
 process is the chief, how to build the per-replica input, how to run a function on every replica,
-and how to all-reduce inside a replica. The all-reduces are called by the trainer outside any
-XLA-compiled function: Horovod's ops cannot be compiled, and keeping collectives out of the XLA
-cluster lets every engine share one compiled step.
+how to all-reduce inside a replica, and how the processes agree on host values between steps
+(`chief_value`: the step a restarted run resumes at; `any_process`: whether a termination signal
+reached any of them, asked at every step boundary so all stop after the same step). The
+all-reduces are called by the trainer outside any XLA-compiled function: Horovod's ops cannot be
+compiled, and keeping collectives out of the XLA cluster lets every engine share one compiled
+step.
 
 Engines:
   default                tf.distribute's default strategy: one device.
@@ -90,6 +93,16 @@ class Engine:
     def barrier(self) -> None:
         """Waits for every process (only multi-process engines need it)."""
 
+    # Host-side agreement between processes (eager, outside any compiled step). Every process
+    # must call these at the same point of the run, like any collective.
+    def chief_value(self, value: int) -> int:
+        """The chief's `value`, on every process (e.g. the step a restarted run resumes at)."""
+        return int(value)
+
+    def any_process(self, flag: bool) -> bool:
+        """True on every process when `flag` is True on any (e.g. a termination signal)."""
+        return bool(flag)
+
 
 class DefaultEngine(Engine):
     name = "default"
@@ -135,14 +148,35 @@ class MultiWorkerEngine(Engine):
     def rank(self) -> int:
         return self._task_id
 
+    def _sum_over_workers(self, value: float, chief_only: bool = False) -> float:
+        """Sums a host value over the workers (with chief_only, the chief's value alone).
+
+        Each of a worker's local replicas contributes value / local replicas; float64 keeps step
+        numbers exact enough to round back.
+        """
+        if not hasattr(self, "_sum_fn"):
+            strategy = self.strategy
+            local = float(len(strategy.extended.worker_devices))
+
+            @tf.function
+            def sum_fn(x):
+                per_replica = strategy.run(lambda x: x / local, args=(x,))
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+            self._sum_fn = sum_fn
+        if chief_only and not self.is_chief:
+            value = 0.0
+        return float(self._sum_fn(tf.constant(value, tf.float64)).numpy())
+
     def barrier(self) -> None:
         # A tiny all-reduce is a portable barrier for collective strategies.
-        @tf.function
-        def all_reduce_one():
-            return self.strategy.reduce(tf.distribute.ReduceOp.SUM,
-                                        self.strategy.run(lambda: tf.constant(1.0)), axis=None)
+        self._sum_over_workers(1.0)
 
-        all_reduce_one()
+    def chief_value(self, value: int) -> int:
+        return int(round(self._sum_over_workers(float(value), chief_only=True)))
+
+    def any_process(self, flag: bool) -> bool:
+        return self._sum_over_workers(1.0 if flag else 0.0) > 0
 
 
 class HorovodEngine(Engine):
@@ -205,6 +239,13 @@ class HorovodEngine(Engine):
 
     def barrier(self) -> None:
         self.hvd.allreduce(tf.constant(0.0), op=self.hvd.Sum)
+
+    def chief_value(self, value: int) -> int:
+        return int(self.hvd.broadcast(tf.constant(int(value), tf.int64), root_rank=0).numpy())
+
+    def any_process(self, flag: bool) -> bool:
+        return float(self.hvd.allreduce(tf.constant(1.0 if flag else 0.0, tf.float64),
+                                        op=self.hvd.Sum).numpy()) > 0
 
 
 @gin.configurable

@@ -90,6 +90,15 @@ def _scalars(stats: Dict[str, Any], state: TrainState, images_per_sec: float,
     return scalars
 
 
+def _report_stop(engine, signalled_here: bool, step: int, path: str) -> None:
+    if engine.is_chief:
+        print(f"detr_tf: termination signal received; saved {path} at step {step}", flush=True)
+    else:
+        where = "here" if signalled_here else "on another worker"
+        print(f"detr_tf: worker {engine.rank}: termination signal received ({where}); "
+              f"stopped at step {step} with the chief's checkpoint", flush=True)
+
+
 def run_loop(step_fn: Callable, iterator, state: TrainState, engine,
              saver: checkpointing.CheckpointSaver, writer: MetricsWriter, cfg: LoopConfig,
              model_dir: str, eval_fn: Optional[Callable[..., Dict[str, float]]] = None,
@@ -97,7 +106,9 @@ def run_loop(step_fn: Callable, iterator, state: TrainState, engine,
     """Trains from the current global step to cfg.num_steps, or until a termination signal.
 
     Checkpoints are written every cfg.checkpoint_every steps, at the last step and when a
-    signal arrives; the caller writes none.
+    termination signal reaches any process (all processes then stop after the same step); the
+    caller writes none. Every process makes the same saving decisions: a save is a collective
+    under MultiWorkerMirroredStrategy.
     """
     step = int(state.global_step.numpy())
     result = LoopResult(step, {}, {})
@@ -133,17 +144,19 @@ def run_loop(step_fn: Callable, iterator, state: TrainState, engine,
                                 force=step == cfg.num_steps)
             else:
                 progress.update(step, cfg.images_per_step / max(step_time, 1e-9))
-            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps:
+            if (step % cfg.checkpoint_every == 0 or step == cfg.num_steps) and (
+                    saver.saved_step != step):
                 save()
             if (eval_fn is not None and engine.is_chief and cfg.eval_every
                     and step % cfg.eval_every == 0 and step != cfg.num_steps):
                 result.eval_metrics = evaluate(eval_fn, state, model_dir, step, writer)
-            if term.received:
-                path = save()
-                print(f"detr_tf: termination signal received; saved {path} at step {step}",
-                      flush=True)
+            # Every process asks the others at every step boundary, so a signal to any one of
+            # them stops all at the same step, and all take part in the same last save.
+            if engine.any_process(term.received):
+                path = save() if saver.saved_step != step else saver.checkpoint_path(step)
+                _report_stop(engine, term.received, step, path)
                 result.terminated = True
                 return result
-        if saver.latest is None or not saver.latest.endswith(f"-{step}"):
+        if saver.saved_step != step:
             save()
     return result

@@ -81,12 +81,17 @@ def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
     return make(backbone_learning_rate, "backbone_adamw"), make(learning_rate, "adamw")
 
 
+@gin.configurable
 class DynamicLossScale(tf.Module):
     """Dynamic loss scaling for mixed_float16, owned by the trainer so that one scale serves both
     optimizer groups and the skip decision shares the non-finite-loss guard.
 
     The scale halves whenever the gradients are not finite (the step is then skipped) and doubles
     after `growth_interval` finite steps in a row, as tf_keras's LossScaleOptimizer does.
+
+    Args:
+      initial_scale: the first scale (tf_keras's default, 2 ** 15).
+      growth_interval: finite steps in a row before the scale doubles.
     """
 
     def __init__(self, initial_scale: float = 2.0 ** 15, growth_interval: int = 2000):

@@ -43,7 +43,12 @@ def build_model(model_fn: Callable[[], tf_keras.Model],
     """
     model = model_fn()
     h, w = image_size
-    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
+    try:
+        model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
+    except ValueError as e:
+        raise ValueError(f"the model does not fit the data's smallest canvas, {h}x{w} px "
+                         f"(height x width; the smallest of the input's canvas buckets): {e}"
+                         ) from e
     if not hasattr(model, "backbone"):
         raise TypeError(f"{type(model).__name__} has no `backbone` attribute; the trainer needs it "
                         "to give the backbone its own learning rate")
@@ -110,6 +115,38 @@ def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Tuple[int, 
     return TrainState(model, optimizers, global_step, loss_scale, ema)
 
 
+def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
+           saver: checkpointing.CheckpointSaver, engine) -> Optional[int]:
+    """Restores the chief's latest checkpoint on every process; returns its step (None: there
+    is none).
+
+    The chief picks the checkpoint and every process learns its step from the chief (a
+    collective, so all take part), then each restores that same file from the shared model_dir.
+    Restoring the file everywhere, rather than restoring on the chief and broadcasting, brings
+    back the whole state on every process (optimizer slots, EMA, loss scale, step) without a
+    broadcast per variable, and every process starts at the same step by construction.
+
+    Raises:
+      FileNotFoundError: a process cannot read the chief's checkpoint (the
+        model_dir must be one directory shared by all processes).
+    """
+    latest = saver.latest if engine.is_chief else None
+    step = engine.chief_value(checkpointing.checkpoint_step(latest) if latest else -1)
+    if step < 0:
+        return None
+    path = saver.checkpoint_path(step)
+    if not tf.io.gfile.exists(path + ".index"):
+        raise FileNotFoundError(
+            f"worker {engine.rank} cannot read the chief's checkpoint {path!r} (step {step}): "
+            "every process of a run must see the same model_dir (a shared file system)")
+    checkpoint.restore(path).assert_existing_objects_matched()
+    restored = int(state.global_step.numpy())
+    if restored != step:
+        raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
+    saver.saved_step = step
+    return step
+
+
 def start(state: TrainState, checkpoint: tf.train.Checkpoint,
           saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str]) -> int:
     """Resumes, or initialises a new run (see the module docstring); returns the start step.
@@ -119,10 +156,11 @@ def start(state: TrainState, checkpoint: tf.train.Checkpoint,
         the message names the file and the tensor.
     """
     say = (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
-    if saver.latest:
-        checkpoint.restore(saver.latest).assert_existing_objects_matched()
-        step = int(state.global_step.numpy())
-        say(f"detr_tf: resumed from {saver.latest} at step {step}")
+    step = resume(state, checkpoint, saver, engine)
+    if step is not None:
+        say(f"detr_tf: resumed from {saver.checkpoint_path(step)} at step {step}")
+        if not engine.is_chief:
+            print(f"detr_tf: worker {engine.rank} resumed at step {step}", flush=True)
         if init_weights:
             say(f"detr_tf: train.init_weights={init_weights!r} ignored: this run resumes from "
                 "its own checkpoint (init_weights only initialises a new run)")

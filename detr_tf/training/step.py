@@ -11,14 +11,23 @@ import tensorflow as tf
 JIT_CHOICES = ("auto", "step", "loss", "none")
 
 
-def resolve_jit(jit: str) -> str:
-    """'auto' -> 'step' with a GPU or TPU, else 'loss'; other choices are checked and kept."""
+def resolve_jit(jit: str, deterministic: bool = False) -> str:
+    """'auto' -> 'step' with a GPU or TPU, else 'loss'; other choices are checked and kept.
+
+    A deterministic run cannot compile the backward pass: TensorFlow's op determinism refuses
+    XLA's max-pool gradient (the backbone's stem), at the first step's compile. So 'auto' gives
+    'loss' then, and an explicit 'step' fails here, before anything compiles.
+    """
     if jit not in JIT_CHOICES:
         raise ValueError(f"train.jit={jit!r} is not one of {JIT_CHOICES}")
+    if jit == "step" and deterministic:
+        raise ValueError("train.jit='step' cannot run with train.deterministic=True: XLA has no "
+                         "deterministic max-pool gradient; use jit='loss' (matching and losses "
+                         "compiled, the same results) or turn off deterministic")
     if jit != "auto":
         return jit
     accelerated = tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
-    return "step" if accelerated else "loss"
+    return "step" if accelerated and not deterministic else "loss"
 
 
 def _zeros_for_missing(grads, variables):

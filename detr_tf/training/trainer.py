@@ -19,7 +19,9 @@ A step, per replica:
 """
 import math
 import os
+import re
 import tempfile
+import time
 from typing import Any, Callable, Dict, Optional
 
 import gin
@@ -29,7 +31,7 @@ import tf_keras
 from detr_tf.training import checkpointing, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
-from detr_tf.training.metrics_writer import MetricsWriter
+from detr_tf.training.metrics_writer import MetricsWriter, format_elapsed
 from detr_tf.training.step import StepBuilder, resolve_jit, split_variables  # noqa: F401
 
 NAN_POLICIES = ("stop", "skip")
@@ -145,7 +147,8 @@ def train(model_dir: str,
       eval_every: steps between evaluations (also evaluates at the end when eval_fn is set).
       eval_fn: fn(model, model_dir, step) -> metrics dict, called on the chief with the EMA
         weights when there are any (e.g. `@coco_evaluate`).
-      deterministic: seeded, deterministic ops and input, for tests and exact resumption.
+      deterministic: seeded, deterministic ops and input, for tests and exact resumption
+        (not with jit='step': XLA has no deterministic max-pool gradient; 'auto' gives 'loss').
       seed: the seed for weights, dropout and input order.
       nan_policy: 'stop' (raise, naming the step and the loss terms) or 'skip' the step.
       after_train_fn: fn(model, model_dir) called on the chief after training (e.g. to write
@@ -154,6 +157,7 @@ def train(model_dir: str,
     Returns:
       The last logged training scalars and, if evaluated, the final eval metrics.
     """
+    started = time.time()
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"train.nan_policy={nan_policy!r} is not one of {NAN_POLICIES}")
     if grad_accum_steps < 1:
@@ -175,7 +179,7 @@ def train(model_dir: str,
     # checkpointed and a resumed run continues the same random stream.
     tf_keras.backend.experimental.enable_tf_random_generator()
     state_lib.set_precision(precision)
-    jit = resolve_jit(jit)
+    jit = resolve_jit(jit, deterministic)
     writer = MetricsWriter(model_dir, enabled=engine.is_chief)
     if engine.is_chief:
         _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
@@ -206,12 +210,15 @@ def train(model_dir: str,
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
                      log_every=log_every, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, nan_policy=nan_policy)
+    timing = {"set-up": time.time() - started}
+    loop_started = time.time()
     result = run_loop(builder.make_step_fn(), iterator, state, engine, saver, writer, cfg,
                       model_dir, eval_fn, on_first_step=write_operative_config)
+    timing[f"{result.step - start_step} steps"] = time.time() - loop_started
     if result.terminated:
         writer.close()
         return {"step": result.step, **result.last_train}
-    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn)
+    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
 
 
 def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, deterministic,
@@ -236,11 +243,14 @@ def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, det
         return iter(engine.distribute_dataset(replica_dataset_fn))
 
 
-def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn):
-    """The final evaluation, the summary line and the after-train hook (on the chief)."""
+def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing):
+    """The final evaluation, the summary line, the after-train hook and, last, how long the
+    run took and where (on the chief)."""
     eval_metrics = result.eval_metrics
     if eval_fn is not None and engine.is_chief:
+        t0 = time.time()
         eval_metrics = evaluate(eval_fn, state, model_dir, result.step, writer)
+        timing["final evaluation"] = time.time() - t0
     if engine.is_chief:
         shown = {k: result.last_train[k] for k in ("loss", "class_error")
                  if k in result.last_train}
@@ -248,8 +258,15 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn):
         print(f"detr_tf: finished at step {result.step}: "
               + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
     if after_train_fn is not None and engine.is_chief:
+        t0 = time.time()
         with ema_weights(state.ema):
             after_train_fn(model=state.model, model_dir=model_dir)
+        timing["after-train"] = time.time() - t0
+    if engine.is_chief:
+        # The process's own start-up (imports) comes before train() and is not counted.
+        print(f"detr_tf: done in {format_elapsed(sum(timing.values()))} ("
+              + ", ".join(f"{k} {format_elapsed(v)}" for k, v in timing.items()) + ")",
+              flush=True)
     writer.close()
     engine.barrier()
     return {"step": result.step, **result.last_train,
@@ -266,6 +283,17 @@ def run_from_command_line(model_dir: str) -> None:
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
         sys.exit(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
+    except tf.errors.InvalidArgumentError as e:
+        # The input pipeline's annotation checks (data/pipeline.py) fail inside tf.data; their
+        # message, not TensorFlow's op trace, is what the user needs.
+        bad_input = [line for line in e.message.splitlines() if "input data: image_id" in line]
+        if not bad_input or os.environ.get("DETR_TF_TRACEBACK"):
+            raise
+        # "... assertion failed: [input data: image_id] [42] [has ...]" -> "image_id 42 has ..."
+        what = bad_input[0].split("input data: ", 1)[1]
+        what = re.sub(r"\]\s*\[", " ", what).rstrip("] ")
+        sys.exit(f"train.py: bad input data: {what}\n(checkpoints already in "
+                 f"{model_dir} are untouched; set DETR_TF_TRACEBACK=1 for the traceback)")
     except RuntimeError as e:
         if "Required bindings" in str(e):
             sys.exit(f"train.py: gin configuration incomplete: {e}")

@@ -1,0 +1,125 @@
+"""Reading weight files into numpy arrays, whatever wrote them.
+
+Three kinds of file, told apart by their content (never their name):
+- safetensors: read with `safetensors.numpy`, no torch needed;
+- torch pickles (`.pth`, `.bin`): need torch, an optional extra; without it the error gives
+  the one-line command that converts the file to safetensors on a machine that has torch;
+- detr_tf's TensorFlow checkpoints: a model_dir, its checkpoints/ directory or a ckpt prefix.
+"""
+import os
+import struct
+from typing import Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
+_PICKLE_MAGIC = b"\x80"  # torch.save's legacy format starts with a pickle protocol opcode
+_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+class WeightImportError(ValueError):
+    """A weight file cannot be imported; the message names the file, the key and the shapes."""
+
+
+def convert_command(path: str) -> str:
+    """The one-line command that turns a torch checkpoint into a safetensors file."""
+    out = os.path.splitext(path)[0] + ".safetensors"
+    return ('python -c "import sys, torch, safetensors.torch as st; '
+            "sd = torch.load(sys.argv[1], map_location='cpu', weights_only=True); "
+            "sd = sd.get('model', sd); "
+            "st.save_file({k: v.contiguous() for k, v in sd.items()}, sys.argv[2])\" "
+            f"{path} {out}")
+
+
+def _is_safetensors(head: bytes) -> bool:
+    # An 8-byte little-endian header length, then the JSON header itself.
+    return len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] > 0
+
+
+def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
+    """Reads a safetensors file or a torch checkpoint into {key: float32 array}.
+
+    A torch file holding `{'model': state_dict}` (the reference DETR's releases) or
+    `{'state_dict': ...}` is unwrapped.
+
+    Raises:
+      WeightImportError: the file is missing, of an unknown kind, or a torch file without torch.
+    """
+    if not os.path.isfile(path):
+        raise WeightImportError(f"weight file {path!r} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if _is_safetensors(head):
+        from safetensors.numpy import load_file
+
+        tensors = load_file(path)
+    elif head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC):
+        tensors = _read_torch(path)
+    else:
+        raise WeightImportError(
+            f"{path!r} is neither a safetensors file nor a torch checkpoint (first bytes "
+            f"{head[:8]!r}); expected a .safetensors, a torch .pth or a detr_tf checkpoint")
+    return {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()
+            if np.issubdtype(np.asarray(v).dtype, np.number)}
+
+
+def _read_torch(path: str) -> Dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None:
+        raise WeightImportError(
+            f"{path!r} is a torch checkpoint and reading it needs PyTorch "
+            "(pip install 'detr_tf[torch]'). Or convert it to safetensors on a machine that "
+            f"has torch:\n  {convert_command(path)}\nand import the .safetensors file instead")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickled Python objects beyond tensors: refuse, never unpickle them
+        raise WeightImportError(
+            f"{path!r}: torch.load(weights_only=True) failed: the file pickles more than "
+            f"tensors ({type(e).__name__}). If you trust it, convert its weights with "
+            "weights_only=False:\n  " + convert_command(path).replace(
+                "weights_only=True", "weights_only=False")) from e
+    for wrapper in ("model", "state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
+            obj = obj[wrapper]
+    if not isinstance(obj, dict):
+        raise WeightImportError(f"{path!r} holds a {type(obj).__name__}, expected a state dict")
+    return {k: v.detach().float().numpy() for k, v in obj.items() if torch.is_tensor(v)}
+
+
+def find_tf_checkpoint(path: str) -> Optional[str]:
+    """The detr_tf checkpoint prefix `path` points at, or None if it is not one.
+
+    Accepts a model_dir (its latest checkpoints/ckpt-N), a checkpoints/ directory (its
+    latest) or a prefix (ckpt-N, with ckpt-N.index next to it).
+    """
+    if tf.io.gfile.exists(path + ".index"):
+        return path
+    if tf.io.gfile.isdir(path):
+        for directory in (os.path.join(path, "checkpoints"), path):
+            if tf.io.gfile.isdir(directory):
+                latest = tf.train.latest_checkpoint(directory)
+                if latest:
+                    return latest
+    return None
+
+
+def read_tf_checkpoint(prefix: str) -> Dict[str, np.ndarray]:
+    """The model's variables in a detr_tf checkpoint: {object path under 'model/': array}.
+
+    Other objects (optimizer slots, EMA, step counters) are not model weights and are left out.
+    """
+    reader = tf.train.load_checkpoint(prefix)
+    out = {}
+    for name in reader.get_variable_to_shape_map():
+        is_weight = name.startswith("model/") and name.endswith(_VALUE_SUFFIX)
+        if is_weight and "/.OPTIMIZER_SLOT/" not in name:  # slots hang under their variable
+            out[name[len("model/"):-len(_VALUE_SUFFIX)]] = reader.get_tensor(name)
+    if not out:
+        raise WeightImportError(f"checkpoint {prefix!r} holds no 'model' variables; expected a "
+                                "checkpoint written by detr_tf (tools/train.py or "
+                                "tools/import_weights.py)")
+    return out

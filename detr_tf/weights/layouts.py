@@ -1,0 +1,122 @@
+"""The key layouts of pretrained DETR and ResNet files, told apart by their keys and renamed
+to one canonical naming.
+
+The canonical names are the reference DETR's state-dict keys with three changes that follow
+detr_tf's layers: the backbone is `backbone.<torchvision key>` (no `0.body.`), attention
+projections are separate `q_proj` / `k_proj` / `v_proj` (the reference stacks them in
+`in_proj_weight`), and the decoder's cross-attention is `cross_attn` (`multihead_attn`).
+Tensors stay in torch's layout ([out, in, kh, kw], [out, in]); detr_tf.weights.targets
+transposes them.
+"""
+import dataclasses
+import re
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+
+Tensors = Dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A known key layout.
+
+    Attributes:
+      name: what the report calls it.
+      to_canonical: file tensors -> {canonical name: (file key, array)}; keys it does not
+        know keep their own name, so they surface as unused.
+      default_skip: file-key globs that are not weights of a detector by design (a
+        classifier's `fc.*`, batch-norm step counters).
+      backbone_only: the layout only holds a backbone; the rest of the model stays at init.
+    """
+    name: str
+    to_canonical: Callable[[Tensors], Dict[str, Tuple[str, np.ndarray]]]
+    default_skip: Tuple[str, ...] = ()
+    backbone_only: bool = False
+
+
+def _rename(tensors: Tensors, rules: List[Tuple[str, str]]) -> Dict[str, Tuple[str, np.ndarray]]:
+    """Applies regex substitutions in order to every key."""
+    out = {}
+    for key, value in tensors.items():
+        name = key
+        for pattern, repl in rules:
+            name = re.sub(pattern, repl, name)
+        out[name] = (key, value)
+    return out
+
+
+def _split_in_proj(renamed: Dict[str, Tuple[str, np.ndarray]]):
+    """`*.in_proj_weight` [3d, d] / `*.in_proj_bias` [3d] -> q/k/v `weight` / `bias` (the
+    reference stacks q, k, v in that order along the first axis)."""
+    out = {}
+    for name, (key, value) in renamed.items():
+        m = re.fullmatch(r"(.*)\.in_proj_(weight|bias)", name)
+        if m and value.shape[0] % 3 == 0:
+            for part, chunk in zip(("q", "k", "v"), np.split(value, 3, axis=0)):
+                out[f"{m.group(1)}.{part}_proj.{m.group(2)}"] = (key, chunk)
+        else:
+            out[name] = (key, value)
+    return out
+
+
+_REFERENCE_RULES = [
+    (r"^backbone\.0\.body\.", "backbone."),
+    (r"\.multihead_attn\.", ".cross_attn."),
+]
+
+_HF_RULES = [
+    # transformers 4.x: model.backbone.conv_encoder.model.*; 5.x: model.backbone.model.*
+    (r"^model\.backbone\.(conv_encoder\.)?model\.", "backbone."),
+    (r"^model\.input_projection\.", "input_proj."),
+    (r"^model\.query_position_embeddings\.", "query_embed."),
+    (r"^model\.decoder\.layernorm\.", "transformer.decoder.norm."),
+    (r"^model\.(encoder|decoder)\.layers\.", r"transformer.\1.layers."),
+    (r"\.o_proj\.", ".out_proj."),  # 5.x
+    (r"\.(mlp\.)?fc1\.", ".linear1."),  # 5.x nests the feed-forward in `mlp`
+    (r"\.(mlp\.)?fc2\.", ".linear2."),
+    (r"(decoder\.layers\.\d+)\.encoder_attn_layer_norm\.", r"\1.norm2."),
+    (r"(decoder\.layers\.\d+)\.encoder_attn\.", r"\1.cross_attn."),
+    (r"(decoder\.layers\.\d+)\.final_layer_norm\.", r"\1.norm3."),
+    (r"(encoder\.layers\.\d+)\.final_layer_norm\.", r"\1.norm2."),
+    (r"\.self_attn_layer_norm\.", ".norm1."),
+    (r"^class_labels_classifier\.", "class_embed."),
+    (r"^bbox_predictor\.", "bbox_embed."),
+]
+
+REFERENCE_DETR = Layout(
+    "reference DETR (facebookresearch/detr state dict)",
+    lambda t: _split_in_proj(_rename(t, _REFERENCE_RULES)))
+HF_DETR_4 = Layout("Hugging Face DetrForObjectDetection (transformers 4.x names)",
+                   lambda t: _rename(t, _HF_RULES), default_skip=("*.num_batches_tracked",))
+HF_DETR_5 = dataclasses.replace(HF_DETR_4, name="Hugging Face DetrForObjectDetection "
+                                "(transformers 5.x names)")
+RESNET = Layout("ImageNet ResNet (torchvision / timm names), backbone only",
+                lambda t: _rename(t, [(r"^", "backbone.")]),
+                default_skip=("fc.*", "*.num_batches_tracked"), backbone_only=True)
+
+
+def detect(keys) -> Layout:
+    """The layout of a set of file keys.
+
+    Raises:
+      ValueError: no known layout; the message shows a few keys.
+    """
+    keys = set(keys)
+
+    def has(prefix):
+        return any(k.startswith(prefix) for k in keys)
+
+    if has("transformer.") and (has("backbone.0.") or "query_embed.weight" in keys):
+        return REFERENCE_DETR
+    if has("model.encoder.layers.") or has("model.backbone."):
+        hf5 = has("model.backbone.model.") or any(".mlp.fc1." in k or ".o_proj." in k
+                                                  for k in keys)
+        return HF_DETR_5 if hf5 else HF_DETR_4
+    if "conv1.weight" in keys and has("layer1."):
+        return RESNET
+    sample = ", ".join(sorted(keys)[:5])
+    raise ValueError(f"unknown key layout (first keys: {sample}); expected a reference DETR "
+                     "state dict (backbone.0.body.*, transformer.*), a Hugging Face DETR "
+                     "(model.backbone.*, model.encoder.*) or an ImageNet ResNet (conv1.*, "
+                     "layer1.*)")

@@ -1,0 +1,143 @@
+"""Where each canonical (torch-named) tensor goes in a built detr_tf DETR, and how it is laid out.
+
+A torch tensor and its variable differ in layout: conv kernels are [out, in, kh, kw] in torch
+and [kh, kw, in, out] here; Dense kernels [out, in] against [in, out]; vectors and embedding
+tables are the same. Each `Target` converts one way and gives the shape a file must hold.
+"""
+import dataclasses
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.modeling.backbone import ResNet, torchvision_variables
+
+_TO_TF = {"conv": (2, 3, 1, 0), "dense": (1, 0)}
+_TO_TORCH = {"conv": (3, 2, 0, 1), "dense": (1, 0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A model variable and the torch layout of what loads into it ('conv', 'dense', 'same')."""
+    variable: tf.Variable
+    kind: str = "same"
+
+    @property
+    def torch_shape(self) -> tuple:
+        shape = tuple(self.variable.shape)
+        perm = _TO_TORCH.get(self.kind)
+        return tuple(shape[i] for i in perm) if perm else shape
+
+    def from_torch(self, value: np.ndarray) -> np.ndarray:
+        perm = _TO_TF.get(self.kind)
+        return np.transpose(value, perm) if perm else value
+
+
+def _dense(prefix: str, layer: tf_keras.layers.Dense) -> Dict[str, Target]:
+    return {f"{prefix}.weight": Target(layer.kernel, "dense"),
+            f"{prefix}.bias": Target(layer.bias)}
+
+
+def _norm(prefix: str, layer: tf_keras.layers.LayerNormalization) -> Dict[str, Target]:
+    return {f"{prefix}.weight": Target(layer.gamma), f"{prefix}.bias": Target(layer.beta)}
+
+
+def _attention(prefix: str, attn) -> Dict[str, Target]:
+    out = {}
+    for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        out.update(_dense(f"{prefix}.{proj}", getattr(attn, proj)))
+    return out
+
+
+def _mlp(prefix: str, mlp) -> Dict[str, Target]:
+    out = {}
+    for i, layer in enumerate(mlp.layers):
+        out.update(_dense(f"{prefix}.layers.{i}", layer))
+    return out
+
+
+def _transformer(t) -> Dict[str, Target]:
+    out = {}
+    for i, layer in enumerate(t.encoder_layers):
+        p = f"transformer.encoder.layers.{i}"
+        out.update(_attention(f"{p}.self_attn", layer.self_attn))
+        out.update(_dense(f"{p}.linear1", layer.ffn.linear1))
+        out.update(_dense(f"{p}.linear2", layer.ffn.linear2))
+        out.update(_norm(f"{p}.norm1", layer.norm1))
+        out.update(_norm(f"{p}.norm2", layer.norm2))
+    for i, layer in enumerate(t.decoder_layers):
+        p = f"transformer.decoder.layers.{i}"
+        out.update(_attention(f"{p}.self_attn", layer.self_attn))
+        out.update(_attention(f"{p}.cross_attn", layer.cross_attn))
+        out.update(_dense(f"{p}.linear1", layer.ffn.linear1))
+        out.update(_dense(f"{p}.linear2", layer.ffn.linear2))
+        for j in (1, 2, 3):
+            out.update(_norm(f"{p}.norm{j}", getattr(layer, f"norm{j}")))
+    out.update(_norm("transformer.decoder.norm", t.decoder_norm))
+    return out
+
+
+def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
+    """{canonical name: Target} for every variable of a built DETR that a torch DETR has.
+
+    Variables without a torch counterpart (an AnchorTransformer's anchor MLPs, two-stage
+    proposals) are absent; the importer reports them by their TF names.
+
+    Raises:
+      ValueError: the model has not been built, or its backbone is not a detr_tf ResNet.
+    """
+    if not model.built:
+        raise ValueError("load_pretrained: build the model first (call it once on any image)")
+    if not isinstance(model.backbone, ResNet):
+        raise ValueError(f"load_pretrained: the backbone is a {type(model.backbone).__name__}; "
+                         "only detr_tf's ResNet has torch-compatible names")
+    out = {}
+    for name, var in torchvision_variables(model.backbone).items():
+        out["backbone." + name] = Target(var, "conv" if var.shape.rank == 4 else "same")
+    out["input_proj.weight"] = Target(model.input_proj.kernel, "conv")
+    out["input_proj.bias"] = Target(model.input_proj.bias)
+    if model.query_embed is not None and model.transformer.query_dim == model.transformer.d_model:
+        out["query_embed.weight"] = Target(model.query_embed.embeddings)
+    out.update(_transformer(model.transformer))
+    out.update(_dense("class_embed", model.class_embed))
+    if model.bbox_embed is not None:
+        out.update(_mlp("bbox_embed", model.bbox_embed))
+    return out
+
+
+def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
+    """The variables re-initialised together when the file's class or query count differs:
+    'class head' (class_embed and the two-stage proposals' class layer) and 'query embedding'."""
+    groups = {"class head": list(model.class_embed.variables)}
+    if model.proposals is not None:
+        groups["class head"] += list(model.proposals.class_embed.variables)
+    if model.query_embed is not None:
+        groups["query embedding"] = list(model.query_embed.variables)
+    return groups
+
+
+def _escape(name: str) -> str:
+    # TensorFlow's escaping of object names in checkpoint keys.
+    return name.replace(".", "..").replace("/", ".S")
+
+
+def checkpoint_targets(model: tf_keras.Model) -> Dict[str, Target]:
+    """{object path: Target} as a `tf.train.Checkpoint(model=model)` names the model's variables
+    (the path under 'model/', e.g. 'class_embed/kernel'), found breadth first like TensorFlow's
+    own object-graph traversal so each variable gets its shortest path."""
+    view = tf.train.TrackableView(model)
+    paths = {id(model): ""}
+    queue, out = [model], {}
+    while queue:
+        obj = queue.pop(0)
+        for name, child in view.children(obj).items():
+            if id(child) in paths:
+                continue
+            path = f"{paths[id(obj)]}/{_escape(name)}".lstrip("/")
+            paths[id(child)] = path
+            if isinstance(child, tf.Variable):
+                out[path] = Target(child)
+            else:
+                queue.append(child)
+    return out

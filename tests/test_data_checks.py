@@ -1,0 +1,94 @@
+"""Annotations that cannot be right stop the input pipeline with an error naming the image.
+
+A record with a category id the label map does not know, or a box outside [0, 1] or inverted,
+was not written by our converter (which drops and counts such annotations); the pipeline
+refuses it instead of training on part of the data in silence. Checked eagerly and inside
+`Dataset.map`, where the pipeline runs it. Crowd boxes and boxes that clip to nothing are still
+dropped quietly (they are valid data, just not targets).
+"""
+import io
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from detr_tf.data import label_map as label_map_lib
+from detr_tf.data import pipeline, tfexample
+
+LABEL_MAP = label_map_lib.LabelMap({3: 0, 7: 1}, 2, ["a", "b"])
+
+
+def _raw(boxes, category_ids, is_crowd=None, image_id=42):
+    """A decoded example with a 20 x 30 image; boxes are (xmin, ymin, xmax, ymax)."""
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(buf, format="PNG")
+    n = len(boxes)
+    example = tfexample.build_tf_example(
+        buf.getvalue(), "png", 20, 30, image_id, "im.png", boxes, category_ids,
+        is_crowd or [0] * n, [1.0] * n)
+    return tfexample.decode_example(tf.constant(example.SerializeToString()))
+
+
+def _instance_both_ways(raw):
+    """raw_to_instance eagerly and inside Dataset.map; both results (or the first error)."""
+    eager = pipeline.raw_to_instance(raw, LABEL_MAP)
+    mapped = next(iter(tf.data.Dataset.from_tensors(raw).map(
+        lambda r: pipeline.raw_to_instance(r, LABEL_MAP))))
+    return eager, mapped
+
+
+def test_clean_annotations_pass_and_crowd_and_empty_boxes_are_dropped():
+    raw = _raw([[0.1, 0.1, 0.5, 0.5], [0.0, 0.0, 1.0, 1.0], [0.2, 0.2, 0.2, 0.6],
+                [0.5, 0.5, 1.004, 1.0]], [3, 7, 3, 7], is_crowd=[0, 1, 0, 0])
+    for image, boxes, labels in _instance_both_ways(raw):
+        assert image.shape == (20, 30, 3)
+        # The crowd box and the zero-width box go; the slight overshoot is clipped.
+        np.testing.assert_array_equal(labels.numpy(), [0, 1])
+        np.testing.assert_allclose(boxes.numpy(), [[3, 2, 15, 10], [15, 10, 30, 20]],
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("boxes, ids, expected", [
+    ([[0.1, 0.1, 0.5, 0.5], [0.1, 0.1, 0.3, 0.3]], [3, 99], r"image_id.*42.*category ids.*99"
+     r".*label map \(2 classes, category ids 3..7\)"),
+    ([[0.1, 0.1, 0.5, 0.5], [0.2, 0.3, 12.0, 16.0]], [3, 7], r"image_id.*42.*boxes.*12.*"
+     r"outside \[0, 1\] or inverted"),
+    ([[0.6, 0.1, 0.2, 0.5]], [3], r"image_id.*42.*boxes.*outside \[0, 1\] or inverted"),
+    ([[float("nan"), 0.1, 0.2, 0.5]], [3], r"image_id.*42.*boxes.*nan"),
+])
+def test_unknown_classes_and_malformed_boxes_fail_naming_image_and_values(boxes, ids, expected):
+    raw = _raw(boxes, ids)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="(?s)" + expected):
+        pipeline.raw_to_instance(raw, LABEL_MAP)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="(?s)" + expected):
+        next(iter(tf.data.Dataset.from_tensors(raw).map(
+            lambda r: pipeline.raw_to_instance(r, LABEL_MAP))))
+
+
+def test_an_unknown_class_on_a_crowd_box_is_no_error():
+    (_, _, labels), _ = _instance_both_ways(_raw([[0.1, 0.1, 0.5, 0.5]] * 2, [3, 99],
+                                                 is_crowd=[0, 1]))
+    np.testing.assert_array_equal(labels.numpy(), [0])
+
+
+def test_train_py_reports_a_pipeline_check_in_one_line(monkeypatch, tmp_path):
+    """The check fails inside tf.data, so it reaches the trainer as an InvalidArgumentError;
+    tools/train.py prints its message alone, not TensorFlow's op trace."""
+    from detr_tf.training import trainer
+
+    raw = _raw([[0.1, 0.1, 0.5, 0.5]], [99])
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        next(iter(tf.data.Dataset.from_tensors(raw).map(
+            lambda r: pipeline.raw_to_instance(r, LABEL_MAP))))
+
+    def failing_train(model_dir):
+        raise caught.value
+
+    monkeypatch.setattr(trainer, "train", failing_train)
+    monkeypatch.delenv("DETR_TF_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        trainer.run_from_command_line(str(tmp_path))
+    message = str(exit_.value.code)
+    assert message.startswith("train.py: bad input data:") and "category ids" in message
+    assert "99" in message and "node" not in message and str(tmp_path) in message

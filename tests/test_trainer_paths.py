@@ -1,0 +1,104 @@
+"""Trainer settings no other test runs, through the trainer on the tiny model (one process,
+`tests/trainer_prog.py paths`, shared by every test here):
+
+- jit='step' (the GPU default) trains like 'loss' and 'none';
+- mixed_float16: a step whose gradients overflow is skipped (weights unchanged) and halves the
+  dynamic loss scale;
+- ema_decay: evaluation and the tools (eval, predict, export load through
+  restore.load_trained_model) see the EMA weights stored in the checkpoint;
+- eval_every: evaluations at the right steps, logged under `eval`.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.test_trainer import ENV, PROG, REPO, _assert_same_weights, shapes_cache  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def paths_run(shapes_cache, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("paths")
+    proc = subprocess.run([sys.executable, str(PROG), "paths", str(out), shapes_cache],
+                          capture_output=True, text=True, timeout=1200, env=ENV, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "PATHS_DONE" in log, log[-5000:]
+    return out, np.load(out / "paths.npz")
+
+
+def _ckpt(path):
+    reader = tf.train.load_checkpoint(str(path))
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(str(path))}
+
+
+def _model(values):
+    return {k: v for k, v in values.items()
+            if k.startswith("model/") and "OPTIMIZER_SLOT" not in k}
+
+
+def _ema_shadows(values):
+    n = sum(1 for k in values if k.startswith("ema/shadow/"))
+    return [values[f"ema/shadow/{i}/.ATTRIBUTES/VARIABLE_VALUE"] for i in range(n)]
+
+
+def test_jit_step_trains_like_loss_and_none(paths_run):
+    _, arrays = paths_run
+    for jit in ("step", "none"):
+        # XLA fuses and reorders float32 arithmetic: equal up to rounding, not bit for bit.
+        np.testing.assert_allclose(arrays[f"{jit}/losses"], arrays["loss/losses"], rtol=1e-4)
+        names = [k[len("loss/"):] for k in arrays.files
+                 if k.startswith("loss/model/")]
+        _assert_same_weights({k: arrays["loss/" + k] for k in names},
+                             {k: arrays[f"{jit}/" + k] for k in names},
+                             {k: arrays["loss/step1/" + k] for k in names})
+
+
+def test_float16_overflow_skips_the_step_and_halves_the_loss_scale(paths_run):
+    out, _ = paths_run
+    ckpts = [_ckpt(out / "float16" / "checkpoints" / f"ckpt-{s}") for s in range(3)]
+    scales = [float(c["loss_scale/scale/.ATTRIBUTES/VARIABLE_VALUE"]) for c in ckpts]
+    assert scales == [2.0 ** 100, 2.0 ** 99, 2.0 ** 98]
+    steps = [int(c["global_step/.ATTRIBUTES/VARIABLE_VALUE"]) for c in ckpts]
+    assert steps == [0, 1, 2]  # skipped steps still count
+    weights = [_model(c) for c in ckpts]
+    assert len(weights[0]) > 100
+    for later in weights[1:]:
+        for name, value in weights[0].items():
+            np.testing.assert_array_equal(later[name], value, err_msg=name)
+    records = [json.loads(line) for line in
+               (out / "float16" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    # The loss itself is finite (it is float32); only the float16 gradients overflowed.
+    assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
+    assert [r["loss_scale"] for r in train] == [2.0 ** 99, 2.0 ** 98]
+
+
+def test_evaluation_and_tools_use_the_ema_weights(paths_run):
+    out, arrays = paths_run
+    ema_dir = out / "ema"
+    for step in (2, 4):
+        ckpt = _ckpt(ema_dir / "checkpoints" / f"ckpt-{step}")
+        shadows = _ema_shadows(ckpt)
+        seen = np.load(ema_dir / f"eval_weights_{step}.npz")
+        assert len(seen.files) == len(shadows) > 100
+        for i, shadow in enumerate(shadows):
+            np.testing.assert_array_equal(seen[f"arr_{i}"], shadow)
+    flat_ema = np.concatenate([s.ravel() for s in shadows])
+    np.testing.assert_array_equal(arrays["tools_weights_ema_True"], flat_ema)
+    # With decay 0.5 the average lags the weights visibly: the EMA really is another set.
+    raw = arrays["tools_weights_ema_False"]
+    assert raw.shape == flat_ema.shape and np.abs(raw - flat_ema).max() > 1e-6
+
+
+def test_eval_every_evaluates_at_its_steps_and_logs_under_eval(paths_run):
+    out, _ = paths_run
+    ema_dir = out / "ema"
+    records = [json.loads(line) for line in (ema_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["AP"]) for r in records if r["split"] == "eval"]
+    assert evals == [(2, 0.02), (4, 0.04)]  # every 2 steps; the last one at the end
+    assert sorted(p.name for p in ema_dir.glob("eval_weights_*.npz")) == [
+        "eval_weights_2.npz", "eval_weights_4.npz"]
+    assert any(p.name.startswith("events.") for p in (ema_dir / "eval").iterdir())

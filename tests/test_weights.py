@@ -1,0 +1,280 @@
+"""Weight import (detr_tf.weights) against the committed torch fixtures, no torch needed.
+
+tests/fixtures/weights/ holds a narrow DETR's random weights in the reference DETR layout and as
+transformers 4.x and 5.x write them, a narrow timm ResNet-26, and the torch models' outputs on a
+fixed input (tools/make_weight_fixtures.py regenerates them with torch). Each layout imported
+here must reproduce those outputs: that checks every name, transpose and q/k/v split against an
+independent implementation. The rest checks the report and the failure modes.
+"""
+import shutil
+import sys
+from pathlib import Path
+
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+from safetensors.numpy import load_file, save_file
+
+from detr_tf import weights
+from detr_tf.modeling.backbone import BasicBlock, Bottleneck, ResNet
+from detr_tf.modeling.detr import build_model
+from detr_tf.modeling.position_encoding import PositionEmbeddingSine
+from detr_tf.modeling.transformer import AnchorTransformer, Transformer
+from detr_tf.weights import targets
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "weights"
+DETR_FILES = ["detr_reference.safetensors", "detr_hf4.safetensors", "detr_hf5.safetensors"]
+LOGITS_TOL, BOXES_TOL = 1e-3, 1e-4  # float32, unpadded images
+
+
+def narrow_detr(num_classes=7, num_queries=5, ffn=64, block=BasicBlock, built=True,
+                norm="frozen"):
+    """The fixture DETR's architecture in detr_tf (tools/make_weight_fixtures.py)."""
+    model = build_model(
+        num_classes=num_classes, num_queries=num_queries, hidden_dim=32,
+        backbone=ResNet(block=block, layers=(2, 2, 2, 2), width=4, stem_width=64, norm=norm),
+        position_embedding=PositionEmbeddingSine(16),
+        transformer=Transformer(d_model=32, num_heads=4, num_encoder_layers=2,
+                                num_decoder_layers=2, dim_feedforward=ffn))
+    if built:
+        model(tf.zeros([1, 64, 64, 3]), tf.ones([1, 64, 64], tf.bool))
+    return model
+
+
+def torch_outputs():
+    ref = np.load(FIXTURES / "detr_outputs.npz")
+    images = np.transpose(ref["pixel_values"], (0, 2, 3, 1))  # NCHW -> NHWC
+    return images, ref
+
+
+def run(model, images):
+    return model(images, tf.ones(images.shape[:3], tf.bool), training=False)
+
+
+def values(variables):
+    return [v.numpy().copy() for v in variables]
+
+
+@pytest.mark.parametrize("name", DETR_FILES)
+def test_each_layout_reproduces_the_torch_model(name):
+    model = narrow_detr()
+    report = weights.load_pretrained(model, str(FIXTURES / name))
+    images, ref = torch_outputs()
+    # The outputs vary far beyond the tolerances, so a misplaced tensor cannot go unseen.
+    assert ref["boxes"].std() > 100 * BOXES_TOL and ref["logits"].std() > 100 * LOGITS_TOL
+    out = run(model, images)
+    np.testing.assert_allclose(out["pred_logits"], ref["logits"], atol=LOGITS_TOL)
+    np.testing.assert_allclose(out["pred_boxes"], ref["boxes"], atol=BOXES_TOL)
+    for i, aux in enumerate(out["aux_outputs"]):
+        np.testing.assert_allclose(aux["pred_logits"], ref["aux_logits"][i], atol=LOGITS_TOL)
+        np.testing.assert_allclose(aux["pred_boxes"], ref["aux_boxes"][i], atol=BOXES_TOL)
+    assert len(report.loaded) == len(model.variables)
+    assert report.not_loaded == [] and report.reinitialized == {}
+    assert all(k.endswith("num_batches_tracked") for k in report.unused)
+    expected = {"detr_reference.safetensors": "reference DETR",
+                "detr_hf4.safetensors": "transformers 4.x", "detr_hf5.safetensors": "5.x"}[name]
+    assert expected in report.format
+    assert f"loaded: {len(model.variables)} tensors" in str(report)
+
+
+def test_format_comes_from_the_keys_not_the_file_name(tmp_path):
+    odd = tmp_path / "resnet50.pth.bin"  # a misleading name
+    shutil.copy(FIXTURES / "detr_hf4.safetensors", odd)
+    report = weights.load_pretrained(narrow_detr(), str(odd))
+    assert "transformers 4.x" in report.format
+
+
+@pytest.mark.parametrize("norm", ["frozen", "batch"])
+def test_resnet_imports_into_the_backbone_only(norm):
+    model = narrow_detr(block=Bottleneck, norm=norm)
+    rest = [v for v in model.variables if not any(v is b for b in model.backbone.variables)]
+    before = values(rest)
+    report = weights.load_pretrained(model, str(FIXTURES / "resnet_timm.safetensors"))
+    ref = np.load(FIXTURES / "resnet_features.npz")
+    images = np.transpose(ref["pixel_values"], (0, 2, 3, 1))
+    # Inference mode: a trainable batch norm then uses the imported statistics.
+    features, _ = model.backbone(images, tf.ones(images.shape[:3], tf.bool), training=False)
+    np.testing.assert_allclose(np.transpose(features, (0, 3, 1, 2)), ref["features"],
+                               atol=1e-4, rtol=1e-5)
+    # The classifier and the step counters are skipped by design; the rest stays at init.
+    assert {"fc.weight", "fc.bias"} <= set(report.unused)
+    assert len(report.loaded) == len(model.backbone.variables)
+    assert len(report.not_loaded) == len(rest)
+    assert "transformer.decoder.norm.weight" in report.not_loaded
+    for a, b in zip(before, values(rest)):
+        np.testing.assert_array_equal(a, b)
+    assert "skipped by 'fc.*' (2): fc.bias, fc.weight" in " ".join(str(report).split())
+
+
+def test_other_class_and_query_counts_reinitialise_the_heads():
+    model = narrow_detr(num_classes=3, num_queries=4)
+    heads = model.class_embed.variables + model.query_embed.variables
+    before = values(heads)
+    report = weights.load_pretrained(model, str(FIXTURES / "detr_reference.safetensors"))
+    assert set(report.reinitialized) == {"class head", "query embedding"}
+    assert "(8, 32)" in report.reinitialized["class head"]  # the file's 7 classes + no-object
+    assert "(4, 32)" in report.reinitialized["class head"]
+    assert "(5, 32)" in report.reinitialized["query embedding"]
+    for a, b in zip(before, values(heads)):
+        np.testing.assert_array_equal(a, b)
+    assert len(report.loaded) == len(model.variables) - len(heads)
+    assert "re-initialised class head" in str(report)
+    # Everything else came from the file: the input projection, for one.
+    file = load_file(str(FIXTURES / "detr_reference.safetensors"))
+    np.testing.assert_array_equal(model.input_proj.kernel.numpy()[0, 0],
+                                  file["input_proj.weight"][:, :, 0, 0].T)
+
+
+def test_head_reinitialisation_can_be_refused():
+    with pytest.raises(weights.WeightImportError, match=r"class_labels_classifier\.weight has "
+                       r"shape \(8, 32\) in the file but the model's class_embed\.weight needs "
+                       r"\(4, 32\)"):
+        weights.load_pretrained(narrow_detr(num_classes=3), str(FIXTURES / "detr_hf5.safetensors"),
+                                allow_head_reinit=False)
+
+
+def test_skip_patterns_leave_what_they_match_at_init():
+    model = narrow_detr()
+    before = values(model.class_embed.variables)
+    report = weights.load_pretrained(model, str(FIXTURES / "detr_hf5.safetensors"),
+                                     skip=("class_labels_classifier.*",))
+    assert {"class_labels_classifier.weight", "class_labels_classifier.bias"} <= set(report.unused)
+    assert report.not_loaded == ["class_embed.weight", "class_embed.bias"]
+    for a, b in zip(before, values(model.class_embed.variables)):
+        np.testing.assert_array_equal(a, b)
+    # Canonical names work too.
+    report = weights.load_pretrained(narrow_detr(), str(FIXTURES / "detr_hf5.safetensors"),
+                                     skip=("bbox_embed.*",))
+    assert len(report.not_loaded) == 6
+
+
+def test_skip_patterns_come_from_gin():
+    gin.clear_config()
+    try:
+        gin.bind_parameter("load_pretrained.skip", ("class_embed.*",))
+        report = weights.load_pretrained(narrow_detr(num_classes=3),
+                                         str(FIXTURES / "detr_reference.safetensors"),
+                                         allow_head_reinit=False)
+    finally:
+        gin.clear_config()
+    assert report.not_loaded == ["class_embed.weight", "class_embed.bias"]
+
+
+def test_a_shape_mismatch_names_the_key_the_shapes_and_the_file():
+    model = narrow_detr(ffn=128)
+    before = values(model.variables)
+    path = str(FIXTURES / "detr_reference.safetensors")
+    with pytest.raises(weights.WeightImportError) as e:
+        weights.load_pretrained(model, path)
+    msg = str(e.value)
+    assert path in msg and "shape mismatch" in msg
+    assert ("transformer.encoder.layers.0.linear1.weight has shape (64, 32) in the file but "
+            "the model's transformer.encoder.layers.0.linear1.weight needs (128, 32)") in msg
+    for a, b in zip(before, values(model.variables)):  # nothing was assigned
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_unused_tensor_or_a_missing_one_fails_naming_it(tmp_path):
+    tensors = load_file(str(FIXTURES / "detr_reference.safetensors"))
+    extra = tmp_path / "extra.safetensors"
+    save_file({**tensors, "transformer.encoder.layers.2.norm1.weight": np.ones(32, np.float32)},
+              str(extra))
+    with pytest.raises(weights.WeightImportError,
+                       match=r"1 tensor\(s\) in the file have no place in the model: "
+                             r"transformer\.encoder\.layers\.2\.norm1\.weight"):
+        weights.load_pretrained(narrow_detr(), str(extra))
+    missing = tmp_path / "missing.safetensors"
+    save_file({k: v for k, v in tensors.items() if k != "transformer.decoder.norm.bias"},
+              str(missing))
+    with pytest.raises(weights.WeightImportError,
+                       match=r"1 model variable\(s\) are not in the file: "
+                             r"transformer\.decoder\.norm\.bias"):
+        weights.load_pretrained(narrow_detr(), str(missing))
+    # Said on purpose, the same files import.
+    weights.load_pretrained(narrow_detr(), str(extra), skip=("*.layers.2.*",))
+    weights.load_pretrained(narrow_detr(), str(missing), skip=("transformer.decoder.norm.*",))
+
+
+def test_a_pth_without_torch_says_how_to_convert_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    path = str(FIXTURES / "detr_reference.pth")
+    with pytest.raises(weights.WeightImportError) as e:
+        weights.load_pretrained(narrow_detr(), path)
+    msg = str(e.value)
+    assert path in msg and "pip install 'detr_tf[torch]'" in msg
+    assert "safetensors.torch" in msg and "save_file" in msg and "torch.load" in msg
+    # safetensors files need no torch.
+    report = weights.load_pretrained(narrow_detr(), str(FIXTURES / "detr_reference.safetensors"))
+    assert len(report.loaded) == 202
+
+
+def test_unknown_files_are_refused(tmp_path):
+    junk = tmp_path / "weights.pth"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(weights.WeightImportError, match="neither a safetensors file nor"):
+        weights.load_pretrained(narrow_detr(), str(junk))
+    other = tmp_path / "other.safetensors"
+    save_file({"encoder.w": np.zeros(2, np.float32)}, str(other))
+    with pytest.raises(weights.WeightImportError, match="unknown key layout.*encoder.w"):
+        weights.load_pretrained(narrow_detr(), str(other))
+    with pytest.raises(weights.WeightImportError, match="does not exist"):
+        weights.load_pretrained(narrow_detr(), str(tmp_path / "nothing.safetensors"))
+    with pytest.raises(ValueError, match="build the model first"):
+        weights.load_pretrained(narrow_detr(built=False), str(other))
+
+
+def _save_run(model, model_dir):
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model),
+                                         str(model_dir / "checkpoints"), max_to_keep=1)
+    return manager.save(checkpoint_number=7)
+
+
+@pytest.mark.parametrize("where", ["model_dir", "checkpoints", "prefix"])
+def test_a_detr_tf_checkpoint_imports_every_variable(tmp_path, where):
+    source = narrow_detr()
+    prefix = _save_run(source, tmp_path)
+    path = {"model_dir": tmp_path, "checkpoints": tmp_path / "checkpoints",
+            "prefix": prefix}[where]
+    model = narrow_detr()
+    report = weights.load_pretrained(model, str(path))
+    assert report.format.startswith("detr_tf checkpoint") and "ckpt-7" in report.format
+    assert len(report.loaded) == len(model.variables) and not report.unused
+    for a, b in zip(values(source.variables), values(model.variables)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_paths_are_tensorflows_own():
+    model = narrow_detr()
+    table = targets.checkpoint_targets(model)
+    assert len(table) == len(model.variables)
+    assert table["class_embed/kernel"].variable is model.class_embed.kernel
+
+
+def test_a_detr_tf_checkpoint_with_other_classes_reinitialises_the_class_head(tmp_path):
+    _save_run(narrow_detr(num_classes=7), tmp_path)
+    model = narrow_detr(num_classes=3)
+    report = weights.load_pretrained(model, str(tmp_path))
+    assert set(report.reinitialized) == {"class head"}
+    assert len(report.loaded) == len(model.variables) - 2
+
+
+def test_two_stage_checkpoint_reinitialises_both_class_layers(tmp_path):
+    def two_stage(num_classes):
+        model = build_model(
+            num_classes=num_classes, num_queries=4, hidden_dim=32, two_stage=True,
+            backbone=ResNet(block=BasicBlock, layers=(1, 1, 1), width=8),
+            position_embedding=PositionEmbeddingSine(16),
+            transformer=AnchorTransformer(d_model=32, num_heads=4, num_encoder_layers=1,
+                                          num_decoder_layers=2, dim_feedforward=64))
+        model(tf.zeros([1, 64, 64, 3]), tf.ones([1, 64, 64], tf.bool))
+        return model
+
+    _save_run(two_stage(7), tmp_path)
+    model = two_stage(3)
+    before = values(model.proposals.class_embed.variables)
+    report = weights.load_pretrained(model, str(tmp_path))
+    assert set(report.reinitialized) == {"class head"}
+    assert len(report.loaded) == len(model.variables) - 4  # two kernels, two biases
+    for a, b in zip(before, values(model.proposals.class_embed.variables)):
+        np.testing.assert_array_equal(a, b)

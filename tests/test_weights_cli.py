@@ -1,0 +1,126 @@
+"""tools/import_weights.py end to end: a Hugging Face DETR file into a tiny.gin-based model, then
+the run directory it writes through the evaluation tools' own loading, prediction and export.
+
+The model is tiny.gin with the fixture DETR's architecture (tests/fixtures/weights) and the
+shapes data's 4 classes, so the file's 7-class head is re-initialised and everything else must
+reproduce the torch model's boxes.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from detr_tf import cli, config
+from detr_tf.evaluation import export, predict, restore
+from detr_tf.weights import run_dir as run_dir_lib
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures" / "weights"
+NARROW = ["ResNet.layers = (2, 2, 2, 2)", "ResNet.width = 4", "ResNet.stem_width = 64",
+          "D_MODEL = 32", "PositionEmbeddingSine.num_pos_feats = 16",
+          "Transformer.dim_feedforward = 64", "NUM_QUERIES = 5"]
+
+
+def _run(*args: str, tool: str = "import_weights.py") -> subprocess.CompletedProcess:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("DETR_TF_TRACEBACK", None)
+    return subprocess.run([sys.executable, str(REPO / "tools" / tool), *args],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imported")
+    args = ["--gin_file=gin_configs/tiny.gin",
+            f"--gin_param=SHAPES_CACHE_DIR = '{root / 'shapes'}'",
+            *[f"--gin_param={p}" for p in NARROW],
+            f"--weights={FIXTURES / 'detr_hf4.safetensors'}"]
+    result = _run(*args, f"--output_dir={root / 'run'}")
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    return {"dir": root / "run", "stdout": result.stdout, "args": args, "root": root}
+
+
+def test_prints_the_report_and_what_to_run_next(imported):
+    out, run_dir = imported["stdout"], imported["dir"]
+    assert "format: Hugging Face DetrForObjectDetection (transformers 4.x names)" in out
+    assert "re-initialised class head: the file's class_labels_classifier.weight has shape " \
+           "(8, 32), the model's class_embed.weight (5, 32)" in out
+    assert "left at their initial values: none" in out
+    assert f"wrote {run_dir / 'checkpoints' / 'ckpt-0'}" in out
+    last = out.strip().splitlines()[-5:]
+    assert any(f"tools/eval.py --model_dir={run_dir}" in line for line in last)
+    assert any("tools/export.py" in line for line in last)
+    assert (run_dir / "config.gin").is_file()
+
+
+def test_the_run_directory_serves_the_evaluation_tools(imported, tmp_path):
+    run_dir = str(imported["dir"])
+    gin.clear_config()
+    try:
+        # Without --gin_file, as `tools/predict.py --model_dir=DIR` parses it.
+        cli.parse_tool_config("predict.py", [], [], run_dir)
+        model, path = restore.load_trained_model(run_dir)
+        assert path.endswith("ckpt-0")
+        ref = np.load(FIXTURES / "detr_outputs.npz")
+        images = np.transpose(ref["pixel_values"], (0, 2, 3, 1))
+        out = model(images, tf.ones(images.shape[:3], tf.bool), training=False)
+        # Boxes do not depend on the re-initialised class head: they are the torch model's.
+        np.testing.assert_allclose(out["pred_boxes"], ref["boxes"], atol=1e-4)
+        np.testing.assert_allclose(out["aux_outputs"][0]["pred_boxes"], ref["aux_boxes"][0],
+                                   atol=1e-4)
+        image = tmp_path / "image.png"
+        Image.fromarray(np.full((80, 100, 3), 127, np.uint8)).save(image)
+        records = predict.predict_run(run_dir, str(image), str(tmp_path / "pred"),
+                                       score_threshold=0.0)
+        assert len(records[0]["detections"]) == 5  # threshold 0: one per query
+        assert json.loads((tmp_path / "pred" / "detections.json").read_text())
+        export_dir = export.export_run(run_dir, str(tmp_path / "export"))
+        loaded = tf.saved_model.load(export_dir)
+        result = loaded.signatures["serving_images"](images=tf.zeros([1, 80, 100, 3], tf.uint8))
+        assert result["boxes"].shape[-1] == 4
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.slow  # a training start-up on top of the import: 40-80 s on 2 shared cores
+def test_a_training_run_starts_from_the_imported_directory(imported):
+    """train.init_weights reads a detr_tf run (format 4) through the same load_pretrained."""
+    gin_args = [a for a in imported["args"] if not a.startswith("--weights")]
+    result = _run(*gin_args, f"--model_dir={imported['root'] / 'finetune'}",
+                  "--gin_param=train.num_steps = 1",
+                  f"--gin_param=train.init_weights = '{imported['dir']}'", tool="train.py")
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert f"initialised from {imported['dir']}" in result.stdout
+    assert "format: detr_tf checkpoint" in result.stdout
+    assert "left at their initial values: none" in result.stdout
+
+
+def test_refuses_to_overwrite_a_run_in_one_line(imported):
+    before = (imported["dir"] / "checkpoints" / "ckpt-0.index").read_bytes()
+    result = _run(*imported["args"], f"--output_dir={imported['dir']}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "import_weights.py: ValueError: output_dir" in result.stderr
+    assert "already holds a checkpoint" in result.stderr
+    assert (imported["dir"] / "checkpoints" / "ckpt-0.index").read_bytes() == before
+
+
+def test_a_model_only_config_imports_and_says_the_tools_need_an_experiment_file(tmp_path):
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["models/detr_tiny.gin"], ["NUM_CLASSES = 7", *NARROW])
+        report, path = run_dir_lib.import_to_run_dir(
+            str(FIXTURES / "detr_reference.safetensors"), str(tmp_path / "run"))
+        steps = run_dir_lib.next_steps(str(tmp_path / "run"))
+    finally:
+        gin.clear_config()
+    assert len(report.loaded) == 202 and not report.reinitialized
+    assert path.endswith("ckpt-0") and (tmp_path / "run" / "config.gin").is_file()
+    assert "binds no train.model_fn" in steps

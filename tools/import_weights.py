@@ -1,0 +1,62 @@
+"""Imports pretrained weights into a Gin-configured detr_tf model and writes a run directory.
+
+    python tools/import_weights.py --weights=detr-r50-e632da11.pth \
+        --gin_file=gin_configs/models/detr_r50.gin --output_dir=/tmp/detr_r50_pretrained
+    python tools/import_weights.py --weights=model.safetensors \
+        --gin_file=gin_configs/models/detr_r50.gin --gin_param="NUM_CLASSES = 3" \
+        --output_dir=/tmp/detr_r50_3classes
+
+Reads a reference DETR checkpoint, a Hugging Face DETR model.safetensors (transformers 4.x or
+5.x), an ImageNet ResNet (backbone only) or another detr_tf run; the format comes from the
+file's keys (docs/WEIGHTS.md). The model is the config's `train.model_fn` (an experiment file)
+or `build_model` (a model file), in float32. Prints the import report (tensors loaded, file
+tensors not used, model variables left at their initial values, heads re-initialised) and
+writes OUTPUT_DIR/config.gin and OUTPUT_DIR/checkpoints/ckpt-0, which tools/eval.py,
+predict.py and export.py read with --model_dir=OUTPUT_DIR (given an experiment file; the last
+lines say what to run). Anything unexpected fails with the key, the shapes and the file, and
+nothing is written; --skip says what is left out on purpose.
+"""
+import sys
+
+from absl import app, flags, logging
+
+from detr_tf import cli
+
+cli.define_gin_flags(example="NUM_CLASSES = 3")
+flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
+flags.DEFINE_string("weights", None, "A .safetensors, a torch .pth (needs torch) or a detr_tf "
+                    "model_dir / checkpoint prefix.")
+flags.DEFINE_string("output_dir", None, "The run directory to write (must hold no checkpoint).")
+flags.DEFINE_multi_string("skip", [], "Glob of file keys or model variables deliberately not "
+                          "imported, e.g. --skip='class_embed.*' (repeatable).")
+flags.DEFINE_bool("allow_head_reinit", True, "Re-initialise the class head / query embedding "
+                  "when the class / query counts differ from the file's, instead of failing.")
+flags.mark_flags_as_required(["weights", "output_dir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    cli.reject_positional("import_weights.py", argv)
+    if not FLAGS.gin_file:
+        sys.exit("import_weights.py: --gin_file is required (the model to import into), e.g. "
+                 "--gin_file=gin_configs/detr_r50.gin")
+    cli.parse_gin_or_exit("import_weights.py", FLAGS.gin_file, FLAGS.gin_param)
+    from detr_tf.weights import run_dir
+
+    # Flags given on the command line win; the others leave load_pretrained's Gin bindings be.
+    load_args = {"skip": FLAGS.skip} if FLAGS.skip else {}
+    if FLAGS["allow_head_reinit"].present:
+        load_args["allow_head_reinit"] = FLAGS.allow_head_reinit
+
+    def run():
+        report, path = run_dir.import_to_run_dir(FLAGS.weights, FLAGS.output_dir, **load_args)
+        print(report, flush=True)
+        print(f"import_weights: wrote {path} and {FLAGS.output_dir}/config.gin", flush=True)
+        print(run_dir.next_steps(FLAGS.output_dir), flush=True)
+
+    cli.run_tool("import_weights.py", run)
+
+
+if __name__ == "__main__":
+    app.run(main)
