@@ -26,9 +26,8 @@ from typing import Dict, List, Optional, Tuple
 
 import gin
 
-from detr_tf.data import custom_layouts as layouts
+from detr_tf.data import cache_dirs, custom_layouts as layouts
 
-_DONE = "DONE.json"
 _IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 _IMAGES_PER_SHARD = 1000
 
@@ -180,14 +179,7 @@ def _build_atomically(layout: layouts.Layout, root: str) -> None:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left behind
         raise
-    with open(os.path.join(work, _DONE), "w") as f:
-        json.dump(summary, f)
-    try:
-        os.rename(work, root)
-    except OSError:
-        if not os.path.exists(os.path.join(root, _DONE)):
-            raise
-        shutil.rmtree(work, ignore_errors=True)  # another run finished first: use its copy
+    cache_dirs.publish(work, root, summary)
     parent = os.path.dirname(root)
     for stale in os.listdir(parent):  # older versions of this dataset
         path = os.path.join(parent, stale)
@@ -216,9 +208,9 @@ def prepare_custom_dataset(data_dir: str, cache_dir: str) -> CustomDataset:
     """
     layout = layouts.detect_layout(data_dir)
     root = os.path.join(_cache_parent(layout.data_dir, cache_dir), fingerprint(layout))
-    if not os.path.exists(os.path.join(root, _DONE)):
+    if not cache_dirs.is_complete(root):
         _build_atomically(layout, root)
-    with open(os.path.join(root, _DONE)) as f:
+    with open(os.path.join(root, cache_dirs.DONE)) as f:
         summary = json.load(f)
     splits = {name: CustomSplit(os.path.join(root, "tfrecords", f"{name}-*.tfrecord"),
                                 os.path.join(root, f"instances_{name}.json"),

@@ -26,9 +26,10 @@ import gin
 import numpy as np
 from PIL import Image, ImageDraw
 
+from detr_tf.data import cache_dirs
+
 SHAPE_CLASSES = ("ellipse", "rectangle", "triangle", "cross")
 BACKGROUNDS = ("textured", "plain")
-_DONE = "DONE.json"
 _PLAIN_CONTRAST = 96.0  # minimum Euclidean RGB distance between a shape and a plain background
 _DEFAULT_SIDES = (0.12, 0.5)
 
@@ -231,7 +232,7 @@ def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int 
         "train_annotations": os.path.join(root, "instances_train.json"),
         "val_annotations": os.path.join(root, "instances_val.json"),
     }
-    if os.path.exists(os.path.join(root, _DONE)):
+    if cache_dirs.is_complete(root):
         return result
     from detr_tf.data import coco_converter  # imports TF lazily; keep this module light
 
@@ -252,16 +253,9 @@ def ensure_shapes_tfrecords(cache_dir: str, num_train: int = 2000, num_val: int 
             os.path.join(work, "tfrecords", split), num_shards=num_shards, num_processes=1,
             progress=False)
         counts[split] = stats.counts
-    with open(os.path.join(work, _DONE), "w") as f:
-        json.dump(counts, f)
-    if os.path.isdir(root) and not os.path.exists(os.path.join(root, _DONE)):
+    if os.path.isdir(root) and not cache_dirs.is_complete(root):
         shutil.rmtree(root, ignore_errors=True)  # left by a run interrupted before this scheme
-    try:
-        os.rename(work, root)
-    except OSError:
-        if not os.path.exists(os.path.join(root, _DONE)):
-            raise
-        shutil.rmtree(work, ignore_errors=True)  # another run finished first: use its copy
+    cache_dirs.publish(work, root, counts)
     return result
 
 
