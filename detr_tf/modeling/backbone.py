@@ -233,6 +233,7 @@ class ResNet(tf_keras.layers.Layer):
             self.stages.append(stage)
             self._strides.append(stride)
         self.num_channels = in_ch
+        self.stage_channels = [width * 2 ** i * block.expansion for i in range(len(layers))]
         self.output_stride = output_stride
 
     def stem(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> tf.Tensor:
@@ -245,26 +246,32 @@ class ResNet(tf_keras.layers.Layer):
                    [[0, 0], [1, 1], [1, 1], [0, 0]])
         return tf.nn.max_pool2d(x, 3, 2, "VALID")
 
-    def call(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    def call(self, images: tf.Tensor, pixel_mask: tf.Tensor, all_stages: bool = False):
         """Runs the network on a padded batch.
 
         Args:
           images: [B, H, W, 3] float, ImageNet-normalized.
           pixel_mask: [B, H, W] bool, True on real pixels.
+          all_stages: return every stage's output (multi-scale models such as Deformable DETR
+            pick C3-C5 from them), not only the last.
 
         Returns:
           features: [B, H/s, W/s, num_channels] with s = output_stride (32, or 16 with DC5).
           mask: [B, H/s, W/s] bool, True on real positions.
+          With all_stages, a list with one (features, mask) pair per stage instead, stage 1
+          first (strides 4, 8, 16, 32 without DC5; channels `stage_channels`).
         """
         pixel_mask = tf.cast(pixel_mask, tf.bool)
         x = self.stem(images, pixel_mask)
         stride = 4
+        outputs = []
         for stage, first_stride in zip(self.stages, self._strides):
             for j, blk in enumerate(stage):
                 x = blk(x, downsample_mask(pixel_mask, stride))
                 if j == 0:
                     stride *= first_stride
-        return x, downsample_mask(pixel_mask, stride)
+            outputs.append((x, downsample_mask(pixel_mask, stride)))
+        return outputs if all_stages else outputs[-1]
 
 
 def torchvision_variables(backbone: ResNet) -> Dict[str, tf.Variable]:

@@ -18,17 +18,20 @@ class PositionEmbeddingSine(tf_keras.layers.Layer):
     """Sine embedding of the cumulative count of real positions along each axis.
 
     Normalized by the real extent of each row/column (times `scale`), so an image's embedding
-    does not depend on how much padding follows it.
+    does not depend on how much padding follows it. `offset` is added to the cumulative count
+    before normalizing: DETR uses 0, Deformable DETR -0.5 (the centre of each cell).
     """
 
     def __init__(self, num_pos_feats: int = 128, temperature: float = 10000.0,
-                 normalize: bool = True, scale: float = 2 * math.pi, **kwargs):
+                 normalize: bool = True, scale: float = 2 * math.pi, offset: float = 0.0,
+                 **kwargs):
         kwargs.setdefault("dtype", "float32")
         super().__init__(**kwargs)
         self.num_pos_feats = num_pos_feats
         self.temperature = temperature
         self.normalize = normalize
         self.scale = scale
+        self.offset = offset
 
     def call(self, mask: tf.Tensor) -> tf.Tensor:
         """mask: [B, h, w] bool, True on real positions -> [B, h, w, 2 * num_pos_feats] f32."""
@@ -37,8 +40,8 @@ class PositionEmbeddingSine(tf_keras.layers.Layer):
         x_embed = tf.cumsum(not_pad, axis=2)
         if self.normalize:
             eps = 1e-6
-            y_embed = y_embed / (y_embed[:, -1:, :] + eps) * self.scale
-            x_embed = x_embed / (x_embed[:, :, -1:] + eps) * self.scale
+            y_embed = (y_embed + self.offset) / (y_embed[:, -1:, :] + eps) * self.scale
+            x_embed = (x_embed + self.offset) / (x_embed[:, :, -1:] + eps) * self.scale
         return tf.concat([sine_features(y_embed, self.num_pos_feats, self.temperature),
                           sine_features(x_embed, self.num_pos_feats, self.temperature)],
                          axis=-1)

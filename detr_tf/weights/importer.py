@@ -16,7 +16,7 @@ import gin
 import numpy as np
 import tf_keras
 
-from detr_tf.weights import files, layouts, targets as targets_lib
+from detr_tf.weights import deformable_targets, files, layouts, targets as targets_lib
 from detr_tf.weights.files import WeightImportError
 from detr_tf.weights.report import ImportReport
 
@@ -39,8 +39,11 @@ def _read(model: tf_keras.Model, path: str):
         layout = layouts.detect(tensors)
     except ValueError as e:
         raise WeightImportError(f"{path!r}: {e}") from None
-    return (layout.name, layout.to_canonical(tensors), targets_lib.torch_targets(model),
-            layout.default_skip, layout.backbone_only)
+    canonical, table = layout.to_canonical(tensors), targets_lib.torch_targets(model)
+    copies = deformable_targets.check_copies(canonical, table)
+    if copies:  # one variable, several differing file tensors (shared heads)
+        raise WeightImportError(f"{path!r}: " + "; ".join(copies[:5]))
+    return layout.name, canonical, table, layout.default_skip, layout.backbone_only
 
 
 def _count_only(a: Tuple[int, ...], b: Tuple[int, ...]) -> bool:

@@ -91,6 +91,18 @@ HF_DETR_4 = Layout("Hugging Face DetrForObjectDetection (transformers 4.x names)
                    lambda t: _rename(t, _HF_RULES), default_skip=("*.num_batches_tracked",))
 HF_DETR_5 = dataclasses.replace(HF_DETR_4, name="Hugging Face DetrForObjectDetection "
                                 "(transformers 5.x names)")
+# Hugging Face DeformableDetrForObjectDetection: the canonical names are transformers 5.x's
+# own keys (detr_tf.weights.deformable_targets places them); 4.x files are renamed to them.
+_HF_DEFORMABLE_4_TO_5 = [
+    (r"^model\.backbone\.conv_encoder\.model\.", "model.backbone.model."),
+    (r"(layers\.\d+)\.fc([12])\.", r"\1.mlp.fc\2."),
+    (r"(decoder\.layers\.\d+\.self_attn)\.out_proj\.", r"\1.o_proj."),
+]
+HF_DEFORMABLE_4 = Layout(
+    "Hugging Face DeformableDetrForObjectDetection (transformers 4.x names)",
+    lambda t: _rename(t, _HF_DEFORMABLE_4_TO_5), default_skip=("*.num_batches_tracked",))
+HF_DEFORMABLE_5 = dataclasses.replace(
+    HF_DEFORMABLE_4, name="Hugging Face DeformableDetrForObjectDetection (transformers 5.x names)")
 RESNET = Layout("ImageNet ResNet (torchvision / timm names), backbone only",
                 lambda t: _rename(t, [(r"^", "backbone.")]),
                 default_skip=("fc.*", "*.num_batches_tracked"), backbone_only=True)
@@ -109,6 +121,9 @@ def detect(keys) -> Layout:
 
     if has("transformer.") and (has("backbone.0.") or "query_embed.weight" in keys):
         return REFERENCE_DETR
+    if any(".sampling_offsets." in k for k in keys):  # deformable attention
+        hf5 = has("model.backbone.model.") or any(".mlp.fc1." in k for k in keys)
+        return HF_DEFORMABLE_5 if hf5 else HF_DEFORMABLE_4
     if has("model.encoder.layers.") or has("model.backbone."):
         hf5 = has("model.backbone.model.") or any(".mlp.fc1." in k or ".o_proj." in k
                                                   for k in keys)

@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.backbone import ResNet, torchvision_variables
+from detr_tf.modeling.deformable_detr import DeformableDETR
 
 _TO_TF = {"conv": (2, 3, 1, 0), "dense": (1, 0)}
 _TO_TORCH = {"conv": (3, 2, 0, 1), "dense": (1, 0)}
@@ -89,6 +90,9 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
     """
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
+    if _is_deformable(model):
+        from detr_tf.weights import deformable_targets
+        return deformable_targets.torch_targets(model)
     if not isinstance(model.backbone, ResNet):
         raise ValueError(f"load_pretrained: the backbone is a {type(model.backbone).__name__}; "
                          "only detr_tf's ResNet has torch-compatible names")
@@ -109,12 +113,19 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
 def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
     """The variables re-initialised together when the file's class or query count differs:
     'class head' (class_embed and the two-stage proposals' class layer) and 'query embedding'."""
+    if _is_deformable(model):
+        from detr_tf.weights import deformable_targets
+        return deformable_targets.head_groups(model)
     groups = {"class head": list(model.class_embed.variables)}
     if model.proposals is not None:
         groups["class head"] += list(model.proposals.class_embed.variables)
     if model.query_embed is not None:
         groups["query embedding"] = list(model.query_embed.variables)
     return groups
+
+
+def _is_deformable(model: tf_keras.Model) -> bool:
+    return isinstance(model, DeformableDETR)
 
 
 def _escape(name: str) -> str:

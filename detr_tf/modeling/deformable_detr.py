@@ -1,0 +1,218 @@
+"""Deformable DETR (Zhu et al. 2021): multi-scale features, deformable attention, 300 queries.
+
+Three variants, all Gin options of `build_deformable_detr`:
+- plain: learned queries; each query's positional half predicts a 2-d reference point; one
+  class head and one box head shared by all decoder layers, boxes relative to the point.
+- `with_box_refine`: one head pair per decoder layer; each layer's box corrects the previous
+  reference (iterative refinement, see deformable_transformer.py).
+- `two_stage` (needs with_box_refine in the reference's configs, allowed alone here as in
+  Hugging Face's model): an extra head pair scores every encoder cell's box proposal; the
+  num_queries best by the class-0 logit (the reference's foreground proxy), detached, are the
+  decoder's reference boxes, and their sine embedding (pos_trans + LayerNorm) gives both the
+  positional and the content queries.
+
+Classification is per-class sigmoid (focal loss): 'pred_logits' has num_classes entries and no
+no-object class. Post-processing is `postprocess.sigmoid_topk_postprocess` (bound by the model
+files), training `FocalSetCriterion` (detr_tf/focal_criterion.py).
+"""
+import math
+from typing import Dict, List, Optional, Tuple
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.modeling import deformable_transformer as dt
+from detr_tf.modeling import multiscale
+from detr_tf.modeling.backbone import ResNet
+from detr_tf.modeling.position_encoding import PositionEmbeddingSine
+from detr_tf.modeling.transformer import MLP, _layer_norm
+
+_PRIOR_PROB = 0.01  # initial foreground probability of every class (focal-loss practice)
+
+
+def _class_head(num_classes: int, name: str) -> tf_keras.layers.Dense:
+    bias = -math.log((1 - _PRIOR_PROB) / _PRIOR_PROB)
+    return tf_keras.layers.Dense(num_classes, name=name,
+                                 bias_initializer=tf_keras.initializers.Constant(bias))
+
+
+def _box_head(d_model: int, wh_bias: float, name: str) -> MLP:
+    head = MLP(d_model, 4, 3, last_initializer="zeros", name=name)
+    # The last layer starts at zero: boxes start at their references, with sigmoid(wh_bias)
+    # sizes (the reference's -2 for the first head, i.e. about 0.12 of the image).
+    head.layers[-1].bias_initializer = tf_keras.initializers.Constant(
+        [0.0, 0.0, wh_bias, wh_bias])
+    return head
+
+
+class DeformableDETR(tf_keras.Model):
+    """Deformable DETR.
+
+    Call `model(images, pixel_mask, training=...)` (the DETR contract):
+      images: [B, H, W, 3] float, ImageNet-normalized, zero-padded at the bottom/right, H and W
+        static.
+      pixel_mask: [B, H, W] bool, True on real pixels.
+    Returns, all float32:
+      'pred_logits': [B, Q, num_classes] per-class sigmoid logits (no no-object class).
+      'pred_boxes': [B, Q, 4] normalized cx, cy, w, h.
+      'aux_outputs': list of N-1 such dicts, decoder layers 0 .. N-2 (empty without aux_loss).
+      'enc_outputs' (two-stage only): 'pred_logits' [B, S, num_classes], 'pred_boxes' [B, S, 4]
+        for the S encoder cells ('pred_boxes' is 1 on cells that propose nothing).
+
+    `model.backbone.trainable_variables` take the backbone learning rate.
+    """
+
+    def __init__(self, backbone: ResNet, position_embedding: PositionEmbeddingSine,
+                 transformer: dt.DeformableTransformer, num_classes: int,
+                 num_queries: int = 300, num_levels: int = 4, backbone_levels: int = 3,
+                 aux_loss: bool = True, with_box_refine: bool = False,
+                 two_stage: bool = False, **kwargs):
+        kwargs.setdefault("name", "deformable_detr")
+        super().__init__(**kwargs)
+        d = transformer.d_model
+        self.backbone = backbone
+        self.position_embedding = position_embedding
+        self.transformer = transformer
+        self.num_classes = num_classes
+        self.num_queries = num_queries
+        self.backbone_levels = backbone_levels
+        self.aux_loss = aux_loss
+        self.with_box_refine = with_box_refine
+        self.two_stage = two_stage
+        self.neck = multiscale.MultiScaleProjection(d, num_levels, name="neck")
+        self.level_embed = self.add_weight(
+            name="level_embed", shape=[num_levels, d], dtype=tf.float32,
+            initializer=tf_keras.initializers.RandomNormal(stddev=1.0))
+        num_layers = transformer.num_decoder_layers
+        num_heads = (num_layers + int(two_stage)) if with_box_refine else 1
+        self.class_embed = [_class_head(num_classes, f"class_embed.{i}")
+                            for i in range(num_heads)]
+        self.bbox_embed = [_box_head(d, -2.0 if i == 0 else 0.0, f"bbox_embed.{i}")
+                           for i in range(num_heads)]
+        if two_stage:
+            self.enc_output = tf_keras.layers.Dense(d, name="enc_output")
+            self.enc_output_norm = _layer_norm("enc_output_norm")
+            self.pos_trans = tf_keras.layers.Dense(2 * d, name="pos_trans")
+            self.pos_trans_norm = _layer_norm("pos_trans_norm")
+        else:
+            self.query_embed = tf_keras.layers.Embedding(
+                num_queries, 2 * d, dtype="float32", name="query_embed",
+                embeddings_initializer=tf_keras.initializers.RandomNormal(stddev=1.0))
+            self.reference_points = tf_keras.layers.Dense(2, name="reference_points")
+
+    def _head(self, heads: List[tf_keras.layers.Layer], i: int) -> tf_keras.layers.Layer:
+        return heads[i] if len(heads) > 1 else heads[0]
+
+    def _features(self, images, pixel_mask, training):
+        """Backbone + neck -> (src [B, S, d], pos [B, S, d], padding_mask [B, S], shapes,
+        valid ratios [B, L, 2])."""
+        stages = self.backbone(images, pixel_mask, all_stages=True, training=training)
+        strides = [4 * 2 ** i for i in range(len(stages))]  # without DC5
+        levels = stages[-self.backbone_levels:]
+        levels = self.neck(levels, tf.cast(pixel_mask, tf.bool),
+                           strides[-self.backbone_levels:])
+        shapes = multiscale.spatial_shapes(levels)
+        masks = [m for _, m in levels]
+        pos = [self.position_embedding(m) + self.level_embed[i] for i, m in enumerate(masks)]
+        src = multiscale.flatten_levels([x for x, _ in levels])  # [B, S, d]
+        pos = tf.cast(multiscale.flatten_levels(pos), src.dtype)  # [B, S, d]
+        padding_mask = ~multiscale.flatten_levels(masks)  # [B, S]
+        return src, pos, padding_mask, shapes, multiscale.valid_ratios(masks)
+
+    def _queries(self, memory, padding_mask, shapes) -> Tuple[tf.Tensor, tf.Tensor,
+                                                              tf.Tensor, Dict]:
+        """(tgt [B, Q, d], query_pos [B, Q, d], reference [B, Q, 2 or 4], extra outputs)."""
+        d = self.transformer.d_model
+        b = tf.shape(memory)[0]
+        if not self.two_stage:
+            query = tf.cast(self.query_embed(tf.range(self.num_queries)), memory.dtype)
+            query_pos = tf.tile(query[None, :, :d], [b, 1, 1])  # [B, Q, d]
+            tgt = tf.tile(query[None, :, d:], [b, 1, 1])
+            reference = tf.sigmoid(tf.cast(self.reference_points(query_pos), tf.float32))
+            return tgt, query_pos, reference, {}
+        enc_memory, proposals = dt.encoder_output_proposals(memory, padding_mask, shapes)
+        enc_memory = self.enc_output_norm(self.enc_output(enc_memory))
+        enc_logits = tf.cast(self.class_embed[-1](enc_memory), tf.float32)  # [B, S, C]
+        enc_coords = tf.cast(self.bbox_embed[-1](enc_memory), tf.float32) + proposals
+        _, top = tf.math.top_k(enc_logits[..., 0], k=self.num_queries)  # [B, Q]
+        top_coords = tf.stop_gradient(tf.gather(enc_coords, top, batch_dims=1))  # [B, Q, 4]
+        pos = self.pos_trans_norm(self.pos_trans(
+            tf.cast(dt.proposal_pos_embed(top_coords, d // 2), memory.dtype)))
+        extra = {"enc_outputs": {"pred_logits": enc_logits,
+                                 "pred_boxes": tf.sigmoid(enc_coords)}}
+        return pos[..., d:], pos[..., :d], tf.sigmoid(top_coords), extra
+
+    def call(self, images: tf.Tensor, pixel_mask: tf.Tensor,
+             training: Optional[bool] = None) -> Dict[str, object]:
+        src, pos, padding_mask, shapes, ratios = self._features(images, pixel_mask, training)
+        memory = self.transformer.encode(src, pos, shapes, padding_mask, ratios,
+                                         training=training)
+        tgt, query_pos, reference, extra = self._queries(memory, padding_mask, shapes)
+        refine = self.bbox_embed if self.with_box_refine else None
+        hs, refs = self.transformer.decode(tgt, query_pos, reference, memory, shapes,
+                                           padding_mask, ratios, bbox_embed=refine,
+                                           training=training)
+        logits, boxes = [], []
+        for i, ref in enumerate(refs):
+            logits.append(tf.cast(self._head(self.class_embed, i)(hs[i]), tf.float32))
+            delta = tf.cast(self._head(self.bbox_embed, i)(hs[i]), tf.float32)  # [B, Q, 4]
+            inv = dt.inverse_sigmoid(ref)
+            if ref.shape[-1] == 2:
+                inv = tf.concat([inv, tf.zeros_like(inv)], -1)
+            boxes.append(tf.sigmoid(delta + inv))
+        aux = []
+        if self.aux_loss:
+            aux = [{"pred_logits": l, "pred_boxes": bx}
+                   for l, bx in zip(logits[:-1], boxes[:-1])]
+        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux,
+                **extra}
+
+
+@gin.configurable
+def build_deformable_detr(num_classes: int = 91, num_queries: int = 300, hidden_dim: int = 256,
+                          backbone: Optional[ResNet] = None,
+                          position_embedding: Optional[PositionEmbeddingSine] = None,
+                          transformer: Optional[dt.DeformableTransformer] = None,
+                          num_levels: int = 4, backbone_levels: int = 3, aux_loss: bool = True,
+                          with_box_refine: bool = False,
+                          two_stage: bool = False) -> DeformableDETR:
+    """Builds Deformable DETR; components left None get the R50 reference defaults.
+
+    Args:
+      num_classes: classes (91 for COCO's id space); the class heads have num_classes outputs.
+      num_queries: decoder queries (300), also the two-stage proposal count.
+      hidden_dim: d_model, checked against the transformer and the position embedding.
+      backbone: a ResNet (its last `backbone_levels` stages are used).
+      position_embedding: PositionEmbeddingSine(hidden_dim // 2, offset=-0.5).
+      transformer: a DeformableTransformer with num_levels levels.
+      num_levels: feature levels; those beyond backbone_levels come from stride-2 convs.
+      backbone_levels: how many of the backbone's last stages feed the model (3: C3-C5).
+      aux_loss: return the decoder layers before the last.
+      with_box_refine: iterative bounding-box refinement.
+      two_stage: decoder references from the encoder's proposals.
+    """
+    backbone = backbone if backbone is not None else ResNet()
+    position_embedding = (position_embedding if position_embedding is not None else
+                          PositionEmbeddingSine(hidden_dim // 2, offset=-0.5))
+    transformer = (transformer if transformer is not None else
+                   dt.DeformableTransformer(d_model=hidden_dim, num_levels=num_levels))
+    if transformer.d_model != hidden_dim or 2 * position_embedding.num_pos_feats != hidden_dim:
+        raise ValueError(f"build_deformable_detr: hidden_dim={hidden_dim} but "
+                         f"DeformableTransformer.d_model={transformer.d_model} and "
+                         f"PositionEmbeddingSine.num_pos_feats="
+                         f"{position_embedding.num_pos_feats} (must be hidden_dim // 2)")
+    if transformer.num_levels != num_levels:
+        raise ValueError(f"build_deformable_detr: num_levels={num_levels} but "
+                         f"DeformableTransformer.num_levels={transformer.num_levels}")
+    if backbone.output_stride != 2 ** (len(backbone.stages) + 1):
+        raise ValueError("build_deformable_detr: a dilated (DC5) backbone is not supported; "
+                         "set ResNet.dilation = False")
+    if not 1 <= backbone_levels <= min(num_levels, len(backbone.stages)):
+        raise ValueError(f"build_deformable_detr: backbone_levels={backbone_levels} must be in "
+                         f"[1, min(num_levels={num_levels}, backbone stages="
+                         f"{len(backbone.stages)})]")
+    return DeformableDETR(backbone, position_embedding, transformer, num_classes=num_classes,
+                          num_queries=num_queries, num_levels=num_levels,
+                          backbone_levels=backbone_levels, aux_loss=aux_loss,
+                          with_box_refine=with_box_refine, two_stage=two_stage)

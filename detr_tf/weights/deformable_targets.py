@@ -1,0 +1,117 @@
+"""Where each tensor of a Hugging Face Deformable DETR goes in a built detr_tf DeformableDETR.
+
+The names are transformers 5.x's keys (layouts.py renames 4.x files to them). Heads a torch
+model keeps in several places map to one variable here:
+- the plain model shares one class head and one box head across decoder layers (the reference
+  does; its state dict repeats them as `class_embed.0 .. N-1`), so every copy loads into it;
+- with box refinement, the decoder's `model.decoder.bbox_embed.i` (and, two-stage,
+  `model.decoder.class_embed.i`) are the same modules as the top-level `bbox_embed.i`.
+A file whose copies differ is not a Deformable DETR of this shape; the importer's shape checks
+do not see that, so `check_copies` does.
+"""
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from detr_tf.modeling.backbone import torchvision_variables
+from detr_tf.weights.targets import Target, _dense, _mlp, _norm
+
+
+def _msda(prefix: str, attn) -> Dict[str, Target]:
+    out = {}
+    for proj in ("sampling_offsets", "attention_weights", "value_proj", "output_proj"):
+        out.update(_dense(f"{prefix}.{proj}", getattr(attn, proj)))
+    return out
+
+
+def _encoder(t) -> Dict[str, Target]:
+    out = {}
+    for i, layer in enumerate(t.encoder_layers):
+        p = f"model.encoder.layers.{i}"
+        out.update(_msda(f"{p}.self_attn", layer.self_attn))
+        out.update(_norm(f"{p}.self_attn_layer_norm", layer.norm1))
+        out.update(_dense(f"{p}.mlp.fc1", layer.ffn.linear1))
+        out.update(_dense(f"{p}.mlp.fc2", layer.ffn.linear2))
+        out.update(_norm(f"{p}.final_layer_norm", layer.norm2))
+    return out
+
+
+def _decoder(t) -> Dict[str, Target]:
+    out = {}
+    for i, layer in enumerate(t.decoder_layers):
+        p = f"model.decoder.layers.{i}"
+        for ours, theirs in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
+                             ("out_proj", "o_proj")):
+            out.update(_dense(f"{p}.self_attn.{theirs}", getattr(layer.self_attn, ours)))
+        out.update(_norm(f"{p}.self_attn_layer_norm", layer.norm1))
+        out.update(_msda(f"{p}.encoder_attn", layer.cross_attn))
+        out.update(_norm(f"{p}.encoder_attn_layer_norm", layer.norm2))
+        out.update(_dense(f"{p}.mlp.fc1", layer.ffn.linear1))
+        out.update(_dense(f"{p}.mlp.fc2", layer.ffn.linear2))
+        out.update(_norm(f"{p}.final_layer_norm", layer.norm3))
+    return out
+
+
+def _heads(model) -> Dict[str, Target]:
+    out = {}
+    num_pred = model.transformer.num_decoder_layers + int(model.two_stage)
+    for i in range(num_pred):
+        cls = model.class_embed[i if len(model.class_embed) > 1 else 0]
+        box = model.bbox_embed[i if len(model.bbox_embed) > 1 else 0]
+        out.update(_dense(f"class_embed.{i}", cls))
+        out.update(_mlp(f"bbox_embed.{i}", box))
+        if model.with_box_refine:
+            out.update(_mlp(f"model.decoder.bbox_embed.{i}", box))
+        if model.two_stage:
+            out.update(_dense(f"model.decoder.class_embed.{i}", cls))
+    return out
+
+
+def torch_targets(model) -> Dict[str, Target]:
+    """{transformers 5.x key: Target} for every variable of a built DeformableDETR."""
+    out = {}
+    for name, var in torchvision_variables(model.backbone).items():
+        out["model.backbone.model." + name] = Target(var, "conv" if var.shape.rank == 4
+                                                     else "same")
+    for i, proj in enumerate(model.neck.proj):
+        out[f"model.input_proj.{i}.0.weight"] = Target(proj.conv.kernel, "conv")
+        out[f"model.input_proj.{i}.0.bias"] = Target(proj.conv.bias)
+        out[f"model.input_proj.{i}.1.weight"] = Target(proj.norm.weight)
+        out[f"model.input_proj.{i}.1.bias"] = Target(proj.norm.bias)
+    out["model.level_embed"] = Target(model.level_embed)
+    out.update(_encoder(model.transformer))
+    out.update(_decoder(model.transformer))
+    if model.two_stage:
+        out.update(_dense("model.enc_output", model.enc_output))
+        out.update(_norm("model.enc_output_norm", model.enc_output_norm))
+        out.update(_dense("model.pos_trans", model.pos_trans))
+        out.update(_norm("model.pos_trans_norm", model.pos_trans_norm))
+    else:
+        out["model.query_position_embeddings.weight"] = Target(model.query_embed.embeddings)
+        out.update(_dense("model.reference_points", model.reference_points))
+    out.update(_heads(model))
+    return out
+
+
+def head_groups(model) -> Dict[str, List[tf.Variable]]:
+    """'class head' (every class layer) and 'query embedding', re-initialised together when
+    the file's class or query count differs."""
+    groups = {"class head": [v for head in model.class_embed for v in head.variables]}
+    if not model.two_stage:
+        groups["query embedding"] = list(model.query_embed.variables)
+    return groups
+
+
+def check_copies(canonical: Dict[str, tuple], table: Dict[str, Target]) -> List[str]:
+    """File keys that load into the same variable with different values (see module doc)."""
+    first, problems = {}, []
+    for name, (key, value) in sorted(canonical.items()):
+        target = table.get(name)
+        if target is None:
+            continue
+        ref = target.variable.ref()
+        if ref in first and not np.array_equal(first[ref][1], value):
+            problems.append(f"{key} differs from {first[ref][0]}, but this model shares them")
+        first.setdefault(ref, (key, value))
+    return problems
