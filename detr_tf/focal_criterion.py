@@ -1,0 +1,202 @@
+"""Set criterion with sigmoid focal classification (Deformable DETR and its successors).
+
+Semantics are Deformable DETR's SetCriterion:
+- Classification is per class with sigmoids, no no-object class: a matched query's target is
+  the one-hot of its label, an unmatched query's is all zeros. The sigmoid focal loss (Lin et
+  al. 2017; alpha, gamma) is summed over queries and classes and divided by num_boxes.
+- Matching cost: cost_class * focal cost + cost_bbox * L1 + cost_giou * -GIoU, where the focal
+  cost of a query for a label is the focal loss of predicting it positive minus that of
+  predicting it negative (the reference's formula, with its 1e-8 inside the logs).
+- loss_bbox and loss_giou as DETR's, summed over matched pairs and divided by num_boxes.
+- Two-stage models' 'enc_outputs' (one proposal per encoder cell) are matched like a decoder
+  layer, but class-agnostically: every target counts as class 0, the class the proposals are
+  ranked by (losses `loss_ce_enc`, `loss_bbox_enc`, `loss_giou_enc`).
+All decoder layers are matched in one call of the batched matcher (detr_tf/ops/matching.py),
+the encoder proposals in a second one; everything runs in float32.
+"""
+from typing import Callable, Dict, List, Optional
+
+import gin
+import tensorflow as tf
+
+from detr_tf.ops import box_ops
+from detr_tf.ops import matching
+
+
+def sigmoid_focal_loss(logits: tf.Tensor, targets: tf.Tensor, alpha: float = 0.25,
+                       gamma: float = 2.0) -> tf.Tensor:
+    """Elementwise focal loss: [...] float logits, [...] {0, 1} targets -> [...] float32."""
+    logits = tf.cast(logits, tf.float32)
+    prob = tf.sigmoid(logits)
+    ce = tf.nn.sigmoid_cross_entropy_with_logits(labels=targets, logits=logits)
+    p_t = prob * targets + (1.0 - prob) * (1.0 - targets)
+    loss = ce * (1.0 - p_t) ** gamma
+    if alpha >= 0:
+        loss = (alpha * targets + (1.0 - alpha) * (1.0 - targets)) * loss
+    return loss
+
+
+def focal_match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: tf.Tensor,
+                     tgt_boxes: tf.Tensor, cost_class: float = 2.0, cost_bbox: float = 5.0,
+                     cost_giou: float = 2.0, alpha: float = 0.25,
+                     gamma: float = 2.0) -> tf.Tensor:
+    """Deformable DETR's matching cost for any leading dims (layers x images).
+
+    Args:
+      pred_logits: [..., Q, C] per-class logits; pred_boxes: [..., Q, 4] normalized cxcywh.
+      tgt_labels: [..., T] int in [0, C) (any value on padded targets); tgt_boxes [..., T, 4].
+        The targets' leading dims may be a suffix of the predictions' (broadcast).
+
+    Returns:
+      [..., Q, T] float32.
+    """
+    logits = tf.cast(pred_logits, tf.float32)
+    pred_boxes = tf.cast(pred_boxes, tf.float32)
+    lead = tf.shape(logits)[:-2]
+    num_classes = logits.shape[-1]
+    labels = tf.broadcast_to(tf.cast(tgt_labels, tf.int32),
+                             tf.concat([lead, tf.shape(tgt_labels)[-1:]], 0))
+    tgt_boxes = tf.broadcast_to(tf.cast(tgt_boxes, tf.float32),
+                                tf.concat([lead, tf.shape(tgt_boxes)[-2:]], 0))
+    prob = tf.sigmoid(logits)
+    neg = (1 - alpha) * prob ** gamma * -tf.math.log(1 - prob + 1e-8)  # [..., Q, C]
+    pos = alpha * (1 - prob) ** gamma * -tf.math.log(prob + 1e-8)
+    # Picking each target's class column is a matmul with its one-hot: [..., Q, T].
+    onehot = tf.one_hot(tf.clip_by_value(labels, 0, num_classes - 1), num_classes)
+    class_cost = tf.linalg.matmul(pos - neg, onehot, transpose_b=True)
+    l1 = tf.reduce_sum(tf.abs(pred_boxes[..., :, None, :] - tgt_boxes[..., None, :, :]), -1)
+    giou = box_ops.generalized_box_iou(box_ops.box_cxcywh_to_xyxy(pred_boxes),
+                                       box_ops.box_cxcywh_to_xyxy(tgt_boxes))
+    return cost_class * class_cost + cost_bbox * l1 - cost_giou * giou
+
+
+@gin.configurable
+class FocalSetCriterion:
+    """Callable `criterion(outputs, targets, num_boxes=None) -> dict of scalar float32`.
+
+    Args:
+      num_classes: C; the logits have C entries (no no-object class).
+      focal_alpha, focal_gamma: focal loss parameters (0.25, 2), in the cost too.
+      cost_class, cost_bbox, cost_giou: matching cost weights (2, 5, 2).
+      weight_ce, weight_bbox, weight_giou: loss weights in `loss` (2, 5, 2).
+      aux_loss: whether the decoder layers before the last are matched and weighted.
+      matcher: `matcher(cost [..., Q, T], target_mask [..., T]) -> [..., Q]` (Gin reference;
+        the exact HungarianMatcher when None).
+    """
+
+    def __init__(self, num_classes: int, focal_alpha: float = 0.25, focal_gamma: float = 2.0,
+                 cost_class: float = 2.0, cost_bbox: float = 5.0, cost_giou: float = 2.0,
+                 weight_ce: float = 2.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
+                 aux_loss: bool = True, matcher: Optional[Callable] = None):
+        self.num_classes = num_classes
+        self.alpha = focal_alpha
+        self.gamma = focal_gamma
+        self.costs = (cost_class, cost_bbox, cost_giou)
+        self.weights = (weight_ce, weight_bbox, weight_giou)
+        self.aux_loss = aux_loss
+        self.matcher = matching.HungarianMatcher() if matcher is None else matcher
+
+    def local_normalizers(self, targets: Dict[str, tf.Tensor],
+                          num_queries: int) -> Dict[str, tf.Tensor]:
+        """This replica's box count, for a trainer to all-reduce into `num_boxes`."""
+        del num_queries  # no class-weight normalizer: the focal loss is divided by num_boxes
+        return {"num_boxes": tf.reduce_sum(tf.cast(targets["mask"], tf.float32))}
+
+    def _num_boxes(self, mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
+        if num_boxes is None:
+            num_boxes = tf.reduce_sum(tf.cast(mask, tf.float32))
+            ctx = tf.distribute.get_replica_context()
+            if ctx is not None and ctx.num_replicas_in_sync > 1:
+                num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
+                num_boxes = num_boxes / ctx.num_replicas_in_sync
+        return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
+
+    def match(self, logits: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
+              tgt_boxes: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
+        """[N, B, Q, *] predictions -> [N, B, Q] int32 target per query, -1 unmatched."""
+        cost = focal_match_cost(tf.stop_gradient(logits), tf.stop_gradient(boxes), labels,
+                                tgt_boxes, *self.costs, alpha=self.alpha, gamma=self.gamma)
+        mask = tf.broadcast_to(mask[None], tf.concat([tf.shape(logits)[:1], tf.shape(mask)], 0))
+        return tf.cast(self.matcher(cost, mask), tf.int32)
+
+    def _losses(self, logits, boxes, labels, tgt_boxes, mask, n_box):
+        """Per-layer losses of [N, B, Q, *] predictions: (loss_ce, loss_bbox, loss_giou, idx),
+        each [N] (idx [N, B, Q])."""
+        num_layers = logits.shape[0]
+        idx = self.match(logits, boxes, labels, tgt_boxes, mask)  # [N, B, Q]
+        matched = tf.cast(idx >= 0, tf.float32)
+        safe = tf.maximum(idx, 0)
+
+        def gather(x):  # [B, T, ...] -> [N, B, Q, ...], each query's target
+            return tf.gather(tf.tile(x[None], [num_layers] + [1] * len(x.shape)), safe,
+                             batch_dims=2)
+
+        onehot = tf.one_hot(gather(labels), logits.shape[-1]) * matched[..., None]
+        focal = sigmoid_focal_loss(logits, onehot, self.alpha, self.gamma)  # [N, B, Q, C]
+        loss_ce = tf.reduce_sum(focal, [1, 2, 3]) / n_box
+        matched_boxes = gather(tgt_boxes)  # [N, B, Q, 4]
+        l1 = tf.reduce_sum(tf.abs(boxes - matched_boxes), -1)
+        giou = box_ops.generalized_box_iou(
+            box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
+            box_ops.box_cxcywh_to_xyxy(matched_boxes)[..., None, :])[..., 0, 0]  # [N, B, Q]
+        loss_bbox = tf.reduce_sum(l1 * matched, [1, 2]) / n_box
+        loss_giou = tf.reduce_sum((1.0 - giou) * matched, [1, 2]) / n_box
+        return loss_ce, loss_bbox, loss_giou, idx
+
+    def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
+                 num_boxes: Optional[tf.Tensor] = None,
+                 ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+        """Computes the losses.
+
+        Args:
+          outputs: 'pred_logits' [B, Q, C], 'pred_boxes' [B, Q, 4] normalized cxcywh,
+            'aux_outputs' (list of such dicts), optionally 'enc_outputs' (one such dict).
+          targets: 'labels' int [B, T], 'boxes' [B, T, 4] normalized cxcywh, 'mask' bool
+            [B, T] (T may be 0).
+          num_boxes: the (global, per replica) box count to normalize by; computed when None.
+          ce_weight: unused (accepted for the trainer's common call).
+
+        Returns:
+          'loss' (weighted sum over layers and encoder proposals), 'loss_ce', 'loss_bbox',
+          'loss_giou' (last layer, unweighted), the same per aux layer i with suffix '_{i}'
+          and for the proposals with '_enc', and 'class_error' (final layer, %).
+        """
+        del ce_weight
+        layers: List[Dict] = list(outputs.get("aux_outputs", []) if self.aux_loss else [])
+        layers.append(outputs)
+        logits = tf.stack([tf.cast(o["pred_logits"], tf.float32) for o in layers])
+        boxes = tf.stack([tf.cast(o["pred_boxes"], tf.float32) for o in layers])
+        if logits.shape[-1] != self.num_classes:
+            raise ValueError(f"FocalSetCriterion: pred_logits has {logits.shape[-1]} classes "
+                             f"but FocalSetCriterion.num_classes={self.num_classes}")
+        labels = tf.cast(targets["labels"], tf.int32)
+        tgt_boxes = tf.cast(targets["boxes"], tf.float32)
+        mask = tf.cast(targets["mask"], tf.bool)
+        if labels.shape[1] == 0:  # one padded dummy target keeps the gathers in range
+            b = tf.shape(labels)[0]
+            labels, tgt_boxes = tf.zeros([b, 1], tf.int32), tf.zeros([b, 1, 4])
+            mask = tf.zeros([b, 1], tf.bool)
+        n_box = self._num_boxes(mask, num_boxes)
+        ce, bbox, giou, idx = self._losses(logits, boxes, labels, tgt_boxes, mask, n_box)
+        w_ce, w_bbox, w_giou = self.weights
+        out = {"loss": tf.reduce_sum(w_ce * ce + w_bbox * bbox + w_giou * giou),
+               "loss_ce": ce[-1], "loss_bbox": bbox[-1], "loss_giou": giou[-1]}
+        for i in range(len(layers) - 1):
+            out.update({f"loss_ce_{i}": ce[i], f"loss_bbox_{i}": bbox[i],
+                        f"loss_giou_{i}": giou[i]})
+        if "enc_outputs" in outputs:
+            enc = outputs["enc_outputs"]
+            ce, bbox, giou, _ = self._losses(
+                tf.cast(enc["pred_logits"], tf.float32)[None],
+                tf.cast(enc["pred_boxes"], tf.float32)[None],
+                tf.zeros_like(labels), tgt_boxes, mask, n_box)
+            out.update({"loss_ce_enc": ce[0], "loss_bbox_enc": bbox[0],
+                        "loss_giou_enc": giou[0]})
+            out["loss"] += w_ce * ce[0] + w_bbox * bbox[0] + w_giou * giou[0]
+        matched = tf.cast(idx[-1] >= 0, tf.float32)  # [B, Q]
+        pred = tf.argmax(logits[-1], -1, output_type=tf.int32)
+        correct = tf.cast(pred == tf.gather(labels, tf.maximum(idx[-1], 0), batch_dims=1),
+                          tf.float32)
+        out["class_error"] = 100.0 - 100.0 * tf.math.divide_no_nan(
+            tf.reduce_sum(correct * matched), tf.reduce_sum(matched))
+        return out
