@@ -77,8 +77,7 @@ def evaluate_model(model: Any,
     @tf.function(jit_compile=jit_compile)
     def step(images, pixel_mask, orig_size):
         outputs = model(images, pixel_mask, training=False)
-        return pp.postprocess(outputs["pred_logits"], outputs["pred_boxes"], orig_size,
-                              box_format="xywh")
+        return pp.postprocess_outputs(outputs, orig_size, box_format="xywh")
 
     start = time.time()
     for n, element in enumerate(dataset):

@@ -158,7 +158,7 @@ class DetectionModule(tf.Module):
                              orig_sizes: tf.Tensor) -> Dict[str, tf.Tensor]:
         """[N, Hc, Wc, 3], [N, Hc, Wc], [N, 2] (h, w) -> the serving outputs."""
         outputs = self.model(images, pixel_mask, training=False)
-        dets = pp.postprocess(outputs["pred_logits"], outputs["pred_boxes"], orig_sizes, "xyxy")
+        dets = pp.postprocess_outputs(outputs, orig_sizes, "xyxy")
         top = pp.select_top_detections(dets, self._max_detections, self._score_threshold)
         # Served boxes stay inside the image: a predicted box may overhang it (cx +- w/2 is not
         # bounded), which a consumer drawing or cropping should not have to handle. COCO

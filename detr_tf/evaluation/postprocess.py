@@ -9,8 +9,9 @@ static shapes, so everything here runs batched inside `tf.function(jit_compile=T
 Class indices are category ids: the data pipeline labels boxes with the dataset's category ids
 (COCO ids by default), so the model's class index `c` *is* category id `c` and no mapping is needed.
 """
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
+import gin
 import numpy as np
 import tensorflow as tf
 
@@ -47,14 +48,67 @@ def postprocess(pred_logits: tf.Tensor,
     scores = tf.reduce_max(prob, axis=-1)  # [B, Q]
     labels = tf.argmax(prob, axis=-1, output_type=tf.int32)  # [B, Q]
 
-    boxes = box_ops.box_cxcywh_to_xyxy(tf.cast(pred_boxes, tf.float32))  # [B, Q, 4] normalized
+    return {"scores": scores, "labels": labels,
+            "boxes": _to_pixels(pred_boxes, target_sizes, box_format)}
+
+
+def _to_pixels(pred_boxes: tf.Tensor, target_sizes: tf.Tensor, box_format: str) -> tf.Tensor:
+    """[B, N, 4] normalized cxcywh -> [B, N, 4] float32 original-image pixels in box_format."""
+    boxes = box_ops.box_cxcywh_to_xyxy(tf.cast(pred_boxes, tf.float32))  # [B, N, 4] normalized
     sizes = tf.cast(target_sizes, tf.float32)  # [B, 2] (h, w)
     img_h, img_w = sizes[:, 0], sizes[:, 1]
     scale = tf.stack([img_w, img_h, img_w, img_h], axis=-1)[:, None, :]  # [B, 1, 4]
     boxes = boxes * scale
     if box_format == "xywh":
         boxes = xyxy_to_xywh(boxes)
-    return {"scores": scores, "labels": labels, "boxes": boxes}
+    return boxes
+
+
+@gin.configurable(denylist=["pred_logits", "pred_boxes", "target_sizes", "box_format"])
+def sigmoid_topk_postprocess(pred_logits: tf.Tensor, pred_boxes: tf.Tensor,
+                             target_sizes: tf.Tensor, box_format: str = "xyxy",
+                             num_top: int = 100) -> Dict[str, tf.Tensor]:
+    """Deformable DETR's post-processing: the best (query, class) pairs by sigmoid score.
+
+    Every class of every query is a candidate scored by its own sigmoid (there is no
+    no-object class), and the `num_top` best candidates over Q x C are the detections, so one
+    query may give several (its box with different labels).
+
+    Args:
+      pred_logits: [B, Q, C] per-class logits.
+      pred_boxes, target_sizes, box_format: as `postprocess`.
+      num_top: K, detections per image (100 in the reference); at most Q * C.
+
+    Returns:
+      scores [B, K] float32 sorted decreasing, labels [B, K] int32, boxes [B, K, 4].
+    """
+    if box_format not in BOX_FORMATS:
+        raise ValueError(f"sigmoid_topk_postprocess: box_format={box_format!r}, expected one of "
+                         f"{BOX_FORMATS}")
+    prob = tf.sigmoid(tf.cast(pred_logits, tf.float32))  # [B, Q, C]
+    num_queries, num_classes = prob.shape[1], prob.shape[2]
+    k = min(num_top, num_queries * num_classes)
+    scores, index = tf.math.top_k(tf.reshape(prob, [-1, num_queries * num_classes]), k=k)
+    query = index // num_classes  # [B, K]
+    boxes = tf.gather(tf.cast(pred_boxes, tf.float32), query, batch_dims=1)  # [B, K, 4]
+    return {"scores": scores, "labels": index % num_classes,
+            "boxes": _to_pixels(boxes, target_sizes, box_format)}
+
+
+@gin.configurable(denylist=["outputs", "target_sizes", "box_format"])
+def postprocess_outputs(outputs: Dict[str, tf.Tensor], target_sizes: tf.Tensor,
+                        box_format: str = "xyxy",
+                        method: Callable[..., Dict[str, tf.Tensor]] = postprocess
+                        ) -> Dict[str, tf.Tensor]:
+    """The detections of a model's outputs, by the post-processing the model needs.
+
+    Evaluation, prediction and export call this; a model file binds `method` (DETR's softmax
+    `postprocess` by default; `@sigmoid_topk_postprocess` for focal-loss models).
+
+    Returns:
+      scores [B, N], labels [B, N], boxes [B, N, 4] as `method` gives them.
+    """
+    return method(outputs["pred_logits"], outputs["pred_boxes"], target_sizes, box_format)
 
 
 def xyxy_to_xywh(boxes: tf.Tensor) -> tf.Tensor:
