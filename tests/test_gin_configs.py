@@ -70,8 +70,8 @@ def test_gin_file_parses_with_dummy_required_values(name):
         for macro in required:
             assert gin.query_parameter(f"%{macro}") == f"/dummy/{macro.lower()}"
         # Every experiment file configures a model, a criterion and the training run.
-        assert gin.query_parameter("build_model.num_classes") is not None
-        assert gin.query_parameter("train.model_fn") is not None
+        model_fn = gin.query_parameter("train.model_fn")
+        assert gin.query_parameter(f"{model_fn.selector}.num_classes") is not None
     finally:
         gin.clear_config()
 

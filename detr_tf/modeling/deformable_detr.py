@@ -16,7 +16,7 @@ no-object class. Post-processing is `postprocess.sigmoid_topk_postprocess` (boun
 files), training `FocalSetCriterion` (detr_tf/focal_criterion.py).
 """
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import gin
 import tensorflow as tf
@@ -46,6 +46,19 @@ def _box_head(d_model: int, wh_bias: float, name: str) -> MLP:
     return head
 
 
+def _pad_cells(enc: Dict[str, tf.Tensor], num_cells: int) -> Dict[str, tf.Tensor]:
+    """Pads [B, S, *] proposals to num_cells with cells that score sigmoid(-1e4) = 0 and
+    propose a tiny box far outside the image, so matching and the focal loss ignore them."""
+    pad = num_cells - enc["pred_logits"].shape[1]
+    if pad == 0:
+        return enc
+    logits = tf.pad(enc["pred_logits"], [[0, 0], [0, pad], [0, 0]], constant_values=-1e4)
+    far = tf.constant([-10.0, -10.0, 1e-3, 1e-3])
+    b = tf.shape(enc["pred_boxes"])[0]
+    boxes = tf.concat([enc["pred_boxes"], tf.tile(far[None, None], [b, pad, 1])], 1)
+    return {"pred_logits": logits, "pred_boxes": boxes}
+
+
 class DeformableDETR(tf_keras.Model):
     """Deformable DETR.
 
@@ -67,7 +80,8 @@ class DeformableDETR(tf_keras.Model):
                  transformer: dt.DeformableTransformer, num_classes: int,
                  num_queries: int = 300, num_levels: int = 4, backbone_levels: int = 3,
                  aux_loss: bool = True, with_box_refine: bool = False,
-                 two_stage: bool = False, **kwargs):
+                 two_stage: bool = False, canvas_sizes: Sequence[Tuple[int, int]] = (),
+                 **kwargs):
         kwargs.setdefault("name", "deformable_detr")
         super().__init__(**kwargs)
         d = transformer.d_model
@@ -80,6 +94,7 @@ class DeformableDETR(tf_keras.Model):
         self.aux_loss = aux_loss
         self.with_box_refine = with_box_refine
         self.two_stage = two_stage
+        self.canvas_sizes = [(int(h), int(w)) for h, w in canvas_sizes]
         self.neck = multiscale.MultiScaleProjection(d, num_levels, name="neck")
         self.level_embed = self.add_weight(
             name="level_embed", shape=[num_levels, d], dtype=tf.float32,
@@ -131,6 +146,10 @@ class DeformableDETR(tf_keras.Model):
             tgt = tf.tile(query[None, :, d:], [b, 1, 1])
             reference = tf.sigmoid(tf.cast(self.reference_points(query_pos), tf.float32))
             return tgt, query_pos, reference, {}
+        if memory.shape[1] < self.num_queries:
+            raise ValueError(f"DeformableDETR: two-stage selects num_queries={self.num_queries} "
+                             f"of the encoder's {memory.shape[1]} cells (levels {shapes}); use "
+                             "larger images or fewer queries")
         enc_memory, proposals = dt.encoder_output_proposals(memory, padding_mask, shapes)
         enc_memory = self.enc_output_norm(self.enc_output(enc_memory))
         enc_logits = tf.cast(self.class_embed[-1](enc_memory), tf.float32)  # [B, S, C]
@@ -145,6 +164,49 @@ class DeformableDETR(tf_keras.Model):
 
     def call(self, images: tf.Tensor, pixel_mask: tf.Tensor,
              training: Optional[bool] = None) -> Dict[str, object]:
+        if images.shape[1] is not None and images.shape[2] is not None:
+            return self._forward(images, pixel_mask, training)
+        return self._dispatch(images, pixel_mask, training)
+
+    def _dispatch(self, images, pixel_mask, training) -> Dict[str, object]:
+        """The forward pass on a canvas whose size is only known at run time.
+
+        Deformable attention needs every level's size at trace time, but a training step
+        traced over a bucketed dataset sees [B, None, None, 3]. So the model is traced once
+        per canvas size the data can have (`canvas_sizes`, the data's buckets) and the batch
+        takes the branch of its size. Two-stage proposals, one per cell, are padded to the
+        largest canvas's cell count with cells no match can prefer (sigmoid 0, far boxes).
+        """
+        if not self.canvas_sizes:
+            raise ValueError("DeformableDETR: the images' height and width are not static; "
+                             "bind build_deformable_detr.canvas_sizes to the data's canvas "
+                             "buckets (e.g. = %BUCKETS)")
+        if not self.built:  # variables are created outside the branches
+            h, w = self.canvas_sizes[0]
+            with tf.init_scope():
+                self._forward(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), False)
+        height, width = tf.shape(images)[1], tf.shape(images)[2]
+        max_cells = max(self._num_cells(h, w) for h, w in self.canvas_sizes)
+        branches = []
+        for h, w in self.canvas_sizes:
+            def branch(h=h, w=w):
+                out = self._forward(tf.ensure_shape(images, [images.shape[0], h, w, 3]),
+                                    tf.ensure_shape(pixel_mask, [images.shape[0], h, w]),
+                                    training)
+                if "enc_outputs" in out:
+                    out["enc_outputs"] = _pad_cells(out["enc_outputs"], max_cells)
+                return out
+            branches.append((tf.logical_and(tf.equal(height, h), tf.equal(width, w)), branch))
+        return tf.case(branches, exclusive=True)
+
+    def _num_cells(self, height: int, width: int) -> int:
+        """S, the flattened cells of all levels for a canvas (strides 2^(3+l) for C3 on)."""
+        first = 2 ** (len(self.backbone.stages) + 2 - self.backbone_levels)
+        return sum(-(-height // (first * 2 ** l)) * -(-width // (first * 2 ** l))
+                   for l in range(self.neck.num_levels))
+
+    def _forward(self, images: tf.Tensor, pixel_mask: tf.Tensor,
+                 training: Optional[bool] = None) -> Dict[str, object]:
         src, pos, padding_mask, shapes, ratios = self._features(images, pixel_mask, training)
         memory = self.transformer.encode(src, pos, shapes, padding_mask, ratios,
                                          training=training)
@@ -175,8 +237,8 @@ def build_deformable_detr(num_classes: int = 91, num_queries: int = 300, hidden_
                           position_embedding: Optional[PositionEmbeddingSine] = None,
                           transformer: Optional[dt.DeformableTransformer] = None,
                           num_levels: int = 4, backbone_levels: int = 3, aux_loss: bool = True,
-                          with_box_refine: bool = False,
-                          two_stage: bool = False) -> DeformableDETR:
+                          with_box_refine: bool = False, two_stage: bool = False,
+                          canvas_sizes: Sequence[Tuple[int, int]] = ()) -> DeformableDETR:
     """Builds Deformable DETR; components left None get the R50 reference defaults.
 
     Args:
@@ -191,6 +253,8 @@ def build_deformable_detr(num_classes: int = 91, num_queries: int = 300, hidden_
       aux_loss: return the decoder layers before the last.
       with_box_refine: iterative bounding-box refinement.
       two_stage: decoder references from the encoder's proposals.
+      canvas_sizes: the (height, width) canvases the data can have (its buckets), for a
+        training step traced without static image sizes (see DeformableDETR._dispatch).
     """
     backbone = backbone if backbone is not None else ResNet()
     position_embedding = (position_embedding if position_embedding is not None else
@@ -215,4 +279,5 @@ def build_deformable_detr(num_classes: int = 91, num_queries: int = 300, hidden_
     return DeformableDETR(backbone, position_embedding, transformer, num_classes=num_classes,
                           num_queries=num_queries, num_levels=num_levels,
                           backbone_levels=backbone_levels, aux_loss=aux_loss,
-                          with_box_refine=with_box_refine, two_stage=two_stage)
+                          with_box_refine=with_box_refine, two_stage=two_stage,
+                          canvas_sizes=canvas_sizes)

@@ -17,6 +17,7 @@ layer's reference.
 import math
 from typing import List, Optional, Sequence, Tuple
 
+import gin
 import tensorflow as tf
 import tf_keras
 
@@ -113,6 +114,7 @@ def _scale_reference(reference: tf.Tensor, ratios: tf.Tensor) -> tf.Tensor:
     return reference[:, :, None] * ratios[:, None]
 
 
+@gin.configurable
 class DeformableTransformer(tf_keras.layers.Layer):
     """The encoder and decoder stacks (`encoder.layers.i`, `decoder.layers.i`).
 
