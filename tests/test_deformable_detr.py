@@ -20,3 +20,29 @@ def test_matches_transformers_fixture(variant):
     assert not report.unused and not report.not_loaded, report
     diffs = h.compare(h.run(model, images), h.fixture_outputs(variant))
     print(variant, diffs)
+
+
+def test_padding_invariance_and_unknown_canvas():
+    """An image's outputs do not depend on the padding of its batch, nor on a step traced
+    without static sizes (padded to the largest canvas): masked GroupNorm statistics, zeroed
+    conv inputs and attention values, padded proposals never selected."""
+    model = h.narrow_model("two_stage")
+    model.canvas_sizes = [(64, 128), (128, 128)]
+    images = h.fixture_images()
+    alone = h.run(model, images[:1])  # builds; [1, 64, 96]
+    weights.load_pretrained(model, os.path.join(h.FIXTURES, h.WEIGHTS["two_stage"]))
+    alone = h.run(model, images[:1])
+    canvas = np.zeros([2, 128, 128, 3], np.float32)
+    canvas[:, :64, :96] = images
+    mask = np.zeros([2, 128, 128], bool)
+    mask[:, :64, :96] = True
+    mask[1, :, :] = True  # the batch mate fills its canvas
+    canvas[1] = np.random.default_rng(0).normal(size=[128, 128, 3])
+    step = tf.function(lambda x, m: model(x, m, training=False),
+                       input_signature=[tf.TensorSpec([2, None, None, 3]),
+                                        tf.TensorSpec([2, None, None], tf.bool)])
+    for out in (model(canvas, mask, training=False), step(canvas[:, :, :], mask)):
+        for key in ("pred_logits", "pred_boxes"):
+            np.testing.assert_allclose(out[key][0], alone[key][0], atol=2e-5)
+        np.testing.assert_allclose(out["aux_outputs"][0]["pred_boxes"][0],
+                                   alone["aux_outputs"][0]["pred_boxes"][0], atol=2e-5)

@@ -46,19 +46,6 @@ def _box_head(d_model: int, wh_bias: float, name: str) -> MLP:
     return head
 
 
-def _pad_cells(enc: Dict[str, tf.Tensor], num_cells: int) -> Dict[str, tf.Tensor]:
-    """Pads [B, S, *] proposals to num_cells with cells that score sigmoid(-1e4) = 0 and
-    propose a tiny box far outside the image, so matching and the focal loss ignore them."""
-    pad = num_cells - enc["pred_logits"].shape[1]
-    if pad == 0:
-        return enc
-    logits = tf.pad(enc["pred_logits"], [[0, 0], [0, pad], [0, 0]], constant_values=-1e4)
-    far = tf.constant([-10.0, -10.0, 1e-3, 1e-3])
-    b = tf.shape(enc["pred_boxes"])[0]
-    boxes = tf.concat([enc["pred_boxes"], tf.tile(far[None, None], [b, pad, 1])], 1)
-    return {"pred_logits": logits, "pred_boxes": boxes}
-
-
 class DeformableDETR(tf_keras.Model):
     """Deformable DETR.
 
@@ -71,7 +58,8 @@ class DeformableDETR(tf_keras.Model):
       'pred_boxes': [B, Q, 4] normalized cx, cy, w, h.
       'aux_outputs': list of N-1 such dicts, decoder layers 0 .. N-2 (empty without aux_loss).
       'enc_outputs' (two-stage only): 'pred_logits' [B, S, num_classes], 'pred_boxes' [B, S, 4]
-        for the S encoder cells ('pred_boxes' is 1 on cells that propose nothing).
+        for the S encoder cells ('pred_boxes' is 1 on real cells too close to the border to
+        propose; padded cells score -1e4 with a far-away box).
 
     `model.backbone.trainable_variables` take the backbone learning rate.
     """
@@ -154,56 +142,46 @@ class DeformableDETR(tf_keras.Model):
         enc_memory = self.enc_output_norm(self.enc_output(enc_memory))
         enc_logits = tf.cast(self.class_embed[-1](enc_memory), tf.float32)  # [B, S, C]
         enc_coords = tf.cast(self.bbox_embed[-1](enc_memory), tf.float32) + proposals
+        # Padded cells propose nothing: never selected, scored sigmoid(-1e4) = 0 with a tiny
+        # box far outside the image, so matching and the focal loss ignore them (the
+        # reference scores them like real cells; on an unpadded image nothing changes).
+        real = ~padding_mask[..., None]  # [B, S, 1]
+        enc_logits = tf.where(real, enc_logits, -1e4)
+        enc_boxes = tf.where(real, tf.sigmoid(enc_coords), [-10.0, -10.0, 1e-3, 1e-3])
         _, top = tf.math.top_k(enc_logits[..., 0], k=self.num_queries)  # [B, Q]
         top_coords = tf.stop_gradient(tf.gather(enc_coords, top, batch_dims=1))  # [B, Q, 4]
         pos = self.pos_trans_norm(self.pos_trans(
             tf.cast(dt.proposal_pos_embed(top_coords, d // 2), memory.dtype)))
-        extra = {"enc_outputs": {"pred_logits": enc_logits,
-                                 "pred_boxes": tf.sigmoid(enc_coords)}}
+        extra = {"enc_outputs": {"pred_logits": enc_logits, "pred_boxes": enc_boxes}}
         return pos[..., d:], pos[..., :d], tf.sigmoid(top_coords), extra
 
     def call(self, images: tf.Tensor, pixel_mask: tf.Tensor,
              training: Optional[bool] = None) -> Dict[str, object]:
-        if images.shape[1] is not None and images.shape[2] is not None:
-            return self._forward(images, pixel_mask, training)
-        return self._dispatch(images, pixel_mask, training)
+        if images.shape[1] is None or images.shape[2] is None:
+            images, pixel_mask = self._static_canvas(images, pixel_mask)
+        return self._forward(images, pixel_mask, training)
 
-    def _dispatch(self, images, pixel_mask, training) -> Dict[str, object]:
-        """The forward pass on a canvas whose size is only known at run time.
+    def _static_canvas(self, images, pixel_mask) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Pads a batch whose size is only known at run time to the largest canvas.
 
         Deformable attention needs every level's size at trace time, but a training step
-        traced over a bucketed dataset sees [B, None, None, 3]. So the model is traced once
-        per canvas size the data can have (`canvas_sizes`, the data's buckets) and the batch
-        takes the branch of its size. Two-stage proposals, one per cell, are padded to the
-        largest canvas's cell count with cells no match can prefer (sigmoid 0, far boxes).
+        traced over a bucketed dataset sees [B, None, None, 3]. The model is padding-invariant
+        (masked convs and GroupNorm statistics, masked attention values, padded proposals
+        never selected), so padding every batch to the largest of `canvas_sizes` (the data's
+        buckets) gives each image exactly its own outputs, at the largest canvas's cost and
+        with one trace.
         """
         if not self.canvas_sizes:
             raise ValueError("DeformableDETR: the images' height and width are not static; "
                              "bind build_deformable_detr.canvas_sizes to the data's canvas "
                              "buckets (e.g. = %BUCKETS)")
-        if not self.built:  # variables are created outside the branches
-            h, w = self.canvas_sizes[0]
-            with tf.init_scope():
-                self._forward(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), False)
-        height, width = tf.shape(images)[1], tf.shape(images)[2]
-        max_cells = max(self._num_cells(h, w) for h, w in self.canvas_sizes)
-        branches = []
-        for h, w in self.canvas_sizes:
-            def branch(h=h, w=w):
-                out = self._forward(tf.ensure_shape(images, [images.shape[0], h, w, 3]),
-                                    tf.ensure_shape(pixel_mask, [images.shape[0], h, w]),
-                                    training)
-                if "enc_outputs" in out:
-                    out["enc_outputs"] = _pad_cells(out["enc_outputs"], max_cells)
-                return out
-            branches.append((tf.logical_and(tf.equal(height, h), tf.equal(width, w)), branch))
-        return tf.case(branches, exclusive=True)
-
-    def _num_cells(self, height: int, width: int) -> int:
-        """S, the flattened cells of all levels for a canvas (strides 2^(3+l) for C3 on)."""
-        first = 2 ** (len(self.backbone.stages) + 2 - self.backbone_levels)
-        return sum(-(-height // (first * 2 ** l)) * -(-width // (first * 2 ** l))
-                   for l in range(self.neck.num_levels))
+        h = max(c[0] for c in self.canvas_sizes)
+        w = max(c[1] for c in self.canvas_sizes)
+        pad = [[0, 0], [0, h - tf.shape(images)[1]], [0, w - tf.shape(images)[2]]]
+        b = images.shape[0]
+        images = tf.ensure_shape(tf.pad(images, pad + [[0, 0]]), [b, h, w, images.shape[-1]])
+        pixel_mask = tf.ensure_shape(tf.pad(tf.cast(pixel_mask, tf.bool), pad), [b, h, w])
+        return images, pixel_mask
 
     def _forward(self, images: tf.Tensor, pixel_mask: tf.Tensor,
                  training: Optional[bool] = None) -> Dict[str, object]:
@@ -254,7 +232,7 @@ def build_deformable_detr(num_classes: int = 91, num_queries: int = 300, hidden_
       with_box_refine: iterative bounding-box refinement.
       two_stage: decoder references from the encoder's proposals.
       canvas_sizes: the (height, width) canvases the data can have (its buckets), for a
-        training step traced without static image sizes (see DeformableDETR._dispatch).
+        training step traced without static image sizes (see DeformableDETR._static_canvas).
     """
     backbone = backbone if backbone is not None else ResNet()
     position_embedding = (position_embedding if position_embedding is not None else
