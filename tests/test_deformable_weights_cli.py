@@ -1,7 +1,10 @@
 """tools/import_weights.py end to end for Deformable DETR: the two-stage transformers 4.x fixture
 into deformable_tiny.gin at the fixture's architecture (the shapes data's 4 classes, so the
 file's 7-class heads are re-initialised), then evaluation's model loading, prediction and
-export on the run directory it writes."""
+export on the run directory it writes.
+
+Slow (about 1.5 min of CPU, 4 min on the loaded 2-core machine): `pytest -m slow
+tests/test_deformable_weights_cli.py`."""
 import json
 import os
 import subprocess
@@ -23,6 +26,9 @@ NARROW = ["ResNet.layers = (2, 2, 2, 2)", "ResNet.width = 4", "ResNet.stem_width
           "D_MODEL = 32", "PositionEmbeddingSine.num_pos_feats = 16",
           "DeformableTransformer.dim_feedforward = 64", "NUM_QUERIES = 6",
           "WITH_BOX_REFINE = True", "TWO_STAGE = True"]
+
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
