@@ -46,3 +46,10 @@ def test_padding_invariance_and_unknown_canvas():
             np.testing.assert_allclose(out[key][0], alone[key][0], atol=2e-5)
         np.testing.assert_allclose(out["aux_outputs"][0]["pred_boxes"][0],
                                    alone["aux_outputs"][0]["pred_boxes"][0], atol=2e-5)
+
+
+def test_build_size_leaves_two_stage_enough_cells():
+    # 64 px: 8*8 + 4*4 + 2*2 + 1 = 85 cells < 300 queries; 128 px: 340.
+    assert h.narrow_model("two_stage", num_queries=300).build_size == (128, 128)
+    assert h.narrow_model("two_stage", num_queries=80).build_size == (64, 64)
+    assert h.narrow_model("plain", num_queries=300).build_size == (64, 64)

@@ -104,6 +104,19 @@ class DeformableDETR(tf_keras.Model):
                 embeddings_initializer=tf_keras.initializers.RandomNormal(stddev=1.0))
             self.reference_points = tf_keras.layers.Dense(2, name="reference_points")
 
+    @property
+    def build_size(self) -> Tuple[int, int]:
+        """The smallest square canvas (a multiple of 64) the model can be built on: two-stage
+        needs at least num_queries encoder cells. Weights do not depend on the size."""
+        side = 64
+        first = 2 ** (len(self.backbone.stages) + 2 - self.backbone_levels)  # C3's stride
+        def cells(side):  # each level's side is ceil(side / stride)
+            return sum((-(-side // (first * 2 ** l))) ** 2 for l in range(self.neck.num_levels))
+
+        while self.two_stage and cells(side) < self.num_queries:
+            side += 64
+        return side, side
+
     def _head(self, heads: List[tf_keras.layers.Layer], i: int) -> tf_keras.layers.Layer:
         return heads[i] if len(heads) > 1 else heads[0]
 

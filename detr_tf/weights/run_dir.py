@@ -37,7 +37,7 @@ def build_model() -> tf_keras.Model:
     tf_keras.mixed_precision.set_global_policy("float32")
     model_fn = gin.get_bindings("train")["model_fn"] if has_run_bindings() else detr.build_model
     model = model_fn()
-    h, w = _BUILD_SIZE
+    h, w = getattr(model, "build_size", _BUILD_SIZE)  # a two-stage model needs enough cells
     model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
     return model
 
