@@ -18,6 +18,8 @@ import tensorflow as tf
 
 from detr_tf.benchmarks import deformable_attention as bench
 
+tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 flags.DEFINE_list("cases", ["32x32:b2", "32x32+16x16+8x8+4x4:b2", "48x48+24x24+12x12+6x6:b1",

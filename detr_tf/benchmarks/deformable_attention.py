@@ -13,10 +13,10 @@ per sample and channel), its index arithmetic is not. A step counts 3x the forwa
 twice the forward, the usual rule). `forward_flops` is cross-checked against XLA's HLO by the
 tests.
 
-Peak memory is the rise of the process's peak resident set over its resident set just before
-the timed steps (the peak is reset through /proc/self/clear_refs after warm-up, so compilation
-is excluded): the transient memory of one step. Large tensors are allocated by mmap and return
-to the system when freed, which is what makes this delta meaningful.
+Step memory is the peak of TensorFlow's CPU allocator during warmed-up steps minus what it
+held before them (`tf.config.experimental.get_memory_info`, reset before the steps): the
+transient tensors of one step, XLA's buffers included (XLA on CPU allocates through the same
+allocator). The process's resident set cannot tell this: the allocator keeps freed memory.
 """
 import dataclasses
 import os
@@ -114,22 +114,13 @@ def build_step(case: Case, variant: str, d_model: int, num_heads: int, num_point
     return lambda: step(query, value)
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def step_memory_mb(fn: Callable[[], object], steps: int = 2) -> float:
-    """Peak resident memory of `steps` calls of a warmed-up fn over the resident set before."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (the peak) to the current resident set
-    before = _status_kb("VmRSS")
+    """Peak allocator memory of `steps` calls of a warmed-up fn above what was held before."""
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     for _ in range(steps):
         timing.sync(fn())
-    return (_status_kb("VmHWM") - before) / 1024.0
+    return (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2 ** 20
 
 
 def run_case(case: Case, d_model: int, num_heads: int, num_points: int, modes: Sequence[str],
