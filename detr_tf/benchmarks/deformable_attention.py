@@ -103,7 +103,7 @@ def build_step(case: Case, variant: str, d_model: int, num_heads: int, num_point
         call = lambda q, v: layer(q, v, v)  # noqa: E731
 
     @tf.function(jit_compile=jit)
-    def step(q, v):
+    def step(q, v):  # float32 inputs, as a mixed-precision model's layers receive them
         with tf.GradientTape() as tape:
             tape.watch([q, v])
             out = call(q, v)
