@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
 from detr_tf.benchmarks import timing
 from detr_tf.modeling.deformable_attention import MultiScaleDeformableAttention
@@ -75,15 +76,14 @@ def forward_flops(case: Case, variant: str, d_model: int, num_heads: int,
 
 
 def largest_activation_mb(case: Case, variant: str, d_model: int, num_heads: int,
-                          num_points: int, bytes_per_element: int = 4) -> float:
+                          num_points: int, compute_bytes: int = 4) -> float:
     """The biggest tensor of the forward, kept for the backward: the [B, H, Q, S] attention
-    weights (dense) or the [B, Q, H, L*P*4, Dh] gathered corners (deformable)."""
+    weights (dense; float32 under any policy, its softmax is) or the [B, Q, H, L*P*4, Dh]
+    gathered corners (deformable; `compute_bytes` per element, 2 under mixed policies)."""
     b, q, s = case.batch, case.num_queries, case.tokens
     if variant == "dense":
-        n = b * num_heads * q * s
-    else:
-        n = b * q * d_model * len(case.levels) * num_points * 4
-    return n * bytes_per_element / 2 ** 20
+        return b * num_heads * q * s * 4 / 2 ** 20
+    return b * q * d_model * len(case.levels) * num_points * 4 * compute_bytes / 2 ** 20
 
 
 def build_step(case: Case, variant: str, d_model: int, num_heads: int, num_points: int,
@@ -136,6 +136,7 @@ def run_case(case: Case, d_model: int, num_heads: int, num_points: int, modes: S
             results[name] = {"first_call_s": first,
                              "step_memory_mb": step_memory_mb(steps[name])}
     times = timing.interleaved(steps, rounds)
+    compute_bytes = tf.as_dtype(tf_keras.mixed_precision.global_policy().compute_dtype).size
     for name, seconds in times.items():
         variant = name.split("/")[0]
         flops = forward_flops(case, variant, d_model, num_heads, num_points)
@@ -147,7 +148,7 @@ def run_case(case: Case, d_model: int, num_heads: int, num_points: int, modes: S
             forward_gflops_attention=flops["attention"] / 1e9,
             achieved_gflops_per_s=3 * flops["total"] / 1e9 / median,
             largest_activation_mb=largest_activation_mb(case, variant, d_model, num_heads,
-                                                        num_points))
+                                                        num_points, compute_bytes))
     return results
 
 
