@@ -41,9 +41,13 @@ def test_forward_and_step_flops_match_hlo(variant):
             loss = tf.reduce_sum(forward(q, v) ** 2)
         return tape.gradient(loss, [q, v] + layer.trainable_variables)
 
-    expected = bench.forward_flops(case, variant, d_model, heads, points)["total"]
-    assert flops.function_hlo_flops(forward, query, value)["total"] == expected
-    assert flops.function_hlo_flops(step, query, value)["total"] == 3 * expected
+    expected = bench.forward_flops(case, variant, d_model, heads, points)
+    assert flops.function_hlo_flops(forward, query, value)["total"] == expected["total"]
+    # The sampling's custom gradient forms the value's gradient rows as an element-wise outer
+    # product, not a dot, so XLA's dot count misses that one product of the backward.
+    uncounted = expected["attention"] if variant == "deformable" else 0
+    assert (flops.function_hlo_flops(step, query, value)["total"]
+            == 3 * expected["total"] - uncounted)
 
 
 def test_step_memory_holds_the_largest_activation():

@@ -11,7 +11,8 @@ FLOPs follow detr_tf.benchmarks.flops: a multiply-add is 2 FLOPs and only matrix
 count; the deformable layer's bilinear weighted sum is counted as the product it is (4 corners
 per sample and channel), its index arithmetic is not. A step counts 3x the forward (backward
 twice the forward, the usual rule). `forward_flops` is cross-checked against XLA's HLO by the
-tests.
+tests (the step's too, where the sampling's backward forms one of its two products
+element-wise, outside XLA's dot count).
 
 Step memory is the peak of TensorFlow's CPU allocator during warmed-up steps minus what it
 held before them (`tf.config.experimental.get_memory_info`, reset before the steps): the
