@@ -41,14 +41,22 @@ def test_forward_and_step_flops_match_hlo(variant):
             loss = tf.reduce_sum(forward(q, v) ** 2)
         return tape.gradient(loss, [q, v] + layer.trainable_variables)
 
-    expected = bench.forward_flops(case, variant, d_model, heads, points)["total"]
-    assert flops.function_hlo_flops(forward, query, value)["total"] == expected
-    assert flops.function_hlo_flops(step, query, value)["total"] == 3 * expected
+    expected = bench.forward_flops(case, variant, d_model, heads, points)
+    assert flops.function_hlo_flops(forward, query, value)["total"] == expected["total"]
+    # The sampling's custom gradient forms the value's gradient rows as an element-wise outer
+    # product, not a dot, so XLA's dot count misses that one product of the backward.
+    uncounted = expected["attention"] if variant == "deformable" else 0
+    assert (flops.function_hlo_flops(step, query, value)["total"]
+            == 3 * expected["total"] - uncounted)
 
 
-def test_step_runs_and_reports_memory():
-    case = bench.parse_case("4x4+2x2:b1")
-    fn = bench.build_step(case, "deformable", 16, 2, 2, jit=False)
+def test_step_memory_holds_the_largest_activation():
+    """A step's measured memory is at least its [B, Q, H, L*P*4, Dh] gathered corners (0.5 MB
+    here); it is measured after warm-up, so it counts no compilation."""
+    case = bench.parse_case("16x16:b1")
+    fn = bench.build_step(case, "deformable", 32, 2, 4, jit=False)
     loss, grads = fn()
     assert np.isfinite(float(loss)) and len(grads) == 10
-    assert bench.step_memory_mb(fn, steps=1) >= 0.0
+    largest = bench.largest_activation_mb(case, "deformable", 32, 2, 4)
+    assert largest == 0.5
+    assert bench.step_memory_mb(fn, steps=1) >= largest

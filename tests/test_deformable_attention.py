@@ -121,6 +121,47 @@ def test_every_parameter_gets_a_gradient():
     assert all(g is not None and float(tf.reduce_max(tf.abs(g))) > 0 for g in grads)
 
 
+def test_gradients_for_query_and_box_reference_points_match_finite_differences():
+    """Through the offsets' scaling by the box size and the softmax, in float64 finite
+    differences of the float32 layer (padding mask on)."""
+    rng = np.random.default_rng(7)
+    layer = build_layer(random_params(rng))
+    query, ref, value, mask = layer_inputs(rng, batch=2, queries=1, boxes=True)
+
+    @tf.function
+    def wrt_query(q):
+        return tf.cast(layer(tf.cast(q, tf.float32), ref, value, SHAPES, mask), tf.float64)
+
+    @tf.function
+    def wrt_ref(r):
+        return tf.cast(layer(query, tf.cast(r, tf.float32), value, SHAPES, mask), tf.float64)
+
+    for f, x in ((wrt_query, query), (wrt_ref, ref)):
+        # A small step: a sample whose corner crosses a pixel-centre line within the step
+        # sees bilinear's kink, where no derivative exists.
+        theoretical, numerical = tf.test.compute_gradient(f, [tf.constant(x, tf.float64)],
+                                                          delta=1e-4)
+        scale = np.abs(numerical[0]).max()
+        assert scale > 0.1
+        np.testing.assert_allclose(theoretical[0], numerical[0], atol=2e-2 * scale)
+
+
+def test_unknown_batch_and_query_count_trace():
+    """Only levels, heads and channels need static shapes: a model traced with None batch and
+    query dimensions gives the eager result."""
+    rng = np.random.default_rng(8)
+    layer = build_layer(random_params(rng))
+    query, ref, value, mask = layer_inputs(rng, boxes=False)
+    total = value.shape[1]
+    traced = tf.function(lambda q, r, v, m: layer(q, r, v, SHAPES, padding_mask=m),
+                         input_signature=[tf.TensorSpec([None, None, D_MODEL]),
+                                          tf.TensorSpec([None, None, LEVELS, 2]),
+                                          tf.TensorSpec([None, total, D_MODEL]),
+                                          tf.TensorSpec([None, total], tf.bool)])
+    np.testing.assert_allclose(traced(query, ref, value, mask),
+                               layer(query, ref, value, SHAPES, padding_mask=mask), atol=1e-6)
+
+
 def test_xla_gives_the_same_result():
     rng = np.random.default_rng(4)
     layer = build_layer(random_params(rng))

@@ -15,8 +15,11 @@ import platform
 from absl import app, flags
 from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
 import tensorflow as tf
+import tf_keras
 
 from detr_tf.benchmarks import deformable_attention as bench
+
+tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
@@ -30,12 +33,16 @@ flags.DEFINE_integer("d_model", 256, "Channels.")
 flags.DEFINE_integer("num_heads", 8, "Heads.")
 flags.DEFINE_integer("num_points", 4, "Sampled points per head and level (deformable).")
 flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.")
+flags.DEFINE_enum("policy", "float32", ["float32", "mixed_bfloat16", "mixed_float16"],
+                  "Keras mixed-precision policy of both layers.")
 
 
 def main(argv):
     del argv
-    report = {"config": {"d_model": FLAGS.d_model, "num_heads": FLAGS.num_heads,
-                         "num_points": FLAGS.num_points, "rounds": FLAGS.rounds,
+    tf_keras.mixed_precision.set_global_policy(FLAGS.policy)
+    report = {"config": {"policy": FLAGS.policy, "d_model": FLAGS.d_model,
+                         "num_heads": FLAGS.num_heads, "num_points": FLAGS.num_points,
+                         "rounds": FLAGS.rounds,
                          "tensorflow": tf.__version__, "machine": platform.processor()
                          or platform.machine(), "load_average_start": bench.load_average()},
               "cases": []}

@@ -11,12 +11,13 @@ FLOPs follow detr_tf.benchmarks.flops: a multiply-add is 2 FLOPs and only matrix
 count; the deformable layer's bilinear weighted sum is counted as the product it is (4 corners
 per sample and channel), its index arithmetic is not. A step counts 3x the forward (backward
 twice the forward, the usual rule). `forward_flops` is cross-checked against XLA's HLO by the
-tests.
+tests (the step's too, where the sampling's backward forms one of its two products
+element-wise, outside XLA's dot count).
 
-Peak memory is the rise of the process's peak resident set over its resident set just before
-the timed steps (the peak is reset through /proc/self/clear_refs after warm-up, so compilation
-is excluded): the transient memory of one step. Large tensors are allocated by mmap and return
-to the system when freed, which is what makes this delta meaningful.
+Step memory is the peak of TensorFlow's CPU allocator during warmed-up steps minus what it
+held before them (`tf.config.experimental.get_memory_info`, reset before the steps): the
+transient tensors of one step, XLA's buffers included (XLA on CPU allocates through the same
+allocator). The process's resident set cannot tell this: the allocator keeps freed memory.
 """
 import dataclasses
 import os
@@ -24,6 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
 from detr_tf.benchmarks import timing
 from detr_tf.modeling.deformable_attention import MultiScaleDeformableAttention
@@ -75,15 +77,14 @@ def forward_flops(case: Case, variant: str, d_model: int, num_heads: int,
 
 
 def largest_activation_mb(case: Case, variant: str, d_model: int, num_heads: int,
-                          num_points: int, bytes_per_element: int = 4) -> float:
+                          num_points: int, compute_bytes: int = 4) -> float:
     """The biggest tensor of the forward, kept for the backward: the [B, H, Q, S] attention
-    weights (dense) or the [B, Q, H, L*P*4, Dh] gathered corners (deformable)."""
+    weights (dense; float32 under any policy, its softmax is) or the [B, Q, H, L*P*4, Dh]
+    gathered corners (deformable; `compute_bytes` per element, 2 under mixed policies)."""
     b, q, s = case.batch, case.num_queries, case.tokens
     if variant == "dense":
-        n = b * num_heads * q * s
-    else:
-        n = b * q * d_model * len(case.levels) * num_points * 4
-    return n * bytes_per_element / 2 ** 20
+        return b * num_heads * q * s * 4 / 2 ** 20
+    return b * q * d_model * len(case.levels) * num_points * 4 * compute_bytes / 2 ** 20
 
 
 def build_step(case: Case, variant: str, d_model: int, num_heads: int, num_points: int,
@@ -103,7 +104,7 @@ def build_step(case: Case, variant: str, d_model: int, num_heads: int, num_point
         call = lambda q, v: layer(q, v, v)  # noqa: E731
 
     @tf.function(jit_compile=jit)
-    def step(q, v):
+    def step(q, v):  # float32 inputs, as a mixed-precision model's layers receive them
         with tf.GradientTape() as tape:
             tape.watch([q, v])
             out = call(q, v)
@@ -114,22 +115,13 @@ def build_step(case: Case, variant: str, d_model: int, num_heads: int, num_point
     return lambda: step(query, value)
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def step_memory_mb(fn: Callable[[], object], steps: int = 2) -> float:
-    """Peak resident memory of `steps` calls of a warmed-up fn over the resident set before."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (the peak) to the current resident set
-    before = _status_kb("VmRSS")
+    """Peak allocator memory of `steps` calls of a warmed-up fn above what was held before."""
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     for _ in range(steps):
         timing.sync(fn())
-    return (_status_kb("VmHWM") - before) / 1024.0
+    return (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2 ** 20
 
 
 def run_case(case: Case, d_model: int, num_heads: int, num_points: int, modes: Sequence[str],
@@ -145,6 +137,7 @@ def run_case(case: Case, d_model: int, num_heads: int, num_points: int, modes: S
             results[name] = {"first_call_s": first,
                              "step_memory_mb": step_memory_mb(steps[name])}
     times = timing.interleaved(steps, rounds)
+    compute_bytes = tf.as_dtype(tf_keras.mixed_precision.global_policy().compute_dtype).size
     for name, seconds in times.items():
         variant = name.split("/")[0]
         flops = forward_flops(case, variant, d_model, num_heads, num_points)
@@ -156,7 +149,7 @@ def run_case(case: Case, d_model: int, num_heads: int, num_points: int, modes: S
             forward_gflops_attention=flops["attention"] / 1e9,
             achieved_gflops_per_s=3 * flops["total"] / 1e9 / median,
             largest_activation_mb=largest_activation_mb(case, variant, d_model, num_heads,
-                                                        num_points))
+                                                        num_points, compute_bytes))
     return results
 
 
