@@ -73,7 +73,7 @@ def test_committed_fixtures_are_the_oracles_outputs():
 @pytest.mark.parametrize("variant", sorted(h.VARIANTS))
 def test_full_size_r50_matches_live(variant, tmp_path):
     extra = oracle.VARIANTS[variant]
-    hf = oracle.hf_deformable_detr("resnet50", **extra)
+    hf = oracle.hf_deformable_detr("resnet50", num_labels=91, **extra)
     randomize_(hf, seed=7)
     _save(hf, tmp_path / "w.safetensors")
     x = oracle.np.random.default_rng(3).standard_normal((1, 3, 192, 256)).astype(np.float32)
