@@ -91,8 +91,10 @@ class DeformableDETR(tf_keras.Model):
         num_heads = (num_layers + int(two_stage)) if with_box_refine else 1
         self.class_embed = [_class_head(num_classes, f"class_embed.{i}")
                             for i in range(num_heads)]
-        self.bbox_embed = [_box_head(d, -2.0 if i == 0 else 0.0, f"bbox_embed.{i}")
-                           for i in range(num_heads)]
+        # The reference starts the first box head's sizes at sigmoid(-2) (all heads at 0.5
+        # in two-stage, whose references are boxes already).
+        self.bbox_embed = [_box_head(d, -2.0 if i == 0 and not two_stage else 0.0,
+                                     f"bbox_embed.{i}") for i in range(num_heads)]
         if two_stage:
             self.enc_output = tf_keras.layers.Dense(d, name="enc_output")
             self.enc_output_norm = _layer_norm("enc_output_norm")
@@ -110,6 +112,7 @@ class DeformableDETR(tf_keras.Model):
         needs at least num_queries encoder cells. Weights do not depend on the size."""
         side = 64
         first = 2 ** (len(self.backbone.stages) + 2 - self.backbone_levels)  # C3's stride
+
         def cells(side):  # each level's side is ceil(side / stride)
             return sum((-(-side // (first * 2 ** l))) ** 2 for l in range(self.neck.num_levels))
 
