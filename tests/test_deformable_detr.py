@@ -53,3 +53,22 @@ def test_build_size_leaves_two_stage_enough_cells():
     assert h.narrow_model("two_stage", num_queries=300).build_size == (128, 128)
     assert h.narrow_model("two_stage", num_queries=80).build_size == (64, 64)
     assert h.narrow_model("plain", num_queries=300).build_size == (64, 64)
+
+
+def test_mixed_bfloat16_stays_close_to_float32():
+    """Under mixed_bfloat16 the outputs are float32 and near the float32 oracle's (refine: the
+    two-stage selection may reorder near-tied proposals in bfloat16)."""
+    import tf_keras
+    tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = h.narrow_model("refine")
+        images = h.fixture_images()
+        h.run(model, images[:1])
+        weights.load_pretrained(model, os.path.join(h.FIXTURES, h.WEIGHTS["refine"]))
+        out = h.run(model, images)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    ref = h.fixture_outputs("refine")
+    assert out["pred_logits"].dtype == tf.float32 and out["pred_boxes"].dtype == tf.float32
+    np.testing.assert_allclose(out["pred_boxes"], ref["boxes"], atol=0.05)
+    np.testing.assert_allclose(out["pred_logits"], ref["logits"], atol=0.5)

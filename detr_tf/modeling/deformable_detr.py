@@ -85,8 +85,8 @@ class DeformableDETR(tf_keras.Model):
         self.canvas_sizes = [(int(h), int(w)) for h, w in canvas_sizes]
         self.neck = multiscale.MultiScaleProjection(d, num_levels, name="neck")
         self.level_embed = self.add_weight(
-            name="level_embed", shape=[num_levels, d], dtype=tf.float32,
-            initializer=tf_keras.initializers.RandomNormal(stddev=1.0))
+            name="level_embed", shape=[num_levels, d], dtype=tf.float32, autocast=False,
+            initializer=tf_keras.initializers.RandomNormal(stddev=1.0))  # added in float32
         num_layers = transformer.num_decoder_layers
         num_heads = (num_layers + int(two_stage)) if with_box_refine else 1
         self.class_embed = [_class_head(num_classes, f"class_embed.{i}")
