@@ -80,6 +80,7 @@ def test_gradients_match_finite_differences():
     value, locations, weights = (tf.constant(a, tf.float64) for a in
                                  (value, locations, weights))
 
+    @tf.function  # traced once per argument, not run op by op for each finite difference
     def op(v, loc, w):
         return multi_scale_deformable_sampling(tf.cast(v, tf.float32), [(3, 4), (2, 2)],
                                                loc, w)

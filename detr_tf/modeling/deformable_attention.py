@@ -111,15 +111,17 @@ class MultiScaleDeformableAttention(tf_keras.layers.Layer):
             raise ValueError(f"MultiScaleDeformableAttention: num_levels={self.num_levels}, but "
                              f"spatial_shapes has {len(shapes)} levels and reference_points "
                              f"shape {reference_points.shape}")
-        h, l, p = self.num_heads, self.num_levels, self.num_points
+        heads, levels, points = self.num_heads, self.num_levels, self.num_points
         batch, queries = tf.shape(query)[0], tf.shape(query)[1]
         v = self.value_proj(value)  # [B, S, C]
         if padding_mask is not None:
             v = tf.where(padding_mask[..., None], tf.zeros_like(v), v)
-        v = tf.reshape(v, [batch, tf.shape(v)[1], h, self.d_model // h])  # [B, S, H, Dh]
-        offsets = tf.reshape(self.sampling_offsets(query), [batch, queries, h, l, p, 2])
-        logits = tf.reshape(self.attention_weights(query), [batch, queries, h, l * p])
-        weights = tf.reshape(tf.nn.softmax(logits, axis=-1), [batch, queries, h, l, p])
+        v = tf.reshape(v, [batch, tf.shape(v)[1], heads, self.d_model // heads])  # [B, S, H, Dh]
+        offsets = tf.reshape(self.sampling_offsets(query),
+                             [batch, queries, heads, levels, points, 2])
+        logits = tf.reshape(self.attention_weights(query), [batch, queries, heads, levels * points])
+        weights = tf.reshape(tf.nn.softmax(logits, axis=-1),
+                             [batch, queries, heads, levels, points])
         locations = self._sampling_locations(reference_points, offsets, shapes)
         out = multi_scale_deformable_sampling(v, shapes, locations, weights)  # [B, Q, C]
         return self.output_proj(out)
