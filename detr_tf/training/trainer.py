@@ -194,13 +194,8 @@ def train(model_dir: str,
               f"precision={precision} steps={num_steps} steps_per_loop={steps_per_loop} "
               f"model_dir={model_dir}", flush=True)
 
-    with engine.scope():
-        state = state_lib.create_state(
-            model_fn, state_lib.smallest_canvas(getattr(info, "buckets", None)),
-            steps_per_epoch or 1, precision, ema_decay)
-        check_classes(state.model, criterion, info)
-        builder = StepBuilder(engine, state.model, criterion, state.optimizers, jit, clip_norm,
-                              grad_accum_steps, state.loss_scale, state.ema, state.global_step)
+    state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, precision,
+                            ema_decay, jit, clip_norm, grad_accum_steps)
     ckpt = state.checkpoint()
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
@@ -208,28 +203,51 @@ def train(model_dir: str,
     start_step = state_lib.start(state, ckpt, saver, engine, init_weights)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)
+    cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
+                     log_every=log_every, checkpoint_every=checkpoint_every,
+                     eval_every=eval_every, nan_policy=nan_policy,
+                     steps_per_loop=steps_per_loop)
+    timing = {"set-up": time.time() - started}
+    result = _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_fn,
+                  timing, start_step)
+    if result.terminated:
+        writer.close()
+        return {"step": result.step, **result.last_train}
+    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
 
+
+def _build(engine, model_fn, criterion, info, steps_per_epoch, precision, ema_decay, jit,
+           clip_norm, grad_accum_steps):
+    """The run's state (model, optimizers, step, loss scale, EMA) and its step, in the engine's
+    scope; fails before any compile when the classes disagree."""
+    with engine.scope():
+        state = state_lib.create_state(
+            model_fn, state_lib.smallest_canvas(getattr(info, "buckets", None)),
+            steps_per_epoch or 1, precision, ema_decay)
+        check_classes(state.model, criterion, info)
+        builder = StepBuilder(engine, state.model, criterion, state.optimizers, jit, clip_norm,
+                              grad_accum_steps, state.loss_scale, state.ema, state.global_step)
+    return state, builder
+
+
+def _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_fn, timing,
+         start_step):
+    """The training loop, timed into `timing`; writes operative_config.gin after step one."""
     def write_operative_config():
         # Only after the first step has every configurable the step uses been called.
         if engine.is_chief:
             _write_text(os.path.join(model_dir, "operative_config.gin"),
                         gin.operative_config_str())
 
-    cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
-                     log_every=log_every, checkpoint_every=checkpoint_every,
-                     eval_every=eval_every, nan_policy=nan_policy,
-                     steps_per_loop=steps_per_loop)
+    # The NaN policy 'stop' ends a device loop at the first non-finite step, before the host
+    # raises; 'skip' lets the loop go on (those steps skip their update).
     device_loop = DeviceLoop(builder.make_step_fn(), engine,
-                             stop_at_non_finite=nan_policy == "stop")
-    timing = {"set-up": time.time() - started}
+                             stop_at_non_finite=cfg.nan_policy == "stop")
     loop_started = time.time()
-    result = run_loop(device_loop, iterator, state, engine, saver, writer, cfg,
-                      model_dir, eval_fn, on_first_step=write_operative_config)
+    result = run_loop(device_loop, iterator, state, engine, saver, writer, cfg, model_dir,
+                      eval_fn, on_first_step=write_operative_config)
     timing[f"{result.step - start_step} steps"] = time.time() - loop_started
-    if result.terminated:
-        writer.close()
-        return {"step": result.step, **result.last_train}
-    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
+    return result
 
 
 def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, deterministic,
