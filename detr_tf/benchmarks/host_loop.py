@@ -84,7 +84,8 @@ def measure(steps_per_loop: Sequence[int], steps: int, rounds: int,
     def benchmark_loop(device_loop, iterator, state, engine, saver, writer, cfg, model_dir,
                        *args, **kwargs):
         calls = _variants(device_loop, iterator, state, steps_per_loop, steps)
-        for name, call in calls.items():  # warm-up: traces, compiles, fills the input buffers
+        # Warm-up, twice over: traces, XLA compiles of every input shape, input buffers.
+        for name, call in list(calls.items()) * 2:
             t0 = time.time()
             call()
             log(f"warm-up {name}: {time.time() - t0:.1f} s")
