@@ -18,6 +18,9 @@ Choices:
   host raises before anything is saved.
 - Iterations run strictly one after another (parallel_iterations=1): a step reads the weights
   the previous one wrote.
+- A loop of one step (steps_per_loop=1, the first step, a loop cut to one step) calls the step
+  without a while loop: on this CPU the while loop measured slower than the plain call under
+  heavy load (docs/PERFORMANCE.md), and one step gains nothing from it.
 """
 import dataclasses
 from typing import Any, Callable, Dict, Union
@@ -26,9 +29,10 @@ import tensorflow as tf
 
 # What 'auto' picks. On a GPU or TPU the host round trip of every step (tens to hundreds of
 # microseconds of launch and sync, plus Python) is worth hiding; on a CPU the host and the
-# "device" share the same cores, and the measured gain is small (docs/PERFORMANCE.md).
+# "device" share the same cores, and the measured effect of longer loops ranged from a loss to a
+# gain (docs/PERFORMANCE.md), so a CPU keeps one step per visit.
 ACCELERATOR_STEPS_PER_LOOP = 100
-CPU_STEPS_PER_LOOP = 10
+CPU_STEPS_PER_LOOP = 1
 
 
 def resolve_steps_per_loop(steps_per_loop: Union[int, str]) -> int:
@@ -78,16 +82,36 @@ class DeviceLoop:
         self._stop = stop_at_non_finite
         self._names = None  # the stats' names, in packing order; known once traced
         self._loop_fn = tf.function(self._loop)
+        self._single_fn = tf.function(self._single)
 
     def __call__(self, iterator, num_steps: int) -> LoopOutcome:
-        packed = self._loop_fn(iterator, tf.constant(num_steps, tf.int32)).numpy()
+        if num_steps == 1:
+            packed = self._single_fn(iterator).numpy()
+        else:
+            packed = self._loop_fn(iterator, tf.constant(num_steps, tf.int32)).numpy()
         steps, non_finite, first = (int(x) for x in packed[:3])
         return LoopOutcome(steps, non_finite, first, dict(zip(self._names, packed[3:])))
 
     @property
     def tracing_count(self) -> int:
-        """How many times the loop was traced (tests check that loop lengths reuse a trace)."""
-        return self._loop_fn.experimental_get_tracing_count()
+        """Traces so far, of the loop and of the single step (tests check that loops of any
+        length reuse one trace)."""
+        return (self._loop_fn.experimental_get_tracing_count()
+                + self._single_fn.experimental_get_tracing_count())
+
+    def _step(self, iterator) -> Dict[str, tf.Tensor]:
+        stats = {k: self._engine.local_results(v)[0] for k, v in self._step_fn(iterator).items()}
+        self._names = sorted(stats)
+        return stats
+
+    def _pack(self, steps, non_finite, first, stats) -> tf.Tensor:
+        head = tf.cast(tf.stack([steps, non_finite, first]), tf.float64)
+        return tf.concat([head, tf.stack([tf.cast(stats[k], tf.float64) for k in self._names])], 0)
+
+    def _single(self, iterator) -> tf.Tensor:
+        stats = self._step(iterator)
+        bad = tf.cast(tf.logical_not(stats["loss_finite"]), tf.int32)
+        return self._pack(tf.constant(1), bad, bad - 1, stats)  # first: 0 if bad, else -1
 
     def _loop(self, iterator, num_steps: tf.Tensor) -> tf.Tensor:
         def cond(i, non_finite, first, last):
@@ -96,9 +120,7 @@ class DeviceLoop:
             return tf.logical_and(more, first < 0) if self._stop else more
 
         def body(i, non_finite, first, last):
-            stats = {k: self._engine.local_results(v)[0]
-                     for k, v in self._step_fn(iterator).items()}
-            self._names = sorted(stats)
+            stats = self._step(iterator)
             bad = tf.logical_not(stats["loss_finite"])
             first = tf.where(tf.logical_and(bad, first < 0), i, first)
             non_finite += tf.cast(bad, tf.int32)

@@ -147,7 +147,7 @@ def train(model_dir: str,
       keep_checkpoints: how many checkpoints to keep.
       log_every: steps between TensorBoard / metrics.jsonl records.
       steps_per_loop: train steps per visit to the host (one tf.function with a loop; see
-        detr_tf/training/device_loop.py); 'auto': 100 on a GPU or TPU, 10 on a CPU. Loops end
+        detr_tf/training/device_loop.py); 'auto': 100 on a GPU or TPU, 1 on a CPU. Loops end
         on every log, checkpoint and evaluation step, and the NaN policy and termination
         signals are applied between loops (a signal stops the run within one loop).
       eval_every: steps between evaluations (also evaluates at the end when eval_fn is set).
