@@ -1,0 +1,68 @@
+"""Step time, memory and FLOPs of multi-scale deformable attention against dense attention.
+
+    nice -n 10 python tools/benchmark_deformable_attention.py --json_out=/tmp/msda.json
+
+Each case (`--cases`, 'HxW[+HxW...][:qN][:bN]': levels, queries (default one per position),
+batch) times a forward + backward step of MultiScaleDeformableAttention and of dense
+multi-head attention over the same flattened features, each as a plain tf.function and
+jit-compiled (`--modes`), in interleaved rounds. It prints a markdown table and the load
+average, and writes everything as JSON. See detr_tf/benchmarks/deformable_attention.py for how
+FLOPs and memory are counted.
+"""
+import json
+import platform
+
+from absl import app, flags
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.benchmarks import deformable_attention as bench
+
+tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+flags.DEFINE_list("cases", ["32x32:b2", "32x32+16x16+8x8+4x4:b2", "48x48+24x24+12x12+6x6:b1",
+                            "48x48+24x24+12x12+6x6:q300:b2"],
+                  "Feature pyramids: the single-level 32x32 map, the 4-level pyramids of a "
+                  "256 and a 384 px input (strides 8-64), and 300 decoder queries over the "
+                  "latter.")
+flags.DEFINE_list("modes", ["plain", "xla"], "'plain' tf.function and/or 'xla' (jit_compile).")
+flags.DEFINE_integer("d_model", 256, "Channels.")
+flags.DEFINE_integer("num_heads", 8, "Heads.")
+flags.DEFINE_integer("num_points", 4, "Sampled points per head and level (deformable).")
+flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.")
+flags.DEFINE_enum("policy", "float32", ["float32", "mixed_bfloat16", "mixed_float16"],
+                  "Keras mixed-precision policy of both layers.")
+
+
+def main(argv):
+    del argv
+    tf_keras.mixed_precision.set_global_policy(FLAGS.policy)
+    report = {"config": {"policy": FLAGS.policy, "d_model": FLAGS.d_model,
+                         "num_heads": FLAGS.num_heads, "num_points": FLAGS.num_points,
+                         "rounds": FLAGS.rounds,
+                         "tensorflow": tf.__version__, "machine": platform.processor()
+                         or platform.machine(), "load_average_start": bench.load_average()},
+              "cases": []}
+    for spec in FLAGS.cases:
+        case = bench.parse_case(spec)
+        print(f"case {spec}: S={case.tokens}, Q={case.num_queries}, B={case.batch} "
+              f"(load average {bench.load_average()})", flush=True)
+        results = bench.run_case(case, FLAGS.d_model, FLAGS.num_heads, FLAGS.num_points,
+                                 FLAGS.modes, FLAGS.rounds)
+        report["cases"].append({**bench.describe(case), "results": results})
+    report["config"]["load_average_end"] = bench.load_average()
+    print(bench.table(report))
+    print(f"load average (1, 5, 15 min): start {report['config']['load_average_start']}, "
+          f"end {report['config']['load_average_end']}")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
+    print("next: docs/PERFORMANCE.md, 'Multi-scale deformable attention', reads these figures")
+
+
+if __name__ == "__main__":
+    app.run(main)
