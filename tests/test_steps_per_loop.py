@@ -3,7 +3,8 @@
 The trainer runs here in-process on a toy model and criterion (a few dense weights, a squared
 error), so that each run costs a trace rather than a DETR compile; everything else is the real
 trainer: StepBuilder's step, the device loop, the engines, checkpoints, metrics and the NaN
-policy. tests/test_steps_per_loop_detr.py (slow) runs the tiny DETR the same way.
+policy. The DETR step itself inside the device loop is run by the trainer tests when a loop
+holds several steps (tests/test_trainer.py's SIGTERM test: tiny.gin logs every 2 steps).
 """
 import json
 

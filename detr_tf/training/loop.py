@@ -11,7 +11,7 @@ one step per loop.
 """
 import dataclasses
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 from detr_tf.training import checkpointing
 from detr_tf.training.device_loop import DeviceLoop, LoopOutcome
