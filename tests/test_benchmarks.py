@@ -179,6 +179,18 @@ def test_both_synthetic_layouts_hold_the_same_boxes():
                                   tgt["boxes"].numpy())
 
 
+def test_variant_names_printed_in_the_table_parse_back():
+    # The table names variants 'side/precision/jit=X'; that name, and the bare 'side/precision/X',
+    # must select the same variant again.
+    for v in compare.DEFAULT_VARIANTS:
+        bare = f"{v.side}/{v.precision}/{v.jit}"
+        assert compare.parse_variants([v.name, bare]) == [v, v]
+    for bad in ("detr_tf/float32", "detr_tf/float32/jit=fast", "model_garden/float32/loss",
+                "torch/float32/none", "detr_tf/float64/none"):
+        with pytest.raises(ValueError, match="side/precision/jit"):
+            compare.parse_variants([bad])
+
+
 def test_ratios_pick_the_best_of_each_side():
     results = {
         "model_garden/float32/jit=none": {"images_per_sec": 0.5, "first_call_s": 80.0},

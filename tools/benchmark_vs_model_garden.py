@@ -23,7 +23,9 @@ flags.DEFINE_integer("batch_size", 2, "Images per step.")
 flags.DEFINE_integer("num_boxes", 7, "Real boxes per image (COCO averages about 7).")
 flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image (both sides).")
 flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds after the warm-up.")
-flags.DEFINE_multi_string("variant", [], "Variants 'side/precision/jit' to run (default all).")
+flags.DEFINE_multi_string("variant", [], "Variants 'side/precision/jit' to run, as the table "
+                          "names them ('detr_tf/float32/jit=loss') or with a bare jit "
+                          "('detr_tf/float32/loss'); default all.")
 flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
 FLAGS = flags.FLAGS
 
@@ -39,8 +41,11 @@ def main(argv):
     from detr_tf.losses import SetCriterion
     from detr_tf.modeling.detr import build_model
 
-    variants = (compare.parse_variants(FLAGS.variant) if FLAGS.variant
-                else list(compare.DEFAULT_VARIANTS))
+    try:
+        variants = (compare.parse_variants(FLAGS.variant) if FLAGS.variant
+                    else list(compare.DEFAULT_VARIANTS))
+    except ValueError as e:
+        sys.exit(f"benchmark_vs_model_garden.py: {e}")
     size = (FLAGS.image_size, FLAGS.image_size)
     criterion = SetCriterion()
     shape = flops.DetrShape(image_size=size, batch_size=FLAGS.batch_size,

@@ -42,13 +42,27 @@ DEFAULT_VARIANTS = (
 )
 
 
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+JITS = {"detr_tf": ("step", "loss", "none"), "model_garden": ("step", "none")}
+
+
 def parse_variants(specs: Sequence[str]) -> List[Variant]:
-    """'side/precision/jit' strings (e.g. 'detr_tf/float32/loss') -> Variants."""
+    """'side/precision/jit' strings -> Variants.
+
+    The jit part may be written as the table prints it ('detr_tf/float32/jit=loss') or bare
+    ('detr_tf/float32/loss'): a name copied from a report must run again.
+    """
     out = []
     for spec in specs:
         parts = spec.split("/")
-        if len(parts) != 3 or parts[0] not in ("detr_tf", "model_garden"):
-            raise ValueError(f"variant {spec!r} is not 'detr_tf|model_garden/<precision>/<jit>'")
+        if len(parts) == 3 and parts[2].startswith("jit="):
+            parts[2] = parts[2][len("jit="):]
+        if (len(parts) != 3 or parts[0] not in JITS or parts[1] not in PRECISIONS
+                or parts[2] not in JITS[parts[0]]):
+            raise ValueError(
+                f"--variant {spec!r} is not 'side/precision/jit': side one of {tuple(JITS)}, "
+                f"precision one of {PRECISIONS}, jit (with or without 'jit=') one of "
+                f"{JITS['detr_tf']} for detr_tf and {JITS['model_garden']} for model_garden")
         out.append(Variant(*parts))
     return out
 

@@ -4,10 +4,10 @@ An `Engine` answers the few questions the trainer asks: how many replicas there 
 process is the chief, how to build the per-replica input, how to run a function on every replica,
 how to all-reduce inside a replica, and how the processes agree on host values between steps
 (`chief_value`: the step a restarted run resumes at; `any_process`: whether a termination signal
-reached any of them, asked at every step boundary so all stop after the same step). The
-all-reduces are called by the trainer outside any XLA-compiled function: Horovod's ops cannot be
-compiled, and keeping collectives out of the XLA cluster lets every engine share one compiled
-step.
+reached any of them, asked at every host visit, after each device loop of steps, so all stop
+after the same step). The all-reduces are called by the trainer outside any XLA-compiled
+function: Horovod's ops cannot be compiled, and keeping collectives out of the XLA cluster lets
+every engine share one compiled step.
 
 Engines:
   default                tf.distribute's default strategy: one device.

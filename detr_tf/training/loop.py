@@ -1,15 +1,20 @@
-"""The training loop: run steps, and between them apply the NaN policy, log, save, evaluate and
-honour termination signals.
+"""The training loop: run steps on the device, and between loops of them apply the NaN policy,
+log, save, evaluate and honour termination signals.
 
-Everything that needs the host happens here, between compiled steps; the step itself
-(detr_tf/training/step.py) never leaves the device.
+Everything that needs the host happens here, between device loops (detr_tf/training/
+device_loop.py: up to `train.steps_per_loop` steps per host visit); the step itself
+(detr_tf/training/step.py) never leaves the device. A loop is cut short so that it ends exactly
+on every log, checkpoint and evaluation step and on the last step, so these happen at the steps
+configured whatever steps_per_loop is. The first step runs alone: it traces and compiles, and
+its end writes the operative config and starts the progress line's clock, as early as with
+one step per loop.
 """
 import dataclasses
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 from detr_tf.training import checkpointing
-from detr_tf.training import distribution as dist
+from detr_tf.training.device_loop import DeviceLoop, LoopOutcome
 from detr_tf.training.metrics_writer import MetricsWriter, Progress
 from detr_tf.training.state import TrainState
 
@@ -26,6 +31,20 @@ class LoopConfig:
     checkpoint_every: int
     eval_every: Optional[int]
     nan_policy: str
+    steps_per_loop: int = 1
+
+    def loop_length(self, step: int, evaluates: bool) -> int:
+        """Steps the next device loop runs from `step`: at most steps_per_loop, ending on the
+        next log, checkpoint or evaluation step or on the last step.
+
+        It depends only on the step and the configuration, so every process of a run cuts its
+        loops alike (saves and the stop-flag check are collectives)."""
+        n = min(self.steps_per_loop, self.num_steps - step)
+        for every in (self.log_every, self.checkpoint_every,
+                      self.eval_every if evaluates else None):
+            if every and every > 0:
+                n = min(n, every - step % every)
+        return n
 
 
 @dataclasses.dataclass
@@ -61,26 +80,42 @@ def evaluate(eval_fn: Callable[..., Dict[str, float]], state: TrainState, model_
     return metrics
 
 
-def _check_finite(stats: Dict[str, Any], step: int, cfg: LoopConfig,
-                  saver: checkpointing.CheckpointSaver, writer: MetricsWriter) -> bool:
-    """Applies the NaN policy; returns True when the step was skipped."""
-    if bool(stats.pop("loss_finite")):
-        return False
+def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
+                      saver: checkpointing.CheckpointSaver, writer: MetricsWriter,
+                      skipped: int) -> int:
+    """Raises (nan_policy='stop') or reports skipped steps; returns the run's skipped count.
+
+    first_step is the global step of the loop's first step; with 'stop' the loop ended at the
+    first non-finite step, so the last values are that step's.
+    """
+    if not outcome.non_finite:
+        return skipped
+    bad = first_step + outcome.first_non_finite
+    last = first_step + outcome.steps - 1  # with 'stop': the bad step, where the loop ended
+    span = (f" (the first non-finite of steps {first_step}-{last}, run in one device loop; "
+            f"train.steps_per_loop={cfg.steps_per_loop})" if outcome.steps > 1 else "")
     if cfg.nan_policy == "stop":
-        terms = {k: float(v) for k, v in stats.items() if k != "applied"}
+        terms = {k: v for k, v in outcome.stats.items() if k not in ("applied", "loss_finite")}
         writer.close()
         raise TrainingError(
-            f"non-finite loss at step {step}: "
+            f"non-finite loss at step {bad}{span}: "
             + ", ".join(f"{k}={v:.4g}" for k, v in sorted(terms.items()))
             + f". The weights were not updated by this step; the last checkpoint "
             f"({saver.latest or 'none yet'}) is untouched. Set "
             "train.nan_policy='skip' to skip such steps instead.")
-    return True
+    skipped += outcome.non_finite
+    if outcome.steps == 1:
+        print(f"detr_tf: step {bad}: non-finite loss, step skipped ({skipped} so far)",
+              flush=True)
+    else:
+        print(f"detr_tf: steps {first_step}-{last}: {outcome.non_finite} non-finite loss(es), "
+              f"those steps skipped (the first at step {bad}; {skipped} so far)", flush=True)
+    return skipped
 
 
-def _scalars(stats: Dict[str, Any], state: TrainState, images_per_sec: float,
+def _scalars(stats: Dict[str, float], state: TrainState, images_per_sec: float,
              step_time: float) -> Dict[str, float]:
-    scalars = {k: float(v) for k, v in stats.items()}
+    scalars = {k: float(v) for k, v in stats.items() if k not in ("applied", "loss_finite")}
     scalars["learning_rate"] = float(state.optimizers[1].learning_rate.numpy())
     scalars["backbone_learning_rate"] = float(state.optimizers[0].learning_rate.numpy())
     scalars["images_per_sec"] = images_per_sec
@@ -99,7 +134,31 @@ def _report_stop(engine, signalled_here: bool, step: int, path: str) -> None:
               f"stopped at step {step} with the chief's checkpoint", flush=True)
 
 
-def run_loop(step_fn: Callable, iterator, state: TrainState, engine,
+class _Throughput:
+    """images/s since the last log, and the progress line."""
+
+    def __init__(self, cfg: LoopConfig, engine):
+        self.cfg = cfg
+        self.progress = Progress(cfg.num_steps, enabled=engine.is_chief)
+        self.window_t, self.window_steps = time.time(), 0
+
+    def log(self, step: int, steps: int, elapsed: float, outcome: LoopOutcome,
+            state: TrainState, writer: MetricsWriter, result: LoopResult) -> None:
+        cfg = self.cfg
+        self.window_steps += steps
+        if step % cfg.log_every == 0 or step == cfg.num_steps:
+            now = time.time()
+            ips = cfg.images_per_step * self.window_steps / max(now - self.window_t, 1e-9)
+            self.window_t, self.window_steps = now, 0
+            result.last_train = _scalars(outcome.stats, state, ips, elapsed / steps)
+            writer.write(step, result.last_train)
+            self.progress.update(step, ips, result.last_train.get("loss"),
+                                 force=step == cfg.num_steps)
+        else:
+            self.progress.update(step, cfg.images_per_step * steps / max(elapsed, 1e-9))
+
+
+def run_loop(device_loop: DeviceLoop, iterator, state: TrainState, engine,
              saver: checkpointing.CheckpointSaver, writer: MetricsWriter, cfg: LoopConfig,
              model_dir: str, eval_fn: Optional[Callable[..., Dict[str, float]]] = None,
              on_first_step: Optional[Callable[[], None]] = None) -> LoopResult:
@@ -110,53 +169,37 @@ def run_loop(step_fn: Callable, iterator, state: TrainState, engine,
     caller writes none. Every process makes the same saving decisions: a save is a collective
     under MultiWorkerMirroredStrategy.
     """
-    step = int(state.global_step.numpy())
-    result = LoopResult(step, {}, {})
-    progress = Progress(cfg.num_steps, enabled=engine.is_chief)
-    skipped, window_t, window_steps = 0, time.time(), 0
-
-    def save():
-        return saver.save(int(state.global_step.numpy()))
-
+    step = start = int(state.global_step.numpy())
+    result, skipped = LoopResult(step, {}, {}), 0
+    throughput = _Throughput(cfg, engine)
+    evaluates = eval_fn is not None and bool(cfg.eval_every)
     with checkpointing.TerminationSignal() as term:
         while step < cfg.num_steps:
             t0 = time.time()
-            stats = step_fn(iterator)
-            stats = {k: dist.maybe_value(engine, v) for k, v in stats.items()}
-            step = result.step = int(state.global_step.numpy())
+            # The first step runs alone: it traces and compiles (see the module docstring).
+            n = 1 if step == start else cfg.loop_length(step, evaluates)
+            outcome = device_loop(iterator, n)
+            first, step = step + 1, step + outcome.steps
+            result.step = step
             if on_first_step is not None:
                 on_first_step()
                 on_first_step = None
-            if _check_finite(stats, step, cfg, saver, writer):
-                skipped += 1
-                print(f"detr_tf: step {step}: non-finite loss, step skipped ({skipped} so far)",
-                      flush=True)
-            stats.pop("applied")
-            window_steps += 1
-            step_time = time.time() - t0
-            if step % cfg.log_every == 0 or step == cfg.num_steps:
-                now = time.time()
-                ips = cfg.images_per_step * window_steps / max(now - window_t, 1e-9)
-                window_t, window_steps = now, 0
-                result.last_train = _scalars(stats, state, ips, step_time)
-                writer.write(step, result.last_train)
-                progress.update(step, ips, result.last_train.get("loss"),
-                                force=step == cfg.num_steps)
-            else:
-                progress.update(step, cfg.images_per_step / max(step_time, 1e-9))
+            skipped = _apply_nan_policy(outcome, first, cfg, saver, writer, skipped)
+            throughput.log(step, outcome.steps, time.time() - t0, outcome, state, writer, result)
             if (step % cfg.checkpoint_every == 0 or step == cfg.num_steps) and (
                     saver.saved_step != step):
-                save()
-            if (eval_fn is not None and engine.is_chief and cfg.eval_every
-                    and step % cfg.eval_every == 0 and step != cfg.num_steps):
+                saver.save(step)
+            if (evaluates and engine.is_chief and step % cfg.eval_every == 0
+                    and step != cfg.num_steps):
                 result.eval_metrics = evaluate(eval_fn, state, model_dir, step, writer)
-            # Every process asks the others at every step boundary, so a signal to any one of
+            # Every process asks the others at every loop boundary, so a signal to any one of
             # them stops all at the same step, and all take part in the same last save.
             if engine.any_process(term.received):
-                path = save() if saver.saved_step != step else saver.checkpoint_path(step)
+                path = (saver.save(step) if saver.saved_step != step
+                        else saver.checkpoint_path(step))
                 _report_stop(engine, term.received, step, path)
                 result.terminated = True
                 return result
         if saver.saved_step != step:
-            save()
+            saver.save(step)
     return result

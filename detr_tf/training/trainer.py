@@ -30,6 +30,7 @@ import tf_keras
 
 from detr_tf.training import checkpointing, state as state_lib
 from detr_tf.training import distribution as dist
+from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
 from detr_tf.training.loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
 from detr_tf.training.metrics_writer import MetricsWriter, format_elapsed
 from detr_tf.training.step import StepBuilder, resolve_jit, split_variables  # noqa: F401
@@ -105,6 +106,7 @@ def train(model_dir: str,
           checkpoint_every: int = 1000,
           keep_checkpoints: int = 3,
           log_every: int = 50,
+          steps_per_loop: Any = "auto",
           eval_every: Optional[int] = None,
           eval_fn: Optional[Callable[..., Dict[str, float]]] = None,
           deterministic: bool = False,
@@ -144,6 +146,10 @@ def train(model_dir: str,
       checkpoint_every: steps between checkpoints (one is also written at the end and on SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
       log_every: steps between TensorBoard / metrics.jsonl records.
+      steps_per_loop: train steps per visit to the host (one tf.function with a loop; see
+        detr_tf/training/device_loop.py); 'auto': 100 on a GPU or TPU, 1 on a CPU. Loops end
+        on every log, checkpoint and evaluation step, and the NaN policy and termination
+        signals are applied between loops (a signal stops the run within one loop).
       eval_every: steps between evaluations (also evaluates at the end when eval_fn is set).
       eval_fn: fn(model, model_dir, step) -> metrics dict, called on the chief with the EMA
         weights when there are any (e.g. `@coco_evaluate`).
@@ -180,19 +186,16 @@ def train(model_dir: str,
     tf_keras.backend.experimental.enable_tf_random_generator()
     state_lib.set_precision(precision)
     jit = resolve_jit(jit, deterministic)
+    steps_per_loop = resolve_steps_per_loop(steps_per_loop)
     writer = MetricsWriter(model_dir, enabled=engine.is_chief)
     if engine.is_chief:
         _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
         print(f"detr_tf: engine={engine.name} replicas={engine.num_replicas} jit={jit} "
-              f"precision={precision} steps={num_steps} model_dir={model_dir}", flush=True)
+              f"precision={precision} steps={num_steps} steps_per_loop={steps_per_loop} "
+              f"model_dir={model_dir}", flush=True)
 
-    with engine.scope():
-        state = state_lib.create_state(
-            model_fn, state_lib.smallest_canvas(getattr(info, "buckets", None)),
-            steps_per_epoch or 1, precision, ema_decay)
-        check_classes(state.model, criterion, info)
-        builder = StepBuilder(engine, state.model, criterion, state.optimizers, jit, clip_norm,
-                              grad_accum_steps, state.loss_scale, state.ema, state.global_step)
+    state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, precision,
+                            ema_decay, jit, clip_norm, grad_accum_steps)
     ckpt = state.checkpoint()
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
@@ -200,25 +203,51 @@ def train(model_dir: str,
     start_step = state_lib.start(state, ckpt, saver, engine, init_weights)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)
+    cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
+                     log_every=log_every, checkpoint_every=checkpoint_every,
+                     eval_every=eval_every, nan_policy=nan_policy,
+                     steps_per_loop=steps_per_loop)
+    timing = {"set-up": time.time() - started}
+    result = _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_fn,
+                  timing, start_step)
+    if result.terminated:
+        writer.close()
+        return {"step": result.step, **result.last_train}
+    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
 
+
+def _build(engine, model_fn, criterion, info, steps_per_epoch, precision, ema_decay, jit,
+           clip_norm, grad_accum_steps):
+    """The run's state (model, optimizers, step, loss scale, EMA) and its step, in the engine's
+    scope; fails before any compile when the classes disagree."""
+    with engine.scope():
+        state = state_lib.create_state(
+            model_fn, state_lib.smallest_canvas(getattr(info, "buckets", None)),
+            steps_per_epoch or 1, precision, ema_decay)
+        check_classes(state.model, criterion, info)
+        builder = StepBuilder(engine, state.model, criterion, state.optimizers, jit, clip_norm,
+                              grad_accum_steps, state.loss_scale, state.ema, state.global_step)
+    return state, builder
+
+
+def _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_fn, timing,
+         start_step):
+    """The training loop, timed into `timing`; writes operative_config.gin after step one."""
     def write_operative_config():
         # Only after the first step has every configurable the step uses been called.
         if engine.is_chief:
             _write_text(os.path.join(model_dir, "operative_config.gin"),
                         gin.operative_config_str())
 
-    cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
-                     log_every=log_every, checkpoint_every=checkpoint_every,
-                     eval_every=eval_every, nan_policy=nan_policy)
-    timing = {"set-up": time.time() - started}
+    # The NaN policy 'stop' ends a device loop at the first non-finite step, before the host
+    # raises; 'skip' lets the loop go on (those steps skip their update).
+    device_loop = DeviceLoop(builder.make_step_fn(), engine,
+                             stop_at_non_finite=cfg.nan_policy == "stop")
     loop_started = time.time()
-    result = run_loop(builder.make_step_fn(), iterator, state, engine, saver, writer, cfg,
-                      model_dir, eval_fn, on_first_step=write_operative_config)
+    result = run_loop(device_loop, iterator, state, engine, saver, writer, cfg, model_dir,
+                      eval_fn, on_first_step=write_operative_config)
     timing[f"{result.step - start_step} steps"] = time.time() - loop_started
-    if result.terminated:
-        writer.close()
-        return {"step": result.step, **result.last_train}
-    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
+    return result
 
 
 def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, deterministic,

@@ -1,0 +1,250 @@
+"""train.steps_per_loop: several steps per host visit train exactly like one step per visit.
+
+The trainer runs here in-process on a toy model and criterion (a few dense weights, a squared
+error), so that each run costs a trace rather than a DETR compile; everything else is the real
+trainer: StepBuilder's step, the device loop, the engines, checkpoints, metrics and the NaN
+policy. DETR itself in loops of several steps is not in the default suite (one DETR compile
+costs 30-90 s on 2 cores, and a CPU's default is one step per loop); the tiny DETR run with
+steps_per_loop=3 for 6 steps ends with the loss of steps_per_loop=1.
+"""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.training import trainer
+from detr_tf.training import distribution
+from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
+from detr_tf.training.loop import LoopConfig
+
+GLOBAL_BATCH, NUM_BATCHES = 4, 16
+_RNG = np.random.RandomState(1)
+IMAGES = _RNG.randn(NUM_BATCHES, GLOBAL_BATCH, 8, 8, 3).astype(np.float32)
+TARGETS = _RNG.randn(NUM_BATCHES, GLOBAL_BATCH, 2).astype(np.float32)
+
+
+class ToyModel(tf_keras.Model):
+    """images [B, H, W, 3] -> {'pred': [B, 2]}, with fixed initial weights."""
+
+    num_queries = 1
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.RandomState(0)
+        init = lambda *shape: tf_keras.initializers.Constant(0.5 * rng.randn(*shape))  # noqa
+        self.backbone = tf_keras.layers.Dense(4, kernel_initializer=init(3, 4))
+        self.head = tf_keras.layers.Dense(2, kernel_initializer=init(4, 2))
+
+    def call(self, images, pixel_mask, training=False):
+        del pixel_mask, training
+        x = tf.reduce_mean(images, axis=[1, 2])  # [B, 3]
+        return {"pred": self.head(tf.nn.relu(self.backbone(x)))}
+
+
+class ToyCriterion:
+    """Squared error summed over a replica's rows, over the global mean row count."""
+
+    def local_normalizers(self, targets, num_queries):
+        return {"num_boxes": tf.cast(tf.shape(targets["y"])[0], tf.float32)}
+
+    def __call__(self, outputs, targets, num_boxes):
+        loss = tf.reduce_sum(tf.square(outputs["pred"] - targets["y"])) / num_boxes
+        return {"loss": loss, "loss_sq": loss}
+
+
+def toy_dataset_fn(nan_at_step=None):
+    """Step s trains on batch s - 1 (NaN targets at nan_at_step), split over the replicas.
+
+    Not deterministic, the trainer reseeds a resumed run with seed + start step (seed 0 here);
+    this source uses its seed as a start offset, so a resumed run sees the batches an
+    uninterrupted one would.
+    """
+    targets = TARGETS.copy()
+    if nan_at_step:
+        targets[nan_at_step - 1, 0, 0] = np.nan
+
+    def dataset_fn(is_training, global_batch_size, input_context=None, num_shards=None,
+                   shard_index=None, deterministic=False, seed=0):
+        replicas = input_context.num_replicas_in_sync if input_context else 1
+        per = global_batch_size // replicas
+        # One pipeline feeds every local replica in turn: batch k's slice r at k * replicas + r.
+        images = IMAGES.reshape(-1, per, 8, 8, 3)
+        features = {"images": images, "pixel_mask": np.ones(images.shape[:3], bool)}
+        ds = tf.data.Dataset.from_tensor_slices((features, {"y": targets.reshape(-1, per, 2)}))
+        return ds.skip(seed * replicas)
+
+    return dataset_fn
+
+
+def train(model_dir, num_steps, steps_per_loop, nan_at_step=None, **kwargs):
+    evals = []
+
+    def eval_fn(model, model_dir, step):
+        evals.append(step)
+        return {"AP": float(step)}
+
+    settings = dict(distribution="default", jit="loss", checkpoint_every=4, log_every=6,
+                    eval_every=5, nan_policy="stop", keep_checkpoints=20)
+    settings.update(kwargs)
+    result = trainer.train(
+        str(model_dir), model_fn=ToyModel, criterion=ToyCriterion(),
+        dataset_fn=toy_dataset_fn(nan_at_step), global_batch_size=GLOBAL_BATCH,
+        num_steps=num_steps, steps_per_loop=steps_per_loop, eval_fn=eval_fn,
+        dataset_info_fn=None, init_weights=None, after_train_fn=None, ema_decay=None,
+        grad_accum_steps=1, cpu_devices=2, precision="float32", clip_norm=0.1, **settings)
+    return result, evals
+
+
+def weights(model_dir, step):
+    path = str(model_dir / "checkpoints" / f"ckpt-{step}")
+    reader = tf.train.load_checkpoint(path)
+    return {n: reader.get_tensor(n) for n, _ in tf.train.list_variables(path)
+            if n.startswith(("model/", "optimizer/", "backbone_optimizer/"))}
+
+
+def records(model_dir, split="train"):
+    lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["split"] == split}
+
+
+def checkpoints(model_dir):
+    return sorted(int(p.name[5:-6]) for p in (model_dir / "checkpoints").glob("ckpt-*.index"))
+
+
+@pytest.fixture(scope="module")
+def one_step_per_loop(tmp_path_factory):
+    """The reference: 10 steps, one per host visit."""
+    model_dir = tmp_path_factory.mktemp("n1")
+    _, evals = train(model_dir, 10, steps_per_loop=1)
+    return model_dir, evals
+
+
+def assert_same_run(ref_dir, other_dir, steps, rtol=1e-6):
+    for step in steps:
+        ref, other = weights(ref_dir, step), weights(other_dir, step)
+        assert len(ref) >= 8 and set(ref) == set(other)
+        for name in ref:
+            np.testing.assert_allclose(other[name], ref[name], rtol=rtol, atol=1e-7,
+                                       err_msg=f"{name} at step {step}")
+    ref, other = records(ref_dir), records(other_dir)
+    assert sorted(other) == sorted(ref)
+    for step in ref:
+        np.testing.assert_allclose([other[step]["loss"], other[step]["grad_norm"]],
+                                   [ref[step]["loss"], ref[step]["grad_norm"]], rtol=rtol)
+
+
+@pytest.mark.parametrize("engine, jit", [("default", "loss"), ("mirrored", "loss"),
+                                         ("default", "step")])
+def test_many_steps_per_loop_train_like_one(one_step_per_loop, tmp_path, engine, jit):
+    ref_dir, ref_evals = one_step_per_loop
+    result, evals = train(tmp_path, 10, steps_per_loop=4, distribution=engine, jit=jit)
+    # Logs at every 6th step and the last, checkpoints every 4th and the last, evaluations
+    # every 5th (the last one by the final evaluation): loops of up to 4 land on each
+    # (1 | 2-4 | 5 | 6 | 7-8 | 9-10).
+    assert sorted(records(tmp_path)) == [6, 10]
+    assert checkpoints(tmp_path) == checkpoints(ref_dir) == [4, 8, 10]
+    assert evals == ref_evals == [5, 10]
+    assert sorted(records(tmp_path, "eval")) == [5, 10]
+    # XLA ('step' compiles forward and backward) and two replicas reorder float32 sums.
+    assert_same_run(ref_dir, tmp_path, [4, 8, 10], rtol=1e-6 if jit == "loss" else 1e-5)
+    assert result["step"] == 10
+
+
+def test_resumed_mid_run_with_many_steps_per_loop_ends_like_an_uninterrupted_run(
+        one_step_per_loop, tmp_path):
+    ref_dir, _ = one_step_per_loop
+    train(tmp_path, 6, steps_per_loop=4)  # stops at 6, between checkpoints 4 and 8
+    assert checkpoints(tmp_path) == [4, 6]
+    result, evals = train(tmp_path, 10, steps_per_loop=4)
+    assert result["step"] == 10 and evals == [10]  # step 5's evaluation belonged to run one
+    assert checkpoints(tmp_path) == [4, 6, 8, 10]
+    assert_same_run(ref_dir, tmp_path, [8, 10])
+
+
+def test_nan_mid_loop_stops_naming_the_step_and_range_and_keeps_the_checkpoint(tmp_path):
+    # Loops: 1 | 2-4 (checkpoint) | 5-8 -> NaN at step 6, inside the loop of 5-8.
+    with pytest.raises(trainer.TrainingError) as err:
+        train(tmp_path, 10, steps_per_loop=4, nan_at_step=6, log_every=100, eval_every=None)
+    message = str(err.value)
+    assert message.startswith("non-finite loss at step 6 (the first non-finite of steps 5-6,")
+    assert "loss=nan" in message and "ckpt-4) is untouched" in message, message
+    assert checkpoints(tmp_path) == [4]
+    saved = weights(tmp_path, 4)
+    assert all(np.all(np.isfinite(v)) for v in saved.values())
+    assert int(tf.train.load_checkpoint(str(tmp_path / "checkpoints" / "ckpt-4")).get_tensor(
+        "global_step/.ATTRIBUTES/VARIABLE_VALUE")) == 4
+
+
+def test_nan_mid_loop_skipped_is_reported_and_the_run_goes_on(tmp_path, capsys):
+    result, _ = train(tmp_path, 8, steps_per_loop=4, nan_at_step=6, log_every=100,
+                      eval_every=None, nan_policy="skip")
+    assert result["step"] == 8 and checkpoints(tmp_path) == [4, 8]
+    assert ("steps 5-8: 1 non-finite loss(es), those steps skipped (the first at step 6; "
+            "1 so far)") in capsys.readouterr().out
+    assert all(np.all(np.isfinite(v)) for v in weights(tmp_path, 8).values())
+
+
+def test_loops_of_any_length_share_one_trace_and_stop_at_the_first_non_finite_step():
+    # Loops of 2 steps or more share one while-loop trace; one step has its own (no loop).
+    total = tf.Variable(0.0)
+
+    @tf.function
+    def step_fn(iterator):
+        x = next(iterator)
+        total.assign_add(x)
+        return {"loss": total.read_value(), "loss_finite": tf.math.is_finite(x)}
+
+    data = [1.0, 2.0, 3.0, 4.0, 5.0, np.nan, 7.0, 8.0, np.nan, 10.0, 11.0]
+    for stop in (True, False):
+        total.assign(0.0)
+        loop = DeviceLoop(step_fn, distribution.DefaultEngine(), stop_at_non_finite=stop)
+        it = iter(tf.data.Dataset.from_tensor_slices(np.array(data, np.float32)))
+        first = loop(it, 3)  # 1 + 2 + 3
+        assert (first.steps, first.non_finite, first.first_non_finite) == (3, 0, -1)
+        assert first.stats["loss"] == 6.0 and first.stats["loss_finite"] == 1.0
+        assert loop(it, 1).stats["loss"] == 10.0
+        out = loop(it, 5)  # 5, nan, 7, 8, nan
+        if stop:  # ends right after the NaN, which is the last step's value
+            assert (out.steps, out.non_finite, out.first_non_finite) == (2, 1, 1)
+            assert np.isnan(out.stats["loss"]) and out.stats["loss_finite"] == 0.0
+        else:
+            assert (out.steps, out.non_finite, out.first_non_finite) == (5, 2, 1)
+        assert loop(it, 2).steps == 2
+        assert loop.tracing_count == 2
+
+
+def _brute_force_stops(start, cfg, evaluates):
+    """Steps where the host must look, from their definition."""
+    stops = {cfg.num_steps}
+    for step in range(start + 1, cfg.num_steps + 1):
+        for every in (cfg.log_every, cfg.checkpoint_every, cfg.eval_every if evaluates else 0):
+            if every and step % every == 0:
+                stops.add(step)
+    return stops
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 100])
+def test_loops_land_on_every_log_checkpoint_and_eval_step(n):
+    cfg = LoopConfig(num_steps=53, images_per_step=1, log_every=5, checkpoint_every=12,
+                     eval_every=9, nan_policy="stop", steps_per_loop=n)
+    for start in (0, 7, 12):
+        for evaluates in (True, False):
+            ends, step = [], start
+            while step < cfg.num_steps:
+                length = cfg.loop_length(step, evaluates)
+                assert 1 <= length <= n
+                step += length
+                ends.append(step)
+            assert _brute_force_stops(start, cfg, evaluates) <= set(ends)
+            if n == 100:  # nothing else stops a long loop
+                assert set(ends) == _brute_force_stops(start, cfg, evaluates)
+
+
+def test_steps_per_loop_choices():
+    assert resolve_steps_per_loop(7) == 7
+    assert resolve_steps_per_loop("auto") == 1  # this machine has no GPU or TPU
+    for bad in (0, -1, "10", 2.5, True):
+        with pytest.raises(ValueError, match="train.steps_per_loop"):
+            resolve_steps_per_loop(bad)
