@@ -26,7 +26,7 @@ def test_counter_counts_eager_and_nested_compiled_calls_both_ways():
     x = tf.ones([4])
     counts = xla_launches.count_per_step(lambda: (looped(x), outer(x)), steps=2)
     assert counts["calls_per_step"] == 4 and counts["programs_per_step"] == 4
-    assert counts["distinct_programs"] == 3
+    assert counts["distinct_programs"] == 3 and counts["compiles"] == 0
 
 
 def test_loss_gradient_and_fused_update_compile_into_one_launch():

@@ -67,12 +67,13 @@ def main(argv):
     chief = all(e.is_chief for e in engines.values())
     if not chief:
         return
-    print("| engine | jit | optimizer | XLA launches per step (calls / HLO) | distinct programs |")
-    print("|---|---|---|---|---|")
+    print("| engine | jit | optimizer | XLA launches per step (calls / HLO) | distinct programs "
+          "| compiles while profiled |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['engine']} ({r['replicas']} replicas) | {r['jit']} | {r['optimizer']} | "
               f"{r['calls_per_step']:g} / {r['programs_per_step']:g} | "
-              f"{r['distinct_programs']} |")
+              f"{r['distinct_programs']} | {r['compiles']} |")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=2)

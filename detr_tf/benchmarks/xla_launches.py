@@ -36,19 +36,21 @@ def _stats(plane, names, event) -> Dict[str, object]:
 
 
 def count_trace(xspace_path: str) -> Dict[str, object]:
-    """{'calls', 'programs', 'modules': {module: launches}} of one profiler trace file."""
+    """{'calls', 'programs', 'modules': {module: launches}, 'compiles'} of one profiler trace
+    file ('compiles': XLA:CPU compilations inside the trace)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
     with open(xspace_path, "rb") as f:
         space.ParseFromString(f.read())
-    calls, op_runs = 0, collections.Counter()
+    calls, compiles, op_runs = 0, 0, collections.Counter()
     for plane in space.planes:
         names = {k: m.name for k, m in plane.stat_metadata.items()}
         for line in plane.lines:
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
                 stats = _stats(plane, names, event)
+                compiles += name == "CpuCompiler::CompileCpuExecutable"
                 if (name == "ExecutorState::ProcessAsync::Start"
                         and stats.get("kernel_type") in _CALL_KERNELS):
                     calls += 1
@@ -60,14 +62,16 @@ def count_trace(xspace_path: str) -> Dict[str, object]:
     for (module, _), runs in op_runs.items():
         modules[module].append(runs)
     launches = {module: min(runs) for module, runs in modules.items()}
-    return {"calls": calls, "programs": sum(launches.values()), "modules": launches}
+    return {"calls": calls, "programs": sum(launches.values()), "modules": launches,
+            "compiles": compiles}
 
 
 def count_per_step(step: Callable[[], object], steps: int = 3) -> Dict[str, object]:
     """Runs step() once untraced (compiles), then `steps` times under the profiler.
 
     Returns:
-      {'calls_per_step', 'programs_per_step', 'distinct_programs', 'modules'}.
+      {'calls_per_step', 'programs_per_step', 'distinct_programs', 'modules', 'compiles'}:
+      'compiles' counts XLA compilations during the profiled steps (0 unless a step recompiles).
     """
     tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
     logdir = tempfile.mkdtemp(prefix="xla_launches_")
@@ -81,5 +85,5 @@ def count_per_step(step: Callable[[], object], steps: int = 3) -> Dict[str, obje
     counts = count_trace(sorted(paths)[-1])
     return {"calls_per_step": counts["calls"] / steps,
             "programs_per_step": counts["programs"] / steps,
-            "distinct_programs": len(counts["modules"]),
+            "distinct_programs": len(counts["modules"]), "compiles": counts["compiles"],
             "modules": {m: n / steps for m, n in counts["modules"].items()}}
