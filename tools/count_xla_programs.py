@@ -45,7 +45,8 @@ def _count(engine, jit, optimizer, batch):
     from detr_tf.losses import SetCriterion
     from detr_tf.modeling.detr import build_model
 
-    gin.bind_parameter("build_optimizers.fused", optimizer == "fused")
+    with gin.unlock_config():
+        gin.bind_parameter("build_optimizers.fused", optimizer == "fused")
     size = (FLAGS.image_size, FLAGS.image_size)
     ts = ours.build_train_step(build_model, SetCriterion(), jit, image_size=size, engine=engine)
     counts = xla_launches.count_per_step(lambda: ts.step(batch), FLAGS.steps)
@@ -62,9 +63,15 @@ def main(argv):
 
     batch = next(run.synthetic_batches(FLAGS.batch_size, (FLAGS.image_size,) * 2, 3, 10,
                                        gin.query_parameter("%NUM_CLASSES")))
-    rows = [_count(engine, jit, opt, batch) for engine in engines.values()
-            for jit in FLAGS.jits for opt in FLAGS.optimizers]
     chief = all(e.is_chief for e in engines.values())
+    rows = []
+    for opt in FLAGS.optimizers:
+        for engine in engines.values():
+            for jit in FLAGS.jits:
+                rows.append(_count(engine, jit, opt, batch))
+                if chief:
+                    print(f"counted: {rows[-1]}", flush=True)
+                    _write(rows)
     if not chief:
         return
     print("| engine | jit | optimizer | XLA launches per step (calls / HLO) | distinct programs "
@@ -75,9 +82,13 @@ def main(argv):
               f"{r['calls_per_step']:g} / {r['programs_per_step']:g} | "
               f"{r['distinct_programs']} | {r['compiles']} |")
     if FLAGS.json_out:
+        print(f"wrote {FLAGS.json_out}")
+
+
+def _write(rows):
+    if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=2)
-        print(f"wrote {FLAGS.json_out}")
 
 
 if __name__ == "__main__":
