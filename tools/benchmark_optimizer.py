@@ -32,7 +32,7 @@ def main(argv):
           f"load average {os.getloadavg()[0]:.1f}")
     print("| optimizer | first call (s) | update, median (ms) |")
     print("|---|---|---|")
-    for name in ("tf_keras", "fused"):
+    for name in ("tf_keras", "tf_keras_xla", "fused"):
         r = report[name]
         print(f"| {name} | {r['first_call_s']:.1f} | {r['apply_ms']:.1f} |")
     report["command"] = " ".join(sys.argv)

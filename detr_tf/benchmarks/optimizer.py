@@ -3,7 +3,8 @@
 Both apply the same gradients to the same model's trainable variables (each with its own
 slots), on the default engine, behind the same global-norm clip and finiteness guard the step
 uses: tf_keras's path as detr_tf/training/step.py runs it with `build_optimizers.fused=False`,
-the fused one as it runs by default. Measured: the first call (tracing + XLA compilation + one
+the fused one as it runs by default. tf_keras compiles its per-variable updates with XLA only
+when it finds a GPU; 'tf_keras_xla' forces that path here, to show what a GPU run pays. Measured: the first call (tracing + XLA compilation + one
 update) of each, then the update time in interleaved rounds.
 """
 from typing import Callable, Dict
@@ -57,10 +58,15 @@ def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 1
              for v in groups[0] + groups[1]]
     applies = {}
     for name, fused, make in (("tf_keras", False, _tf_keras_apply),
+                              ("tf_keras_xla", False, _tf_keras_apply),
                               ("fused", True, _fused_apply)):
         optimizers = optimization.build_optimizers(steps_per_epoch=1000, fused=fused)
         for opt, vars_ in zip(optimizers, groups):
             opt.build(vars_)
+            if name == "tf_keras_xla":
+                # tf_keras turns its XLA update off when it sees no GPU; this forces what it
+                # does on a GPU: one compiled update per variable.
+                opt.jit_compile = True
         applies[name] = make(optimizers, groups, clip_norm)
     report = {"num_variables": len(grads),
               "num_parameters": int(sum(np.prod(g.shape) for g in grads))}
