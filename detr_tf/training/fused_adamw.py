@@ -18,7 +18,9 @@ all-reduced gradients; every copy gets the same values. On one device it is one 
 the trainer can compile it into the step's own XLA program (jit='step').
 
 `build_optimizers(fused=False)` (detr_tf/training/optimization.py) selects the former pair of
-tf_keras AdamW optimizers instead; `fused=True` is the default.
+tf_keras AdamW optimizers instead; `fused=True` is the default. On a CPU the fused XLA update is
+measured slower than tf_keras's (which compiles nothing without a GPU): see docs/PERFORMANCE.md,
+"XLA programs per step, and the fused optimizer update".
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
