@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpointing, optimization, trainer
+from detr_tf.training import checkpointing, fused_adamw, optimization, trainer
 
 
 def test_step_decay_schedule_with_warmup():
@@ -14,23 +14,29 @@ def test_step_decay_schedule_with_warmup():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_build_optimizers_places_epoch_drops_and_groups_rates():
+@pytest.mark.parametrize("fused", [True, False])
+def test_build_optimizers_places_epoch_drops_and_groups_rates(fused):
     backbone_opt, main_opt = optimization.build_optimizers(
         steps_per_epoch=50, learning_rate=1e-4, backbone_learning_rate=1e-5,
-        lr_drop_epochs=(200,), weight_decay=1e-4)
-    assert isinstance(main_opt, tf_keras.optimizers.AdamW)
+        lr_drop_epochs=(200,), weight_decay=1e-4, fused=fused)
+    kind = fused_adamw.AdamWGroup if fused else tf_keras.optimizers.AdamW
+    assert isinstance(main_opt, kind) and isinstance(backbone_opt, kind)
     for opt, base in ((backbone_opt, 1e-5), (main_opt, 1e-4)):
-        sched = opt.learning_rate if callable(opt.learning_rate) else opt._learning_rate
+        if fused:
+            sched = opt.rate
+        else:
+            sched = opt.learning_rate if callable(opt.learning_rate) else opt._learning_rate
         assert float(sched(9999)) == pytest.approx(base)
         assert float(sched(10000)) == pytest.approx(base * 0.1)
     assert main_opt.weight_decay == pytest.approx(1e-4)
 
 
-def test_adamw_update_matches_pytorch_adamw_formula():
-    """One step of the main group against PyTorch AdamW's update written out in numpy."""
+def test_tf_keras_adamw_update_matches_pytorch_adamw_formula():
+    """One step of the former tf_keras main group against PyTorch AdamW's update written out in
+    numpy (gradients large enough that eps does not matter; see tests/test_fused_adamw.py)."""
     _, opt = optimization.build_optimizers(steps_per_epoch=1, learning_rate=1e-3,
                                            lr_drop_epochs=(), weight_decay=0.1,
-                                           jit_compile=False)
+                                           jit_compile=False, fused=False)
     w0 = np.array([0.5, -1.0, 2.0], np.float32)
     g = np.array([0.1, -0.2, 0.3], np.float32)
     var = tf.Variable(w0)

@@ -1,14 +1,19 @@
 """Learning-rate schedule, the two AdamW parameter groups, loss scaling and EMA.
 
-DETR trains its backbone with a 10x smaller learning rate than the transformer and heads. Keras
-optimizers have no parameter groups, so each group gets its own AdamW; both share one global-norm
-clip computed over all gradients, as torch.nn.utils.clip_grad_norm_ does in the reference.
+DETR trains its backbone with a 10x smaller learning rate than the transformer and heads. Both
+groups share one global-norm clip computed over all gradients, as torch.nn.utils.clip_grad_norm_
+does in the reference. By default (`build_optimizers.fused=True`) the groups are
+detr_tf/training/fused_adamw.py's AdamWGroups, applied together as one compiled update with
+torch.optim.AdamW's exact math; `fused=False` gives the former pair of tf_keras AdamW optimizers
+(one XLA program per variable shape, and tf_keras's eps-hat form of the update).
 """
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import gin
 import tensorflow as tf
 import tf_keras
+
+from detr_tf.training import fused_adamw
 
 
 @gin.configurable
@@ -49,8 +54,8 @@ def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
                      backbone_learning_rate: float = 1e-5, weight_decay: float = 1e-4,
                      lr_drop_epochs: Sequence[int] = (200,), lr_drop_factor: float = 0.1,
                      warmup_steps: int = 0, beta_1: float = 0.9, beta_2: float = 0.999,
-                     epsilon: float = 1e-8, jit_compile: bool = True):
-    """Two AdamW optimizers, (backbone, rest), sharing one step-decay schedule shape.
+                     epsilon: float = 1e-8, jit_compile: bool = True, fused: bool = True):
+    """Two AdamW parameter groups, (backbone, rest), sharing one step-decay schedule shape.
 
     PyTorch's AdamW (the reference) and tf_keras's AdamW both decay weights decoupled from the
     gradient as w -= lr * wd * w, and the reference decays every parameter, so nothing is
@@ -65,15 +70,22 @@ def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
       lr_drop_factor: multiplier per drop.
       warmup_steps: linear warmup steps for both groups.
       beta_1, beta_2, epsilon: Adam constants (PyTorch defaults).
-      jit_compile: compile each variable update with XLA (tf_keras's own switch).
+      jit_compile: compile the update with XLA (fused: one program for all variables;
+        tf_keras: one per variable shape).
+      fused: fused_adamw.AdamWGroups (torch.optim.AdamW's math, one update for both groups);
+        False: two tf_keras AdamW optimizers.
 
     Returns:
-      (backbone_optimizer, main_optimizer).
+      (backbone_group, main_group): AdamWGroups, or tf_keras AdamW optimizers.
     """
     drops = [int(round(e * steps_per_epoch)) for e in lr_drop_epochs]
 
     def make(lr, name):
         schedule = StepDecaySchedule(lr, drops, lr_drop_factor, warmup_steps)
+        if fused:
+            return fused_adamw.AdamWGroup(schedule, weight_decay=weight_decay, beta_1=beta_1,
+                                          beta_2=beta_2, epsilon=epsilon,
+                                          jit_compile=jit_compile, name=name)
         return tf_keras.optimizers.AdamW(
             learning_rate=schedule, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
             epsilon=epsilon, jit_compile=jit_compile, name=name)
@@ -105,12 +117,20 @@ class DynamicLossScale(tf.Module):
 
     def update(self, grads_finite: tf.Tensor) -> None:
         """Cross-replica context: adjusts the scale after a step."""
-        grow = tf.logical_and(grads_finite, self.good_steps + 1 >= self.growth_interval)
-        self.scale.assign(tf.where(grads_finite,
-                                   tf.where(grow, self.scale * 2.0, self.scale),
-                                   tf.maximum(self.scale / 2.0, 1.0)))
-        self.good_steps.assign(tf.where(grads_finite & ~grow, self.good_steps + 1,
-                                        tf.zeros_like(self.good_steps)))
+        scale, good_steps = self.next_values(self.scale.read_value(),
+                                             self.good_steps.read_value(), grads_finite)
+        self.scale.assign(scale)
+        self.good_steps.assign(good_steps)
+
+    def next_values(self, scale: tf.Tensor, good_steps: tf.Tensor,
+                    grads_finite: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(scale, good_steps) after a step with (non-)finite gradients; the fused update
+        applies them to each local copy itself."""
+        grow = tf.logical_and(grads_finite, good_steps + 1 >= self.growth_interval)
+        scale = tf.where(grads_finite, tf.where(grow, scale * 2.0, scale),
+                         tf.maximum(scale / 2.0, 1.0))
+        good_steps = tf.where(grads_finite & ~grow, good_steps + 1, tf.zeros_like(good_steps))
+        return scale, good_steps
 
 
 class ExponentialMovingAverage(tf.Module):

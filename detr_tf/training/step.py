@@ -3,10 +3,19 @@
 `StepBuilder` is kept apart from the training loop so that benchmarks time exactly the step the
 trainer runs. See detr_tf/training/trainer.py for the three phases of a step and what XLA
 compiles in each `jit` setting.
+
+With the fused AdamW (the default, detr_tf/training/fused_adamw.py) the third phase is one
+compiled program: finiteness guard, clip, both groups' update, EMA, loss scale and step count.
+With jit='step' on the default engine (one device, nothing to all-reduce) it joins the forward,
+matching, loss and backward in a single XLA program per step. With Mirrored, MultiWorkerMirrored
+and Horovod the all-reduce stays outside XLA and the update runs as its own program (one per
+local device).
 """
 from typing import Callable
 
 import tensorflow as tf
+
+from detr_tf.training import fused_adamw
 
 JIT_CHOICES = ("auto", "step", "loss", "none")
 
@@ -49,7 +58,8 @@ class StepBuilder:
       model: a built DETR model with `backbone` exposing its trainable variables.
       criterion: callable(outputs, targets, num_boxes=..., ce_weight=...) -> dict of scalar
         losses with 'loss', with a `local_normalizers(targets, num_queries)` method.
-      optimizers: (backbone_optimizer, main_optimizer).
+      optimizers: (backbone, main): fused_adamw.AdamWGroups (one fused update; with jit='step'
+        on the default engine the whole step is one XLA program) or tf_keras optimizers.
       jit: 'step', 'loss' or 'none' (already resolved).
       clip_norm: global-norm gradient clipping (<= 0 disables).
       grad_accum_steps: micro-batches per optimizer step.
@@ -78,6 +88,17 @@ class StepBuilder:
         self._criterion_fn = criterion_fn
         self._grads_fn = (tf.function(self._losses_and_grads, jit_compile=True)
                           if jit == "step" else self._losses_and_grads)
+        self.fused = None
+        if isinstance(self.backbone_opt, fused_adamw.AdamWGroup):
+            self.fused = fused_adamw.FusedUpdate(
+                (self.backbone_opt, self.main_opt), (self.backbone_vars, self.main_vars),
+                clip_norm, loss_scale, ema, global_step)
+        # One device, nothing to all-reduce: forward, matching, loss, backward, clip and the
+        # fused update compile into one XLA program. Other engines keep their collectives
+        # outside XLA (Horovod's cannot be compiled), so the update is a program of its own.
+        self._whole_step = None
+        if self.fused is not None and jit == "step" and engine.name == "default":
+            self._whole_step = tf.function(self._replica_step, jit_compile=True)
 
     def _losses_and_grads(self, inputs, targets, norms, scale):
         with tf.GradientTape() as tape:
@@ -90,6 +111,11 @@ class StepBuilder:
 
     def replica_step(self, *micro_batches):
         """One optimizer step on this replica's micro-batches; returns logging values."""
+        if self._whole_step is not None:
+            return self._whole_step(*micro_batches)
+        return self._replica_step(*micro_batches)
+
+    def _replica_step(self, *micro_batches):
         engine = self.engine
         scale = self.loss_scale.scale.read_value() if self.loss_scale else tf.constant(1.0)
         # Loss normalizers (DETR's box count and the class-weight sum) averaged over
@@ -114,17 +140,20 @@ class StepBuilder:
         losses = {name: v / k for name, v in loss_sum.items()} if k > 1 else loss_sum
         grads = engine.all_reduce_mean(grads)
         losses = engine.all_reduce_mean(losses)
-        grads_finite = _all_finite(grads)
         loss_finite = tf.math.is_finite(losses["loss"])
+        stats = dict(losses)
+        stats["loss_finite"] = loss_finite
+        if self.fused is not None:
+            stats["applied"], stats["grad_norm"] = engine.merge_call(
+                self.fused, (grads, loss_finite))
+            return stats
+        grads_finite = _all_finite(grads)
         if self.clip_norm and self.clip_norm > 0:
             grads, grad_norm = tf.clip_by_global_norm(grads, self.clip_norm)
         else:
             grad_norm = tf.linalg.global_norm(grads)
-        applied = engine.merge_call(self._apply, (grads, grads_finite, loss_finite))
-        stats = dict(losses)
+        stats["applied"] = engine.merge_call(self._apply, (grads, grads_finite, loss_finite))
         stats["grad_norm"] = grad_norm
-        stats["loss_finite"] = loss_finite
-        stats["applied"] = applied
         return stats
 
     def _apply(self, strategy, grads, grads_finite, loss_finite):

@@ -1,0 +1,81 @@
+"""The optimizer side of a train step alone: tf_keras's two AdamW vs the fused update.
+
+Both apply the same gradients to the same model's trainable variables (each with its own
+slots), on the default engine, behind the same global-norm clip and finiteness guard the step
+uses: tf_keras's path as detr_tf/training/step.py runs it with `build_optimizers.fused=False`,
+the fused one as it runs by default. tf_keras compiles its per-variable updates with XLA only
+when it finds a GPU; 'tf_keras_xla' forces that path here, to show what a GPU run pays. Measured: the first call (tracing + XLA compilation + one
+update) of each, then the update time in interleaved rounds.
+"""
+from typing import Callable, Dict
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.benchmarks import timing
+from detr_tf.training import fused_adamw, optimization, state, step as step_lib
+
+
+def _tf_keras_apply(optimizers, groups, clip_norm) -> Callable:
+    variables = groups[0] + groups[1]
+    nb = len(groups[0])
+
+    @tf.function
+    def apply(grads):
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        grads, _ = tf.clip_by_global_norm(grads, clip_norm)
+
+        def update():
+            optimizers[0].apply_gradients(zip(grads[:nb], variables[:nb]))
+            optimizers[1].apply_gradients(zip(grads[nb:], variables[nb:]))
+            return tf.constant(True)
+
+        return tf.cond(finite, update, lambda: tf.constant(False))
+
+    return apply
+
+
+def _fused_apply(optimizers, groups, clip_norm) -> Callable:
+    update = fused_adamw.FusedUpdate(optimizers, groups, clip_norm,
+                                     global_step=tf.Variable(0, dtype=tf.int64))
+
+    @tf.function
+    def apply(grads):
+        return update(tf.distribute.get_strategy(), grads, tf.constant(True))[0]
+
+    return apply
+
+
+def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 10,
+                         clip_norm: float = 0.1, log: Callable[[str], None] = print
+                         ) -> Dict[str, object]:
+    """{name: {first_call_s, apply_ms (median), apply_ms_all}, num_variables, num_parameters}."""
+    model = state.build_model(model_fn)
+    groups = step_lib.split_variables(model)
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.normal(size=v.shape).astype(np.float32) * 1e-3)
+             for v in groups[0] + groups[1]]
+    applies = {}
+    for name, fused, make in (("tf_keras", False, _tf_keras_apply),
+                              ("tf_keras_xla", False, _tf_keras_apply),
+                              ("fused", True, _fused_apply)):
+        optimizers = optimization.build_optimizers(steps_per_epoch=1000, fused=fused)
+        for opt, vars_ in zip(optimizers, groups):
+            opt.build(vars_)
+            if name == "tf_keras_xla":
+                # tf_keras turns its XLA update off when it sees no GPU; this forces what it
+                # does on a GPU: one compiled update per variable.
+                opt.jit_compile = True
+        applies[name] = make(optimizers, groups, clip_norm)
+    report = {"num_variables": len(grads),
+              "num_parameters": int(sum(np.prod(g.shape) for g in grads))}
+    for name, apply in applies.items():
+        first = timing.timed_call(apply, grads)
+        log(f"{name}: first call {first:.1f} s")
+        report[name] = {"first_call_s": first}
+    times = timing.interleaved({n: (lambda a=a: a(grads)) for n, a in applies.items()}, rounds)
+    for name, seconds in times.items():
+        report[name]["apply_ms"] = float(np.median(seconds) * 1e3)
+        report[name]["apply_ms_all"] = [s * 1e3 for s in seconds]
+    return report

@@ -1,0 +1,220 @@
+"""AdamW for both parameter groups as one compiled update over all variables (the default).
+
+tf_keras's AdamW compiles one XLA program per variable shape (about 30 s of first call for R50)
+and launches one update per variable per step. Here the whole optimizer side of a step is one
+function, compiled once: the finiteness check, the global-norm clip, the AdamW update of both
+groups (backbone and rest, each with its own learning-rate schedule), the EMA of the weights, the
+dynamic loss scale and the step counter. A step whose loss or gradients are not finite changes
+no weight, slot, EMA or iteration count (the loss scale and global_step still move), as before.
+
+The math is torch.optim.AdamW's, the reference's, exactly: decoupled decay first
+(w -= lr * wd * w), then m, v, and w -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), where bc1,
+bc2 are the bias corrections. tf_keras adds eps before the bias correction of v (the eps-hat
+form), which differs whenever sqrt(v) is near eps (tiny gradients).
+
+Distribution: the update runs in cross-replica context on each local device's copies of the
+variables (a MirroredVariable's components), one program per local device, with the
+all-reduced gradients; every copy gets the same values. On one device it is one program, and
+the trainer can compile it into the step's own XLA program (jit='step').
+
+`build_optimizers(fused=False)` (detr_tf/training/optimization.py) selects the former pair of
+tf_keras AdamW optimizers instead; `fused=True` is the default. On a CPU the fused XLA update is
+measured slower than tf_keras's (which compiles nothing without a GPU): see docs/PERFORMANCE.md,
+"XLA programs per step, and the fused optimizer update".
+"""
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+
+def adamw_update(w, m, v, g, lr, wd, beta_1, beta_2, eps, t):
+    """One torch.optim.AdamW step for one tensor; returns the new (w, m, v).
+
+    Args:
+      w, m, v, g: weight, first and second moments, gradient (same shape and dtype).
+      lr, wd, beta_1, beta_2, eps: scalars; t: the 1-based step number (float).
+    """
+    w = w * (1.0 - lr * wd)
+    m = beta_1 * m + (1.0 - beta_1) * g
+    v = beta_2 * v + (1.0 - beta_2) * g * g
+    bc1 = 1.0 - beta_1 ** t
+    bc2_sqrt = tf.sqrt(1.0 - beta_2 ** t)
+    denom = tf.sqrt(v) / bc2_sqrt + eps
+    return w - (lr / bc1) * m / denom, m, v
+
+
+class AdamWGroup(tf.Module):
+    """One parameter group: its schedule, AdamW constants, step count and slots (m, v).
+
+    Applied by `FusedUpdate`, never on its own. Checkpointed like an optimizer: `iterations`,
+    `m` and `v` (one slot per variable, in the order given to `build`).
+
+    Args:
+      learning_rate: a schedule (callable on the step count) or a float.
+      weight_decay, beta_1, beta_2, epsilon: torch.optim.AdamW's constants.
+      jit_compile: compile the fused update with XLA.
+      name: the group's name (variable names start with it).
+    """
+
+    def __init__(self, learning_rate, weight_decay: float = 1e-4, beta_1: float = 0.9,
+                 beta_2: float = 0.999, epsilon: float = 1e-8, jit_compile: bool = True,
+                 name: str = "adamw"):
+        super().__init__(name=name)
+        self._schedule = learning_rate
+        self.weight_decay = float(weight_decay)
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        self.jit_compile = jit_compile
+        self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name=f"{name}/iterations")
+        self.m: List[tf.Variable] = []
+        self.v: List[tf.Variable] = []
+
+    def build(self, variables: Sequence[tf.Variable]) -> None:
+        """Creates the zero slots (call once, inside the engine's scope)."""
+        if self.m:
+            raise ValueError(f"AdamWGroup {self.name!r} is already built")
+
+        def slot(var, kind):
+            return tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False,
+                               name=f"{self.name}/{var.name.split(':')[0]}/{kind}")
+
+        self.m = [slot(var, "m") for var in variables]
+        self.v = [slot(var, "v") for var in variables]
+
+    def rate(self, iterations) -> tf.Tensor:
+        """The learning rate at step count `iterations` (float32)."""
+        if callable(self._schedule):
+            return tf.cast(self._schedule(iterations), tf.float32)
+        return tf.constant(self._schedule, tf.float32)
+
+    @property
+    def learning_rate(self) -> tf.Tensor:
+        """The rate the next applied step uses (for logging)."""
+        return self.rate(self.iterations)
+
+
+def _all_finite(tensors) -> tf.Tensor:
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+
+
+def _local(strategy: tf.distribute.Strategy, value, index: int):
+    """Local copy `index` of a distributed value (a plain value is its own only copy)."""
+    parts = strategy.experimental_local_results(value)
+    return parts[index] if len(parts) > 1 else parts[0]
+
+
+class FusedUpdate:
+    """The optimizer side of a step, for every group at once; call it in cross-replica context.
+
+    Args:
+      groups: the AdamWGroups, built on `variables` (same order).
+      variables: one list of variables per group.
+      clip_norm: global-norm clip over all gradients (<= 0: none), as
+        tf.clip_by_global_norm.
+      loss_scale: a DynamicLossScale (its `next_values` is applied here) or None.
+      ema: an ExponentialMovingAverage of (a subset of) the variables, or None.
+      global_step: int64 variable counting steps, applied or skipped; or None.
+    """
+
+    def __init__(self, groups: Sequence[AdamWGroup], variables: Sequence[Sequence[tf.Variable]],
+                 clip_norm: float = 0.0, loss_scale=None, ema=None,
+                 global_step: Optional[tf.Variable] = None):
+        if len(groups) != len(variables):
+            raise ValueError(f"{len(groups)} AdamW groups but {len(variables)} variable lists")
+        for group, vars_ in zip(groups, variables):
+            if len(group.m) != len(vars_):
+                raise ValueError(f"AdamWGroup {group.name!r} was built for {len(group.m)} "
+                                 f"variables, the step updates {len(vars_)}")
+        self.groups = list(groups)
+        self.variables = [list(v) for v in variables]
+        self.clip_norm = float(clip_norm or 0.0)
+        self.loss_scale, self.ema, self.global_step = loss_scale, ema, global_step
+        self._programs: Dict[int, Callable] = {}
+
+    def __call__(self, strategy: tf.distribute.Strategy, grads: Sequence[tf.Tensor],
+                 loss_finite: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Updates every local copy; returns (applied, gradient global norm before clipping).
+
+        Args:
+          strategy: the distribution strategy (merge_call passes it first).
+          grads: all-reduced gradients, one per variable, groups concatenated in order.
+          loss_finite: whether the all-reduced loss is finite.
+        """
+        copies = strategy.experimental_local_results(self.variables[0][0])
+        results = []
+        for i, copy in enumerate(copies):
+            local_grads = [_local(strategy, g, i) for g in grads]
+            ok = _local(strategy, loss_finite, i)
+            if len(copies) == 1:  # no device scope: it may run inside the step's XLA program
+                results.append(self._program(strategy, i)(local_grads, ok))
+            else:
+                with tf.device(copy.device):
+                    results.append(self._program(strategy, i)(local_grads, ok))
+        return results[0]
+
+    def _program(self, strategy, index: int) -> Callable:
+        """The compiled update of local copy `index` (built once per copy)."""
+        if index not in self._programs:
+            local = lambda value: _local(strategy, value, index)  # noqa: E731
+            self._programs[index] = tf.function(
+                self._update_fn(local), jit_compile=self.groups[0].jit_compile)
+        return self._programs[index]
+
+    def _update_fn(self, local: Callable) -> Callable:
+        """update(grads, loss_finite) over the local copies `local` picks."""
+        groups = [(g, local(g.iterations), [local(x) for x in g.m], [local(x) for x in g.v],
+                   [local(w) for w in ws]) for g, ws in zip(self.groups, self.variables)]
+        position = {w.ref(): k for k, w in enumerate(w for ws in self.variables for w in ws)}
+
+        def update(grads, loss_finite):
+            grads_finite = _all_finite(grads)
+            ok = tf.logical_and(grads_finite, loss_finite)
+            if self.clip_norm > 0:
+                grads, norm = tf.clip_by_global_norm(grads, self.clip_norm)
+            else:
+                norm = tf.linalg.global_norm(grads)
+            new_weights, start = [], 0
+            for group, iterations, ms, vs, ws in groups:
+                new_weights += _apply_group(group, iterations, ms, vs, ws,
+                                            grads[start:start + len(ws)], ok)
+                start += len(ws)
+            if self.ema is not None:
+                self._blend_ema(local, position, new_weights, ok)
+            if self.loss_scale is not None:
+                scale, good = local(self.loss_scale.scale), local(self.loss_scale.good_steps)
+                new_scale, new_good = self.loss_scale.next_values(scale, good, grads_finite)
+                scale.assign(new_scale)
+                good.assign(new_good)
+            if self.global_step is not None:
+                local(self.global_step).assign_add(1)
+            return ok, norm
+
+        return update
+
+    def _blend_ema(self, local, position, new_weights, ok) -> None:
+        decay = self.ema.decay
+        for shadow, var in zip(self.ema.shadow, self.ema._model_variables):  # noqa: SLF001
+            shadow = local(shadow)
+            old = shadow.read_value()
+            blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
+            shadow.assign(tf.where(ok, blended, old))
+
+
+def _apply_group(group: AdamWGroup, iterations, ms, vs, ws, grads, ok) -> List[tf.Tensor]:
+    """AdamW on one group's local copies, kept only when `ok`; returns the new weights."""
+    lr = group.rate(iterations)
+    t = tf.cast(iterations + 1, tf.float32)
+    new_weights = []
+    for w, m, v, g in zip(ws, ms, vs, grads):
+        old_w, old_m, old_v = w.read_value(), m.read_value(), v.read_value()
+        dtype = old_w.dtype
+        new_w, new_m, new_v = adamw_update(
+            old_w, old_m, old_v, tf.cast(g, dtype), tf.cast(lr, dtype), group.weight_decay,
+            group.beta_1, group.beta_2, group.epsilon, tf.cast(t, dtype))
+        new_w = tf.where(ok, new_w, old_w)
+        w.assign(new_w)
+        m.assign(tf.where(ok, new_m, old_m))
+        v.assign(tf.where(ok, new_v, old_v))
+        new_weights.append(new_w)
+    iterations.assign_add(tf.cast(ok, tf.int64))
+    return new_weights

@@ -1,0 +1,172 @@
+"""The fused AdamW update against torch.optim.AdamW's algorithm (float64 numpy, and torch itself),
+across a checkpoint, and under a MirroredStrategy."""
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from detr_tf.training import fused_adamw, optimization
+
+B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.1
+SHAPES = ([3], [2, 2], [4])  # group 0 (backbone): the first variable; group 1: the rest
+LRS = (1e-4, 1e-3)
+CLIP = 2e-9
+
+
+def _problem(steps=5, seed=0, dtype=np.float32):
+    """Weights, and per-step gradients about 1e-9 (where eps matters), one step non-finite."""
+    rng = np.random.default_rng(seed)
+    weights = [rng.normal(size=s).astype(dtype) for s in SHAPES]
+    grads = [[(rng.normal(size=s) * 1e-9).astype(dtype) for s in SHAPES]
+             for _ in range(steps)]
+    grads[2][1][0, 0] = np.inf  # this step is skipped as a whole
+    return weights, grads
+
+
+def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None):
+    """torch.optim.AdamW (foreach=False, amsgrad=False) in float64, behind a global-norm clip
+    (tf.clip_by_global_norm's form) and the skip of non-finite steps; optional EMA."""
+    w = [x.astype(np.float64) for x in weights]
+    m = [np.zeros_like(x) for x in w]
+    v = [np.zeros_like(x) for x in w]
+    ema = [x.copy() for x in w]
+    lr_of = [LRS[0]] + [LRS[1]] * (len(w) - 1)
+    t = 0
+    for grads in grads_per_step:
+        g = [x.astype(np.float64) for x in grads]
+        if not all(np.isfinite(x).all() for x in g):
+            continue
+        norm = np.sqrt(sum((x * x).sum() for x in g))
+        if clip > 0:
+            g = [x * clip / max(norm, clip) for x in g]
+        t += 1
+        for i in range(len(w)):
+            lr = lr_of[i]
+            w[i] = w[i] * (1 - lr * WD)
+            m[i] = B1 * m[i] + (1 - B1) * g[i]
+            v[i] = B2 * v[i] + (1 - B2) * g[i] * g[i]
+            step_size = lr / (1 - B1 ** t)
+            denom = np.sqrt(v[i]) / np.sqrt(1 - B2 ** t) + EPS
+            w[i] = w[i] - step_size * m[i] / denom
+        if ema_decay is not None:
+            ema = [ema_decay * e + (1 - ema_decay) * x for e, x in zip(ema, w)]
+    return w, m, v, ema, t
+
+
+def _build(weights, clip, ema_decay=None):
+    variables = [tf.Variable(x) for x in weights]
+    groups = [fused_adamw.AdamWGroup(lr, weight_decay=WD, beta_1=B1, beta_2=B2, epsilon=EPS,
+                                     name=f"g{k}") for k, lr in enumerate(LRS)]
+    split = [variables[:1], variables[1:]]
+    for group, vars_ in zip(groups, split):
+        group.build(vars_)
+    ema = (optimization.ExponentialMovingAverage(variables, ema_decay)
+           if ema_decay else None)
+    step = tf.Variable(0, dtype=tf.int64)
+    update = fused_adamw.FusedUpdate(groups, split, clip, ema=ema, global_step=step)
+    return variables, groups, ema, step, update
+
+
+def _run(update, grads_per_step):
+    strategy = tf.distribute.get_strategy()
+    return [update(strategy, [tf.constant(g) for g in grads], tf.constant(True))
+            for grads in grads_per_step]
+
+
+def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients():
+    # float64 variables: float32 weights near 1 round updates of ~lr by ~1e-7 per step.
+    weights, grads = _problem(dtype=np.float64)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9)
+    results = _run(update, grads)
+    w, m, v, ema_want, t = _numpy_adamw(weights, grads, CLIP, ema_decay=0.9)
+    assert [bool(ok) for ok, _ in results] == [True, True, False, True, True]
+    assert int(step.numpy()) == 5 and [int(g.iterations.numpy()) for g in groups] == [t, t]
+    moved = [np.abs(x - y).max() for x, y in zip(w, weights)]
+    for k, var in enumerate(variables):
+        # Updates are ~lr in size, so compare the change, not only the weights (the learning
+        # rates pass through float32 schedules: relative error ~1e-7).
+        np.testing.assert_allclose(var.numpy() - weights[k], w[k] - weights[k],
+                                   rtol=1e-6, atol=1e-6 * moved[k])
+        np.testing.assert_allclose(ema.shadow[k].numpy(), ema_want[k], rtol=1e-9)
+    slots = [s for g in groups for s in g.m], [s for g in groups for s in g.v]
+    for got, want in zip(slots, (m, v)):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.numpy(), b, rtol=1e-9, atol=1e-40)
+    # The eps-hat form (eps added before v's bias correction) is measurably different here.
+    eps_hat = weights[1].astype(np.float64) * (1 - LRS[1] * WD) - LRS[1] * m[1] / (
+        (1 - B1 ** t) * (np.sqrt(v[1]) + EPS * np.sqrt(1 - B2 ** t)) / np.sqrt(1 - B2 ** t))
+    assert np.abs(eps_hat - w[1]).max() > 10 * np.abs(variables[1].numpy() - w[1]).max()
+
+
+@pytest.mark.torch
+def test_fused_update_matches_torch_optim_adamw():
+    # TensorFlow and triton's LLVM library crash the process when both are loaded; triton only
+    # serves GPUs.
+    sys.modules.setdefault("triton", None)
+    torch = pytest.importorskip("torch")
+    weights, grads = _problem(steps=4, seed=1, dtype=np.float64)
+    grads = [g for g in grads if all(np.isfinite(x).all() for x in g)]
+    variables, _, _, _, update = _build(weights, clip=0.0)
+    _run(update, grads)
+    params = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in weights]
+    opt = torch.optim.AdamW([{"params": params[:1], "lr": LRS[0]},
+                             {"params": params[1:], "lr": LRS[1]}],
+                            betas=(B1, B2), eps=EPS, weight_decay=WD)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    for var, p, w0 in zip(variables, params, weights):
+        want = p.detach().numpy()
+        np.testing.assert_allclose(var.numpy() - w0, want - w0, rtol=1e-6,
+                                   atol=1e-6 * np.abs(want - w0).max())
+
+
+def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path):
+    weights, grads = _problem(steps=4, seed=2)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5)
+    _run(update, grads)
+    straight = [x.numpy() for x in variables + ema.shadow]
+
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5)
+    _run(update, grads[:2])
+    items = dict(v=variables, b=groups[0], o=groups[1], ema=ema, step=step)
+    path = tf.train.Checkpoint(**items).save(str(tmp_path / "ckpt"))
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5)
+    items = dict(v=variables, b=groups[0], o=groups[1], ema=ema, step=step)
+    tf.train.Checkpoint(**items).restore(path).assert_consumed()
+    assert int(step.numpy()) == 2 and int(groups[1].iterations.numpy()) == 2
+    _run(update, grads[2:])
+    for a, b in zip(straight, [x.numpy() for x in variables + ema.shadow]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mirrored_two_replicas_update_equals_one_device():
+    weights, grads = _problem(steps=3, seed=3)
+    grads = [g for g in grads if all(np.isfinite(x).all() for x in g)]
+    halves = [[[g * 0.5, g * 1.5] for g in step_grads] for step_grads in grads]  # mean = g
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9)
+    _run(update, grads)
+    want = [x.numpy() for x in variables + ema.shadow]
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9)
+
+    @tf.function
+    def train_step(per_replica):
+        def replica_fn(local_grads):
+            reduced = tf.distribute.get_replica_context().all_reduce("mean", local_grads)
+            return tf.distribute.get_replica_context().merge_call(
+                update, args=(reduced, tf.constant(True)))
+        return strategy.run(replica_fn, args=(per_replica,))
+
+    for step_halves in halves:
+        per_replica = strategy.experimental_distribute_values_from_function(
+            lambda ctx: [tf.constant(h[ctx.replica_id_in_sync_group]) for h in step_halves])
+        train_step(per_replica)
+    assert int(step.numpy()) == len(grads)
+    for var, w in zip(variables + ema.shadow, want):
+        for copy in strategy.experimental_local_results(var):
+            np.testing.assert_allclose(copy.numpy(), w, rtol=1e-6)

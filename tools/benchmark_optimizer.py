@@ -1,0 +1,47 @@
+"""Times the optimizer update alone: tf_keras's two AdamW vs the fused update (first call and
+update time); prints a table, writes JSON.
+
+    PYTHONPATH=. python tools/benchmark_optimizer.py --gin_file models/detr_r50.gin \
+        --rounds 10 --json_out /tmp/optimizer_r50.json
+
+The model is Gin's `build_model`; see detr_tf/benchmarks/optimizer.py for what is timed.
+"""
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from detr_tf import cli
+
+cli.define_gin_flags()
+flags.adopt_module_key_flags(cli)
+flags.DEFINE_integer("rounds", 10, "Interleaved timed rounds.")
+flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    cli.reject_positional("benchmark_optimizer.py", argv, "; use --gin_file/--gin_param")
+    cli.parse_gin_or_exit("benchmark_optimizer.py", FLAGS.gin_file, FLAGS.gin_param)
+    from detr_tf.benchmarks import optimizer
+    from detr_tf.modeling.detr import build_model
+
+    report = optimizer.benchmark_optimizers(build_model, FLAGS.rounds)
+    print(f"{report['num_variables']} variables, {report['num_parameters']:,} parameters; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| optimizer | first call (s) | update, median (ms) |")
+    print("|---|---|---|")
+    for name in ("tf_keras", "tf_keras_xla", "fused"):
+        r = report[name]
+        print(f"| {name} | {r['first_call_s']:.1f} | {r['apply_ms']:.1f} |")
+    report["command"] = " ".join(sys.argv)
+    report["load_average"] = os.getloadavg()
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

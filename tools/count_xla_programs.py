@@ -1,0 +1,95 @@
+"""Counts the XLA programs one train step launches, per jit setting, engine and optimizer.
+
+    PYTHONPATH=. python tools/count_xla_programs.py --gin_file tiny.gin \
+        --json_out /tmp/xla_programs.json
+    # Horovod, two local processes (rank 0 prints and writes):
+    PYTHONPATH=. horovodrun -np 2 python tools/count_xla_programs.py --gin_file tiny.gin \
+        --engines horovod --json_out /tmp/xla_programs_horovod.json
+
+The step is the trainer's own (detr_tf/benchmarks/ours.py) on one synthetic batch; the counts
+come from TensorFlow's profiler trace (see detr_tf/benchmarks/xla_launches.py for how). The
+mirrored engine runs over 2 logical CPUs.
+"""
+import json
+import sys
+
+from absl import app, flags
+
+from detr_tf import cli
+
+cli.define_gin_flags()
+flags.adopt_module_key_flags(cli)
+flags.DEFINE_list("engines", ["default", "mirrored"], "default, mirrored and/or horovod.")
+flags.DEFINE_list("jits", ["step", "loss", "none"], "jit settings to count.")
+flags.DEFINE_list("optimizers", ["fused", "tf_keras"], "fused and/or tf_keras AdamW.")
+flags.DEFINE_integer("steps", 3, "Profiled steps (after one untraced step).")
+flags.DEFINE_integer("batch_size", 2, "Images per step.")
+flags.DEFINE_integer("image_size", 64, "Square synthetic image side.")
+flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+FLAGS = flags.FLAGS
+
+
+def _engines():
+    from detr_tf.training import distribution as dist
+    # The mirrored engine splits the CPU first: nothing may initialise TensorFlow's devices before.
+    made = {}
+    for name in FLAGS.engines:
+        made[name] = (dist.make_engine("mirrored", cpu_devices=2) if name == "mirrored"
+                      else dist.make_engine(name))
+    return made
+
+
+def _count(engine, jit, optimizer, batch):
+    import gin
+    from detr_tf.benchmarks import ours, xla_launches
+    from detr_tf.losses import SetCriterion
+    from detr_tf.modeling.detr import build_model
+
+    with gin.unlock_config():
+        gin.bind_parameter("build_optimizers.fused", optimizer == "fused")
+    size = (FLAGS.image_size, FLAGS.image_size)
+    ts = ours.build_train_step(build_model, SetCriterion(), jit, image_size=size, engine=engine)
+    counts = xla_launches.count_per_step(lambda: ts.step(batch), FLAGS.steps)
+    return {"engine": engine.name, "jit": jit, "optimizer": optimizer,
+            "replicas": engine.num_replicas, **counts}
+
+
+def main(argv):
+    cli.reject_positional("count_xla_programs.py", argv, "; use --gin_file/--gin_param")
+    cli.parse_gin_or_exit("count_xla_programs.py", FLAGS.gin_file, FLAGS.gin_param)
+    engines = _engines()
+    import gin
+    from detr_tf.benchmarks import run
+
+    batch = next(run.synthetic_batches(FLAGS.batch_size, (FLAGS.image_size,) * 2, 3, 10,
+                                       gin.query_parameter("%NUM_CLASSES")))
+    chief = all(e.is_chief for e in engines.values())
+    rows = []
+    for opt in FLAGS.optimizers:
+        for engine in engines.values():
+            for jit in FLAGS.jits:
+                rows.append(_count(engine, jit, opt, batch))
+                if chief:
+                    print(f"counted: {rows[-1]}", flush=True)
+                    _write(rows)
+    if not chief:
+        return
+    print("| engine | jit | optimizer | XLA launches per step (calls / HLO) | distinct programs "
+          "| compiles while profiled |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} ({r['replicas']} replicas) | {r['jit']} | {r['optimizer']} | "
+              f"{r['calls_per_step']:g} / {r['programs_per_step']:g} | "
+              f"{r['distinct_programs']} | {r['compiles']} |")
+    if FLAGS.json_out:
+        print(f"wrote {FLAGS.json_out}")
+
+
+def _write(rows):
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
