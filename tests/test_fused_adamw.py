@@ -150,7 +150,10 @@ def test_mirrored_two_replicas_update_equals_one_device():
     _run(update, grads)
     want = [x.numpy() for x in variables + ema.shadow]
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # Reduction to one device, not collectives: collective ops of a second MirroredStrategy in
+    # the same process (the trainer tests') would meet this one's collective instance keys.
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
         variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9)
 

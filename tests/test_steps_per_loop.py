@@ -9,6 +9,8 @@ steps_per_loop=3 for 6 steps ends with the loss of steps_per_loop=1.
 """
 import json
 
+import gin
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -248,3 +250,26 @@ def test_steps_per_loop_choices():
     for bad in (0, -1, "10", 2.5, True):
         with pytest.raises(ValueError, match="train.steps_per_loop"):
             resolve_steps_per_loop(bad)
+
+
+@pytest.fixture
+def fused_update():
+    """The trainer with build_optimizers.fused=True (a CPU's default is tf_keras's AdamW)."""
+    with gin.unlock_config():
+        gin.bind_parameter("build_optimizers.fused", True)
+    yield
+    with gin.unlock_config():
+        gin.clear_config()
+
+
+def test_fused_update_in_the_trainer_trains_alike_on_every_engine_and_jit(tmp_path,
+                                                                         fused_update):
+    # The fused update joins the step's XLA program under jit='step' on one device and runs
+    # per local device after the all-reduce under mirrored; both must train like jit='loss'.
+    train(tmp_path / "ref", 8, steps_per_loop=1)
+    names = weights(tmp_path / "ref", 8)
+    assert any(n.startswith("optimizer/m/") for n in names)  # the fused slots were saved
+    for engine, jit in [("default", "step"), ("mirrored", "loss")]:
+        other = tmp_path / f"{engine}_{jit}"
+        train(other, 8, steps_per_loop=4, distribution=engine, jit=jit)
+        assert_same_run(tmp_path / "ref", other, [4, 8], rtol=1e-5)

@@ -1,4 +1,4 @@
-"""AdamW for both parameter groups as one compiled update over all variables (the default).
+"""AdamW for both parameter groups as one compiled update over all variables.
 
 tf_keras's AdamW compiles one XLA program per variable shape (about 30 s of first call for R50)
 and launches one update per variable per step. Here the whole optimizer side of a step is one
@@ -18,9 +18,9 @@ all-reduced gradients; every copy gets the same values. On one device it is one 
 the trainer can compile it into the step's own XLA program (jit='step').
 
 `build_optimizers(fused=False)` (detr_tf/training/optimization.py) selects the former pair of
-tf_keras AdamW optimizers instead; `fused=True` is the default. On a CPU the fused XLA update is
-measured slower than tf_keras's (which compiles nothing without a GPU): see docs/PERFORMANCE.md,
-"XLA programs per step, and the fused optimizer update".
+tf_keras AdamW optimizers instead; its default picks this update with a GPU or TPU and tf_keras's
+on a CPU, where the fused XLA update is measured slower (tf_keras compiles nothing without a
+GPU): see docs/PERFORMANCE.md, "XLA programs per step, and the fused optimizer update".
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
