@@ -166,3 +166,32 @@ def test_matching_queries_do_not_see_denoising_queries_and_inference_has_none(tw
 def test_denoising_needs_anchor_queries():
     with pytest.raises(ValueError, match="AnchorTransformer"):
         tiny_model(Transformer, denoising=True)
+
+
+def test_denoising_split_batches_equal_one_batch():
+    """Replica halves normalized by the all-reduced box count average to the whole batch's
+    denoising losses (what makes every engine give the one-device loss)."""
+    rng = np.random.default_rng(5)
+    layers, b, groups, t = 2, 4, 2, 3
+    n = groups * t
+    mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]], bool)[:, np.arange(n) % t]
+    dn = {"pred_logits": rng.normal(size=(layers, b, n, C + 1)),
+          "pred_boxes": 1 / (1 + np.exp(-rng.normal(size=(layers, b, n, 4)))),
+          "labels": rng.integers(0, C, size=(b, n)),
+          "boxes": rng.uniform(0.2, 0.4, size=(b, n, 4)), "positive": mask, "valid": mask}
+
+    def losses(sl, n_box):
+        part = {k: tf.constant(v[:, sl] if k.startswith("pred") else v[sl]) for k, v in
+                dn.items()}
+        part = {k: tf.cast(v, tf.float32) if v.dtype == tf.float64 else v
+                for k, v in part.items()}
+        return denoising_losses(dict(part, num_groups=groups, parts=1), tf.constant(n_box),
+                                1.0, 5.0, 2.0)
+
+    whole, whole_total = losses(slice(0, 4), 6.0)  # 6 real boxes
+    halves = [losses(sl, 3.0) for sl in (slice(0, 2), slice(2, 4))]  # mean of 3 and 3
+    for k in whole:
+        np.testing.assert_allclose((float(halves[0][0][k]) + float(halves[1][0][k])) / 2,
+                                   float(whole[k]), rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose((float(halves[0][1]) + float(halves[1][1])) / 2,
+                               float(whole_total), rtol=1e-5)
