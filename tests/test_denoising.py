@@ -195,3 +195,28 @@ def test_denoising_split_batches_equal_one_batch():
                                    float(whole[k]), rtol=1e-5, err_msg=k)
     np.testing.assert_allclose((float(halves[0][1]) + float(halves[1][1])) / 2,
                                float(whole_total), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_exported_saved_model_runs_group_0_without_denoising(tmp_path):
+    """The SavedModel of a model trained with 2 query groups and denoising: its serving graph
+    reads neither the extra group's queries nor the label embedding, and once saved and loaded
+    it serves what it served before. Slow (saving and loading, ~1-2 min):
+    `pytest -m slow tests/test_denoising.py`."""
+    from detr_tf.evaluation import export
+
+    model = tiny_model(AnchorTransformer, num_groups=2, denoising=True)
+    model(IMAGES, PIXEL_MASK, training=True, targets=_targets())  # builds every variable
+    preprocess = export.make_resize_pad_preprocess(shorter_side=64, max_size=64)
+    module = export.DetectionModule(model, preprocess, max_detections=3)
+    read = {v.name for f in module.signatures().values() for v in f.variables}
+    assert model.query_embed.embeddings.name in read
+    assert model.group_query_embed.embeddings.name not in read
+    assert model.denoising.label_embed.embeddings.name not in read
+    image = np.random.default_rng(0).integers(0, 255, size=(1, 50, 64, 3), dtype=np.uint8)
+    want = module.detect(image)
+    loaded = tf.saved_model.load(export.export_saved_model(
+        model, tmp_path / "saved", preprocess_fn=preprocess, max_detections=3))
+    got = loaded.serve_images(tf.constant(image))
+    for key in ("scores", "boxes", "classes"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5)
