@@ -133,7 +133,6 @@ class DETR(tf_keras.Model):
         features, mask = self.backbone(images, pixel_mask, training=training)  # [B, h, w, C]
         pos = self.position_embedding(mask)  # [B, h, w, d] float32
         src = self.input_proj(features)  # [B, h, w, d]
-        extra = {}
         # Extra groups and denoising queries exist in training only (a Python decision: the
         # inference graph never holds them).
         groups = self.num_groups if training else 1
@@ -143,40 +142,8 @@ class DETR(tf_keras.Model):
             dn = self.denoising(targets)
             dn["num_groups"] = self.denoising.num_groups
             dn["parts"] = self.denoising.parts
-        plain = groups == 1 and dn is None
-        if self.proposals is not None:
-            memory, pos_flat, key_mask = self.transformer.encode(src, mask, pos,
-                                                                 training=training)
-            enc_logits, enc_boxes = self.proposals(tf.reshape(memory, tf.shape(src)), mask)
-            extra["enc_outputs"] = proposals_lib.proposals_dict(enc_logits, enc_boxes, mask)
-            anchors, _ = proposals_lib.select_anchors(
-                extra["enc_outputs"]["pred_logits"], extra["enc_outputs"]["pred_boxes"],
-                key_mask, self.num_queries)  # [B, Q, 4]
-            if plain:
-                hs, boxes = self.transformer.decode(memory, pos_flat, key_mask, anchors,
-                                                    training=training)
-            else:
-                anchors = tf.tile(anchors, [1, groups, 1])  # [B, K*Q, 4]
-                hs, boxes = self._decode_training(memory, pos_flat, key_mask, anchors, groups,
-                                                  dn, training)
-        elif self.transformer.predicts_boxes and plain:
-            queries = self.query_embed(tf.range(self.num_queries))  # [Q, 4]
-            hs, _, boxes = self.transformer(src, mask, queries, pos, training=training)
-        elif self.transformer.predicts_boxes:
-            memory, pos_flat, key_mask = self.transformer.encode(src, mask, pos,
-                                                                 training=training)
-            queries = tf.cast(self._learned_queries(groups), tf.float32)  # [K*Q, 4]
-            anchors = tf.tile(queries[None], [tf.shape(memory)[0], 1, 1])  # [B, K*Q, 4]
-            hs, boxes = self._decode_training(memory, pos_flat, key_mask, anchors, groups, dn,
-                                              training)
-        else:
-            queries = self._learned_queries(groups)  # [K*Q, d]
-            attn = None if groups == 1 else query_groups.self_attention_mask(groups,
-                                                                             self.num_queries)
-            hs, _ = self.transformer(src, mask, queries, pos, training=training,
-                                     self_attn_mask=attn)  # [L, B, K*Q, d]
-            # The sigmoid runs in float32 so boxes near 0 or 1 keep their precision.
-            boxes = tf.sigmoid(tf.cast(self.bbox_embed(hs), tf.float32))  # [L, B, Q, 4]
+        extra = {}
+        hs, boxes = self._decode(src, mask, pos, groups, dn, extra, training)
         logits = tf.cast(self.class_embed(hs), tf.float32)  # [L, B, K*Q (+ N_dn), C+1]
         if dn is not None:
             kq = groups * self.num_queries
@@ -193,6 +160,43 @@ class DETR(tf_keras.Model):
             aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
                    for i in range(num_layers - 1)]
         return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux, **extra}
+
+    def _decode(self, src, mask, pos, groups, dn, extra, training):
+        """The transformer on the projected features -> (hs [L, B, N, d], boxes [L, B, N, 4]),
+        N = K*Q (+ N_dn); two-stage adds 'enc_outputs' to `extra`."""
+        plain = groups == 1 and dn is None
+        if self.proposals is not None:
+            memory, pos_flat, key_mask = self.transformer.encode(src, mask, pos,
+                                                                 training=training)
+            enc_logits, enc_boxes = self.proposals(tf.reshape(memory, tf.shape(src)), mask)
+            extra["enc_outputs"] = proposals_lib.proposals_dict(enc_logits, enc_boxes, mask)
+            anchors, _ = proposals_lib.select_anchors(
+                extra["enc_outputs"]["pred_logits"], extra["enc_outputs"]["pred_boxes"],
+                key_mask, self.num_queries)  # [B, Q, 4]
+            if plain:
+                return self.transformer.decode(memory, pos_flat, key_mask, anchors,
+                                               training=training)
+            anchors = tf.tile(anchors, [1, groups, 1])  # [B, K*Q, 4]
+            return self._decode_training(memory, pos_flat, key_mask, anchors, groups, dn,
+                                         training)
+        if self.transformer.predicts_boxes and plain:
+            queries = self.query_embed(tf.range(self.num_queries))  # [Q, 4]
+            hs, _, boxes = self.transformer(src, mask, queries, pos, training=training)
+            return hs, boxes
+        if self.transformer.predicts_boxes:
+            memory, pos_flat, key_mask = self.transformer.encode(src, mask, pos,
+                                                                 training=training)
+            queries = tf.cast(self._learned_queries(groups), tf.float32)  # [K*Q, 4]
+            anchors = tf.tile(queries[None], [tf.shape(memory)[0], 1, 1])  # [B, K*Q, 4]
+            return self._decode_training(memory, pos_flat, key_mask, anchors, groups, dn,
+                                         training)
+        queries = self._learned_queries(groups)  # [K*Q, d]
+        attn = (None if groups == 1
+                else query_groups.self_attention_mask(groups, self.num_queries))
+        hs, _ = self.transformer(src, mask, queries, pos, training=training,
+                                 self_attn_mask=attn)  # [L, B, K*Q, d]
+        # The sigmoid runs in float32 so boxes near 0 or 1 keep their precision.
+        return hs, tf.sigmoid(tf.cast(self.bbox_embed(hs), tf.float32))  # [L, B, K*Q, 4]
 
 
 @gin.configurable
