@@ -89,6 +89,10 @@ class DenoisingQueries(tf_keras.layers.Layer):
         self.label_embed = tf_keras.layers.Embedding(
             num_classes, d_model, embeddings_initializer=tf_keras.initializers.RandomNormal(),
             name="label_embed")
+        # Built now, not at the first training call with targets (inside a replica's step
+        # function): every engine then creates and initializes it alike, when the model is
+        # built.
+        self.label_embed.build((None,))
 
     @property
     def parts(self) -> int:
