@@ -159,7 +159,8 @@ class SetCriterion:
         Returns:
           Scalars: 'loss' (weighted sum over all layers), 'loss_ce', 'loss_bbox', 'loss_giou'
           (final layer, unweighted), the same for aux layer i with suffix '_{i}',
-          'class_error', 'cardinality_error'.
+          'class_error', 'cardinality_error' (of group 0 with query groups); with denoising
+          queries ('dn_outputs') also 'loss_dn_ce', 'loss_dn_bbox', 'loss_dn_giou' (and '_{i}').
         """
         layers: List[Dict[str, tf.Tensor]] = list(
             outputs.get("aux_outputs", []) if self.aux_loss else [])
