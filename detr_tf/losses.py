@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional
 import gin
 import tensorflow as tf
 
+from detr_tf import losses_denoising
 from detr_tf.ops import box_ops
 from detr_tf.ops import matching
 
@@ -41,12 +42,20 @@ class SetCriterion:
       matcher: `matcher(cost [..., Q, T], target_mask [..., T]) -> [..., Q]` target per query
         or -1, injected by Gin reference: `SetCriterion.matcher = @HungarianMatcher()` (exact,
         the default when None) or `@SinkhornMatcher()` (approximate, detr_tf/ops/sinkhorn.py).
+      num_groups: Group DETR's K query groups (build_model.num_groups): each group is matched
+        one-to-one on its own and the loss is the mean of the K groups' DETR losses.
+      weight_dn: weight of the denoising queries' reconstruction losses (losses_denoising.py).
     """
 
     def __init__(self, num_classes: int, eos_coef: float = 0.1, cost_class: float = 1.0,
                  cost_bbox: float = 5.0, cost_giou: float = 2.0, weight_ce: float = 1.0,
                  weight_bbox: float = 5.0, weight_giou: float = 2.0, aux_loss: bool = True,
-                 weight_enc: float = 1.0, matcher: Optional[Callable] = None):
+                 weight_enc: float = 1.0, matcher: Optional[Callable] = None,
+                 num_groups: int = 1, weight_dn: float = 1.0):
+        if num_groups < 1:
+            raise ValueError(f"SetCriterion.num_groups must be >= 1, got {num_groups}")
+        self.num_groups = num_groups
+        self.weight_dn = weight_dn
         self.matcher = matching.HungarianMatcher() if matcher is None else matcher
         self.num_classes = num_classes
         self.eos_coef = eos_coef
@@ -84,21 +93,29 @@ class SetCriterion:
         Returns:
           'num_boxes': real boxes; 'ce_weight': the sum of cross-entropy class weights over all
           B * Q queries, which matching fixes in advance: min(T_b, Q) matched queries per image
-          weigh 1 each, all others eos_coef.
+          weigh 1 each, all others eos_coef (times num_groups: every group is matched).
         """
         real = tf.reduce_sum(tf.cast(targets["mask"], tf.float32), -1)  # [B]
         matched = tf.reduce_sum(tf.minimum(real, float(num_queries)))
         total = tf.cast(tf.shape(real)[0] * num_queries, tf.float32)
+        if self.num_groups > 1:
+            matched, total = matched * self.num_groups, total * self.num_groups
         return {"num_boxes": tf.reduce_sum(real),
                 "ce_weight": self.eos_coef * (total - matched) + matched}
 
     def match(self, pred_logits: tf.Tensor, pred_boxes: tf.Tensor,
-              targets: Dict[str, tf.Tensor]) -> tf.Tensor:
+              targets: Dict[str, tf.Tensor], num_groups: int = 1) -> tf.Tensor:
         """Matches [N, B, Q, *] predictions (N layers) to the targets in one matcher call.
+
+        With num_groups K > 1 the Q = K * Q_g queries are K groups, each matched one-to-one on
+        its own: the groups go into the matcher's batch axes, [N, B, K, Q_g, T], so every group
+        of every layer and image is solved in the same single call.
 
         Returns:
           [N, B, Q] int32 target index per query, -1 for unmatched.
         """
+        if num_groups > 1:
+            return self._match_groups(pred_logits, pred_boxes, targets, num_groups)
         # Matching is not differentiated through (the reference runs it under no_grad).
         # The targets [B, T] broadcast against the layers [N, B, Q] inside match_cost.
         cost = matching.match_cost(
@@ -110,6 +127,18 @@ class SetCriterion:
                                          0))  # [N, B, T]
         idx = self.matcher(cost, mask)  # [N, B, Q]
         return tf.cast(idx, tf.int32)
+
+    def _match_groups(self, pred_logits, pred_boxes, targets, num_groups):
+        cost = matching.match_cost(
+            tf.stop_gradient(pred_logits), tf.stop_gradient(pred_boxes),
+            targets["labels"], targets["boxes"],
+            self.cost_class, self.cost_bbox, self.cost_giou)  # [N, B, K*Qg, T]
+        n, b, q, t = (tf.shape(cost)[i] for i in range(4))
+        qg = pred_logits.shape[2] // num_groups
+        cost = tf.reshape(cost, [n, b, num_groups, qg, t])  # [N, B, K, Qg, T]
+        mask = tf.broadcast_to(targets["mask"][None, :, None], [n, b, num_groups, t])
+        idx = self.matcher(cost, mask)  # [N, B, K, Qg]
+        return tf.cast(tf.reshape(idx, [n, b, q]), tf.int32)
 
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
@@ -130,7 +159,8 @@ class SetCriterion:
         Returns:
           Scalars: 'loss' (weighted sum over all layers), 'loss_ce', 'loss_bbox', 'loss_giou'
           (final layer, unweighted), the same for aux layer i with suffix '_{i}',
-          'class_error', 'cardinality_error'.
+          'class_error', 'cardinality_error' (of group 0 with query groups); with denoising
+          queries ('dn_outputs') also 'loss_dn_ce', 'loss_dn_bbox', 'loss_dn_giou' (and '_{i}').
         """
         layers: List[Dict[str, tf.Tensor]] = list(
             outputs.get("aux_outputs", []) if self.aux_loss else [])
@@ -153,8 +183,16 @@ class SetCriterion:
         targets = {"labels": labels, "boxes": tgt_boxes, "mask": tgt_mask}
         num_layers = len(layers)
         n_box = self._num_boxes(tgt_mask, num_boxes)
+        groups = outputs.get("num_groups", 1)
+        if groups != 1 and groups != self.num_groups:
+            raise ValueError(f"SetCriterion: the model returns {groups} query groups but "
+                             f"SetCriterion.num_groups={self.num_groups}; bind both to the same "
+                             "value (build_model.num_groups)")
+        if groups > 1 and logits.shape[2] % groups:
+            raise ValueError(f"SetCriterion: {logits.shape[2]} queries do not split into "
+                             f"{groups} groups")
 
-        idx = self.match(logits, boxes, targets)  # [L, B, Q]
+        idx = self.match(logits, boxes, targets, groups)  # [L, B, Q]
         matched = idx >= 0
         safe_idx = tf.maximum(idx, 0)
 
@@ -175,16 +213,24 @@ class SetCriterion:
                  else tf.cast(ce_weight, tf.float32))  # [L] or scalar
         loss_ce = tf.reduce_sum(w * nll, [1, 2]) / w_sum  # [L]
 
-        # Boxes: summed over matched pairs, normalized by the (global) box count.
+        # Boxes: summed over matched pairs, normalized by the (global) box count (times the
+        # group count: the mean over groups).
+        box_norm = n_box * groups if groups > 1 else n_box
         l1 = tf.reduce_sum(tf.abs(boxes - matched_boxes), -1)  # [L, B, Q]
-        loss_bbox = tf.reduce_sum(l1 * matched_f, [1, 2]) / n_box
+        loss_bbox = tf.reduce_sum(l1 * matched_f, [1, 2]) / box_norm
         giou = box_ops.generalized_box_iou(
             box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
             box_ops.box_cxcywh_to_xyxy(matched_boxes)[..., None, :])[..., 0, 0]  # [L, B, Q]
-        loss_giou = tf.reduce_sum((1.0 - giou) * matched_f, [1, 2]) / n_box
+        loss_giou = tf.reduce_sum((1.0 - giou) * matched_f, [1, 2]) / box_norm
 
-        # Logging metrics of the final layer, as the reference.
-        pred_class = tf.argmax(logits[-1], axis=-1, output_type=tf.int32)  # [B, Q]
+        # Logging metrics of the final layer, as the reference; of group 0 (the inference
+        # queries) when there are groups.
+        final_logits = logits[-1]
+        if groups > 1:
+            qg = logits.shape[2] // groups
+            final_logits = final_logits[:, :qg]
+            matched_labels, matched_f = matched_labels[..., :qg], matched_f[..., :qg]
+        pred_class = tf.argmax(final_logits, axis=-1, output_type=tf.int32)  # [B, Q]
         n_matched = tf.reduce_sum(matched_f[-1])
         n_correct = tf.reduce_sum(
             tf.cast(pred_class == matched_labels[-1], tf.float32) * matched_f[-1])
@@ -202,6 +248,12 @@ class SetCriterion:
             out[f"loss_ce_{i}"] = loss_ce[i]
             out[f"loss_bbox_{i}"] = loss_bbox[i]
             out[f"loss_giou_{i}"] = loss_giou[i]
+        if "dn_outputs" in outputs:
+            dn, dn_total = losses_denoising.denoising_losses(
+                outputs["dn_outputs"], n_box, self.weight_ce, self.weight_bbox,
+                self.weight_giou, aux_loss=self.aux_loss)
+            out.update(dn)
+            out["loss"] += self.weight_dn * dn_total
         if "enc_outputs" in outputs:
             enc = self.dense_losses(outputs["enc_outputs"], targets, n_box)
             out.update(enc)

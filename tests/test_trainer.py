@@ -32,9 +32,9 @@ def shapes_cache(tmp_path_factory):
     return str(cache)
 
 
-def run(args, timeout=900, **kwargs):
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV,
-                          cwd=REPO, **kwargs)
+def run(args, timeout=900, env=None, **kwargs):
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=ENV if env is None else env, cwd=REPO, **kwargs)
     return proc, proc.stdout + proc.stderr
 
 
@@ -57,6 +57,19 @@ def engine_runs(shapes_cache, tmp_path_factory):
     proc, log = run([sys.executable, str(PROG), "engines", str(out), shapes_cache])
     assert proc.returncode == 0, log[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def group_dn_runs(shapes_cache, tmp_path_factory):
+    """One-device and mirrored runs of the tiny model with 2 query groups and denoising."""
+    out = tmp_path_factory.mktemp("engines_group_dn")
+    proc, log = run([sys.executable, str(PROG), "engines_pair", str(out), shapes_cache],
+                    env=GROUP_DN_ENV)
+    assert proc.returncode == 0, log[-4000:]
+    return out
+
+
+GROUP_DN_ENV = dict(ENV, TRAINER_PROG_VARIANT="group_dn")
 
 
 def _assert_same_training(ref_dir, other_dir):
@@ -147,6 +160,40 @@ def _preempt_then_resume(launch, out, reference):
 
 def test_mirrored_two_replicas_equals_one_device(engine_runs):
     _assert_same_training(engine_runs / "default", engine_runs / "mirrored")
+
+
+# Query groups and denoising queries (their losses and all-reduced normalizers) on every
+# engine: slow (each pair of runs compiles the model anew, ~2 min), so `pytest -m slow -k
+# group_dn tests/test_trainer.py`.
+@pytest.mark.slow
+def test_group_dn_mirrored_two_replicas_equals_one_device(group_dn_runs):
+    _assert_same_training(group_dn_runs / "default", group_dn_runs / "mirrored")
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_group_dn_horovod_two_processes_equals_one_device(group_dn_runs, shapes_cache):
+    exe = horovodrun_or_skip()
+    proc, log = run([exe, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(PROG),
+                     "horovod", str(group_dn_runs), shapes_cache], env=GROUP_DN_ENV)
+    assert proc.returncode == 0, log[-4000:]
+    _assert_same_training(group_dn_runs / "default", group_dn_runs / "horovod")
+
+
+@pytest.mark.slow
+def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, shapes_cache):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = []
+    for index in range(2):
+        env = dict(GROUP_DN_ENV, TF_CONFIG=json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(PROG), "multi_worker", str(group_dn_runs), shapes_cache],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
 
 
 def test_gradient_accumulation_equals_one_larger_batch(engine_runs):

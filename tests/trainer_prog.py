@@ -1,6 +1,8 @@
 """Training runs for tests/test_trainer.py, each in its own process (engines need a fresh runtime).
 
     python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR   (2 logical CPUs: default, mirrored)
+    python tests/trainer_prog.py engines_pair OUT_DIR SHAPES_CACHE_DIR   (default, mirrored only)
+    TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
@@ -24,7 +26,7 @@ MODE, OUT, CACHE = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, GLOBAL_BATCH = 2, 4
 REF_STEPS = 12  # the reference run for resumed multi-process runs: one checkpoint per step
 
-if MODE == "engines":
+if MODE in ("engines", "engines_pair"):
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -37,17 +39,19 @@ from detr_tf import config  # noqa: E402
 from detr_tf.data import pipeline  # noqa: E402
 from detr_tf.training import trainer  # noqa: E402
 
+# TRAINER_PROG_VARIANT=group_dn: the same runs with 2 query groups and denoising queries. Their
+# noise is off for the same reason as dropout: random streams differ per replica by design.
+VARIANTS = {"": [], "group_dn": [
+    "build_model.transformer = @AnchorTransformer()",
+    "build_model.num_groups = 2", "SetCriterion.num_groups = 2",
+    "build_model.denoising = True", "DenoisingQueries.num_groups = 2",
+    "DenoisingQueries.box_noise_scale = 0.0", "DenoisingQueries.label_noise_ratio = 0.0",
+]}
 config.parse_gin_config(["tiny.gin"], [
     f"SHAPES_CACHE_DIR = '{CACHE}'",
     "Transformer.dropout = 0.0",  # dropout streams differ per replica by design
     "train.log_every = 1",
-    # torch.optim.AdamW adds eps (1e-8) after the bias correction. The tiny model's gradients,
-    # clipped from a norm near 1e3 to 0.1, are often near 1e-8, where g / (|g| + eps) turns the
-    # float32 rounding differences between engines and jit choices into visible weight
-    # differences after a few steps. A larger eps keeps these comparisons at rounding level;
-    # the update's math itself is checked against torch in tests/test_fused_adamw.py.
-    "build_optimizers.epsilon = 1e-6",
-], finalize=False)
+] + VARIANTS[os.environ.get("TRAINER_PROG_VARIANT", "")], finalize=False)
 
 
 ACCUM = 1  # micro-batches per step: each global batch is then fed in ACCUM slices
@@ -108,6 +112,9 @@ if MODE == "engines":
     ACCUM = 2
     print("accumulated", run(os.path.join(OUT, "accumulated"), "default",
                              grad_accum_steps=ACCUM), flush=True)
+elif MODE == "engines_pair":  # one device and mirrored only
+    for name in ("default", "mirrored"):
+        print(name, run(os.path.join(OUT, name), name), flush=True)
 elif MODE == "multi_worker":
     import json as _json
 

@@ -7,6 +7,8 @@ import tf_keras
 
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling import proposals as proposals_lib
+from detr_tf.modeling import query_groups
+from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 from detr_tf.modeling.transformer import MLP, Transformer
 
@@ -30,13 +32,24 @@ class DETR(tf_keras.Model):
     scored cell by cell and the num_queries best cells' boxes are the decoder's anchors
     (modeling/proposals.py); there are no learned queries.
 
+    Training-only queries (detr_tf/modeling/query_groups.py, denoising.py), never computed
+    unless `training` is True:
+      num_groups K > 1 (Group DETR): 'pred_logits', 'pred_boxes' and the aux outputs hold the
+        K groups' queries, [B, K*Q, ...] group after group, and 'num_groups' is K. Group 0 is
+        the inference group (its queries are the `query_embed` of a K = 1 model).
+      denoising (needs an anchor-refining transformer; pass `targets=` to the call):
+        'dn_outputs' holds the denoising queries' 'pred_logits' [L, B, N_dn, C+1] and
+        'pred_boxes' [L, B, N_dn, 4] (every decoder layer) with what they must reconstruct
+        ('labels', 'boxes', 'positive', 'valid', see DenoisingQueries) and 'num_groups'.
+
     `model.backbone.trainable_variables` are the variables that take the backbone learning rate.
     """
 
     def __init__(self, backbone: tf_keras.layers.Layer,
                  position_embedding: tf_keras.layers.Layer, transformer: Transformer,
                  num_classes: int, num_queries: int = 100, aux_loss: bool = True,
-                 proposals: Optional[tf_keras.layers.Layer] = None, **kwargs):
+                 proposals: Optional[tf_keras.layers.Layer] = None, num_groups: int = 1,
+                 denoising: Optional[DenoisingQueries] = None, **kwargs):
         kwargs.setdefault("name", "detr")
         super().__init__(**kwargs)
         d = transformer.d_model
@@ -58,13 +71,100 @@ class DETR(tf_keras.Model):
         self.class_embed = tf_keras.layers.Dense(num_classes + 1, name="class_embed")
         # A transformer that refines anchor boxes owns the box head (it needs it per layer).
         self.bbox_embed = None if transformer.predicts_boxes else MLP(d, 4, 3, name="bbox_embed")
+        if num_groups < 1:
+            raise ValueError(f"build_model.num_groups must be >= 1, got {num_groups}")
+        if denoising is not None and not transformer.predicts_boxes:
+            raise ValueError("DETR: denoising queries are noised boxes used as anchors; they "
+                             "need build_model.transformer = @AnchorTransformer()")
+        self.num_groups = num_groups
+        self.denoising = denoising
+        # The train step passes the targets to a model that asks for them.
+        self.trains_on_targets = denoising is not None
+        self.group_query_embed = None  # the queries of groups 1 .. K-1
+        self.group_content_embed = None  # two-stage: their content (the anchors are shared)
+        extra_queries = (num_groups - 1) * num_queries
+        if extra_queries and proposals is None:
+            self.group_query_embed = tf_keras.layers.Embedding(
+                extra_queries, transformer.query_dim,
+                embeddings_initializer=transformer.query_initializer, dtype="float32",
+                name="group_query_embed")
+        elif extra_queries:
+            self.group_content_embed = tf_keras.layers.Embedding(
+                extra_queries, d, embeddings_initializer=tf_keras.initializers.RandomNormal(),
+                name="group_content_embed")
 
-    def call(self, images: tf.Tensor, pixel_mask: tf.Tensor,
-             training: Optional[bool] = None) -> Dict[str, object]:
+    def _learned_queries(self, groups: int) -> tf.Tensor:
+        """[groups * Q, query_dim]: group 0's queries, then those of the extra groups."""
+        queries = self.query_embed(tf.range(self.num_queries))
+        if groups == 1:
+            return queries
+        extra = self.group_query_embed(tf.range((groups - 1) * self.num_queries))
+        return tf.concat([queries, extra], 0)
+
+    def _decode_training(self, memory, pos_flat, key_mask, anchors, groups, dn, training):
+        """Decodes K groups of anchors [B, K*Q, 4] and the denoising queries (dn or None).
+
+        Two-stage groups share the selected anchors (every group starts from the same top-k
+        proposals, as Group DETR's two-stage variants do) and differ by a learned content
+        query per slot; group 0's content is zero, exactly as without groups.
+        """
+        b = tf.shape(memory)[0]
+        q = self.num_queries
+        tgt = tf.zeros([b, q, self.transformer.d_model], memory.dtype)  # [B, Q, d]
+        if groups > 1:
+            if self.group_content_embed is not None:
+                content = self.group_content_embed(tf.range((groups - 1) * q))
+                extra = tf.tile(tf.cast(content, memory.dtype)[None], [b, 1, 1])
+            else:
+                extra = tf.zeros([b, (groups - 1) * q, self.transformer.d_model], memory.dtype)
+            tgt = tf.concat([tgt, extra], 1)  # [B, K*Q, d]
+        if dn is None:
+            attn = query_groups.self_attention_mask(groups, q)
+        else:
+            anchors = tf.concat([anchors, dn["anchor_logits"]], 1)  # [B, K*Q + N_dn, 4]
+            tgt = tf.concat([tgt, tf.cast(dn["content"], memory.dtype)], 1)
+            dn_group_size = dn["labels"].shape[1] // self.denoising.num_groups
+            attn = query_groups.self_attention_mask(groups, q, dn_group_size, dn["valid"])
+        return self.transformer.decode(memory, pos_flat, key_mask, anchors, training=training,
+                                       tgt=tgt, self_attn_mask=attn)
+
+    def call(self, images: tf.Tensor, pixel_mask: tf.Tensor, training: Optional[bool] = None,
+             targets: Optional[Dict[str, tf.Tensor]] = None) -> Dict[str, object]:
         features, mask = self.backbone(images, pixel_mask, training=training)  # [B, h, w, C]
         pos = self.position_embedding(mask)  # [B, h, w, d] float32
         src = self.input_proj(features)  # [B, h, w, d]
+        # Extra groups and denoising queries exist in training only (a Python decision: the
+        # inference graph never holds them).
+        groups = self.num_groups if training else 1
+        dn = None
+        if (training and self.denoising is not None and targets is not None
+                and targets["labels"].shape[1]):
+            dn = self.denoising(targets)
+            dn["num_groups"] = self.denoising.num_groups
+            dn["parts"] = self.denoising.parts
         extra = {}
+        hs, boxes = self._decode(src, mask, pos, groups, dn, extra, training)
+        logits = tf.cast(self.class_embed(hs), tf.float32)  # [L, B, K*Q (+ N_dn), C+1]
+        if dn is not None:
+            kq = groups * self.num_queries
+            extra["dn_outputs"] = {"pred_logits": logits[:, :, kq:],
+                                   "pred_boxes": boxes[:, :, kq:],
+                                   **{k: v for k, v in dn.items()
+                                      if k not in ("anchor_logits", "content")}}
+            logits, boxes = logits[:, :, :kq], boxes[:, :, :kq]
+        if groups > 1:
+            extra["num_groups"] = groups
+        num_layers = self.transformer.num_decoder_layers
+        aux = []
+        if self.aux_loss:
+            aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
+                   for i in range(num_layers - 1)]
+        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux, **extra}
+
+    def _decode(self, src, mask, pos, groups, dn, extra, training):
+        """The transformer on the projected features -> (hs [L, B, N, d], boxes [L, B, N, 4]),
+        N = K*Q (+ N_dn); two-stage adds 'enc_outputs' to `extra`."""
+        plain = groups == 1 and dn is None
         if self.proposals is not None:
             memory, pos_flat, key_mask = self.transformer.encode(src, mask, pos,
                                                                  training=training)
@@ -73,23 +173,30 @@ class DETR(tf_keras.Model):
             anchors, _ = proposals_lib.select_anchors(
                 extra["enc_outputs"]["pred_logits"], extra["enc_outputs"]["pred_boxes"],
                 key_mask, self.num_queries)  # [B, Q, 4]
-            hs, boxes = self.transformer.decode(memory, pos_flat, key_mask, anchors,
-                                                training=training)
-        elif self.transformer.predicts_boxes:
+            if plain:
+                return self.transformer.decode(memory, pos_flat, key_mask, anchors,
+                                               training=training)
+            anchors = tf.tile(anchors, [1, groups, 1])  # [B, K*Q, 4]
+            return self._decode_training(memory, pos_flat, key_mask, anchors, groups, dn,
+                                         training)
+        if self.transformer.predicts_boxes and plain:
             queries = self.query_embed(tf.range(self.num_queries))  # [Q, 4]
             hs, _, boxes = self.transformer(src, mask, queries, pos, training=training)
-        else:
-            queries = self.query_embed(tf.range(self.num_queries))  # [Q, d]
-            hs, _ = self.transformer(src, mask, queries, pos, training=training)  # [L, B, Q, d]
-            # The sigmoid runs in float32 so boxes near 0 or 1 keep their precision.
-            boxes = tf.sigmoid(tf.cast(self.bbox_embed(hs), tf.float32))  # [L, B, Q, 4]
-        logits = tf.cast(self.class_embed(hs), tf.float32)  # [L, B, Q, C+1]
-        num_layers = self.transformer.num_decoder_layers
-        aux = []
-        if self.aux_loss:
-            aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
-                   for i in range(num_layers - 1)]
-        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux, **extra}
+            return hs, boxes
+        if self.transformer.predicts_boxes:
+            memory, pos_flat, key_mask = self.transformer.encode(src, mask, pos,
+                                                                 training=training)
+            queries = tf.cast(self._learned_queries(groups), tf.float32)  # [K*Q, 4]
+            anchors = tf.tile(queries[None], [tf.shape(memory)[0], 1, 1])  # [B, K*Q, 4]
+            return self._decode_training(memory, pos_flat, key_mask, anchors, groups, dn,
+                                         training)
+        queries = self._learned_queries(groups)  # [K*Q, d]
+        attn = (None if groups == 1
+                else query_groups.self_attention_mask(groups, self.num_queries))
+        hs, _ = self.transformer(src, mask, queries, pos, training=training,
+                                 self_attn_mask=attn)  # [L, B, K*Q, d]
+        # The sigmoid runs in float32 so boxes near 0 or 1 keep their precision.
+        return hs, tf.sigmoid(tf.cast(self.bbox_embed(hs), tf.float32))  # [L, B, K*Q, 4]
 
 
 @gin.configurable
@@ -97,7 +204,7 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
                 backbone: Optional[tf_keras.layers.Layer] = None,
                 position_embedding: Optional[tf_keras.layers.Layer] = None,
                 transformer: Optional[Transformer] = None, aux_loss: bool = True,
-                two_stage: bool = False) -> DETR:
+                two_stage: bool = False, num_groups: int = 1, denoising: bool = False) -> DETR:
     """Builds DETR; components left as None get DETR-R50 defaults for `hidden_dim`.
 
     In Gin, components are bound by reference, e.g. `build_model.backbone = @ResNet()`.
@@ -115,6 +222,10 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
       aux_loss: whether to return the outputs of the decoder layers before the last.
       two_stage: decoder anchors from the encoder's dense proposals (EncoderProposals,
         trained by SetCriterion's dense loss); needs an AnchorTransformer.
+      num_groups: Group DETR's K query groups in training (1: DETR); bind
+        SetCriterion.num_groups to the same value. Inference runs group 0 only.
+      denoising: DN-DETR's denoising queries in training (DenoisingQueries, whose noise and
+        group count are its own Gin options); needs an AnchorTransformer.
 
     Returns:
       An unbuilt DETR (variables are created by the first call).
@@ -139,5 +250,7 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
                          f"PositionEmbeddingSine.temperature={pos_t}; set them equal")
     proposals = (proposals_lib.EncoderProposals(num_classes, hidden_dim) if two_stage
                  else None)
+    denoiser = DenoisingQueries(num_classes, hidden_dim) if denoising else None
     return DETR(backbone, position_embedding, transformer, num_classes=num_classes,
-                num_queries=num_queries, aux_loss=aux_loss, proposals=proposals)
+                num_queries=num_queries, aux_loss=aux_loss, proposals=proposals,
+                num_groups=num_groups, denoising=denoiser)

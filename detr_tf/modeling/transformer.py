@@ -64,9 +64,11 @@ class MultiHeadAttention(tf_keras.layers.Layer):
         return tf.reshape(x, [b, n, self.num_heads, self.head_dim])  # [B, L, h, dh]
 
     def call(self, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,
-             key_mask: Optional[tf.Tensor] = None, training: Optional[bool] = None) -> tf.Tensor:
+             key_mask: Optional[tf.Tensor] = None, training: Optional[bool] = None,
+             attn_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
         """Attends query [B, Lq, d] over key/value [B, Lk, d]; key_mask [B, Lk] bool True on keys
-        that may be attended (None: all). Returns [B, Lq, d]."""
+        that may be attended (None: all); attn_mask [B or 1, Lq, Lk] bool True where query i may
+        attend key j (None: all). Returns [B, Lq, d]."""
         q = self._split(self.q_proj(query)) * tf.cast(self.head_dim ** -0.5, query.dtype)
         k = self._split(self.k_proj(key))
         v = self._split(self.v_proj(value))
@@ -74,6 +76,8 @@ class MultiHeadAttention(tf_keras.layers.Layer):
         if key_mask is not None:
             # A finite fill keeps a fully padded row finite (uniform) instead of NaN.
             logits = tf.where(key_mask[:, None, None, :], logits, -1e9)
+        if attn_mask is not None:
+            logits = tf.where(attn_mask[:, None, :, :], logits, -1e9)
         weights = self.dropout(tf.nn.softmax(logits, axis=-1), training=training)
         out = tf.einsum("bhqk,bkhd->bqhd", tf.cast(weights, v.dtype), v)  # [B, Lq, h, dh]
         b, n = tf.shape(out)[0], tf.shape(out)[1]
@@ -131,12 +135,13 @@ class DecoderLayer(tf_keras.layers.Layer):
         self.dropout3 = tf_keras.layers.Dropout(dropout)
 
     def call(self, tgt, memory, pos, query_pos, memory_mask, cross_query_pos=None,
-             training=None):
+             training=None, self_attn_mask=None):
         """tgt, query_pos: [B, Q, d]; memory, pos: [B, S, d]; memory_mask: [B, S] bool;
         cross_query_pos: [B, Q, d] position added to the cross-attention query instead of
-        query_pos (None: query_pos, as in DETR)."""
+        query_pos (None: query_pos, as in DETR); self_attn_mask: [B or 1, Q, Q] bool, which
+        queries each query may see (None: all; query groups and denoising queries set it)."""
         qk = tgt + query_pos
-        x = self.self_attn(qk, qk, tgt, training=training)
+        x = self.self_attn(qk, qk, tgt, training=training, attn_mask=self_attn_mask)
         tgt = self.norm1(tgt + self.dropout1(x, training=training))
         if cross_query_pos is None:
             cross_query_pos = query_pos
@@ -196,7 +201,8 @@ class Transformer(tf_keras.layers.Layer):
         return x, pos, key_mask
 
     def call(self, src: tf.Tensor, mask: tf.Tensor, query_embed: tf.Tensor, pos_embed: tf.Tensor,
-             training: Optional[bool] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+             training: Optional[bool] = None,
+             self_attn_mask: Optional[tf.Tensor] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         """Encodes the feature map and decodes the queries.
 
         Args:
@@ -204,6 +210,7 @@ class Transformer(tf_keras.layers.Layer):
           mask: [B, h, w] bool, True on real positions.
           query_embed: [Q, d] learned query positions.
           pos_embed: [B, h, w, d] position embedding (any float dtype).
+          self_attn_mask: [B or 1, Q, Q] bool, the decoder's self-attention mask (None: all).
 
         Returns:
           hs: [L, B, Q, d] every decoder layer's output after the shared final norm.
@@ -215,7 +222,8 @@ class Transformer(tf_keras.layers.Layer):
         tgt = tf.zeros_like(query_pos)
         hs = []
         for layer in self.decoder_layers:
-            tgt = layer(tgt, memory, pos, query_pos, key_mask, training=training)
+            tgt = layer(tgt, memory, pos, query_pos, key_mask, training=training,
+                        self_attn_mask=self_attn_mask)
             hs.append(self.decoder_norm(tgt))
         return tf.stack(hs), tf.reshape(memory, tf.shape(src))
 
@@ -287,7 +295,8 @@ class AnchorTransformer(Transformer):
         return tf.concat(parts, axis=-1)
 
     def call(self, src: tf.Tensor, mask: tf.Tensor, query_embed: tf.Tensor, pos_embed: tf.Tensor,
-             training: Optional[bool] = None) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+             training: Optional[bool] = None, self_attn_mask: Optional[tf.Tensor] = None
+             ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """As Transformer.call, with query_embed [Q, 4] anchor logits (cx, cy, w, h).
 
         Returns:
@@ -298,11 +307,13 @@ class AnchorTransformer(Transformer):
         memory, pos, key_mask = self.encode(src, mask, pos_embed, training=training)
         b = tf.shape(memory)[0]
         anchors = tf.tile(tf.cast(query_embed, tf.float32)[None], [b, 1, 1])  # [B, Q, 4]
-        hs, boxes = self.decode(memory, pos, key_mask, anchors, training=training)
+        hs, boxes = self.decode(memory, pos, key_mask, anchors, training=training,
+                                self_attn_mask=self_attn_mask)
         return hs, tf.reshape(memory, tf.shape(src)), boxes
 
     def decode(self, memory: tf.Tensor, pos: tf.Tensor, key_mask: tf.Tensor,
-               anchor_logits: tf.Tensor, training: Optional[bool] = None
+               anchor_logits: tf.Tensor, training: Optional[bool] = None,
+               tgt: Optional[tf.Tensor] = None, self_attn_mask: Optional[tf.Tensor] = None
                ) -> Tuple[tf.Tensor, tf.Tensor]:
         """Decodes per-image anchors.
 
@@ -310,13 +321,18 @@ class AnchorTransformer(Transformer):
           memory, pos: [B, S, d] from `encode`; key_mask: [B, S] bool.
           anchor_logits: [B, Q, 4] float32 logits of the anchors (cx, cy, w, h), learned or
             selected from encoder proposals (two-stage).
+          tgt: [B, Q, d] initial content of the queries (None: zeros, as DAB-DETR); query
+            groups and denoising queries give their own.
+          self_attn_mask: [B or 1, Q, Q] bool, the self-attention mask (None: all).
 
         Returns:
           hs [L, B, Q, d] and boxes [L, B, Q, 4] float32, as `call`.
         """
         b, dtype = tf.shape(memory)[0], memory.dtype
         anchor = tf.sigmoid(anchor_logits)
-        tgt = tf.zeros([b, tf.shape(anchor_logits)[1], self.d_model], dtype)  # [B, Q, d]
+        if tgt is None:
+            tgt = tf.zeros([b, tf.shape(anchor_logits)[1], self.d_model], dtype)  # [B, Q, d]
+        tgt = tf.cast(tgt, dtype)
         hs, boxes = [], []
         for i, layer in enumerate(self.decoder_layers):
             sine = tf.cast(self._embed_anchor(anchor), dtype)  # [B, Q, 2d]
@@ -325,7 +341,7 @@ class AnchorTransformer(Transformer):
             if i > 0:
                 cross_pos = cross_pos * self.query_scale(tgt)
             tgt = layer(tgt, memory, pos, query_pos, key_mask, cross_query_pos=cross_pos,
-                        training=training)
+                        training=training, self_attn_mask=self_attn_mask)
             out = self.decoder_norm(tgt)
             delta = tf.cast(self.bbox_embed(out), tf.float32)  # [B, Q, 4]
             box = tf.sigmoid(delta + inverse_sigmoid(anchor))

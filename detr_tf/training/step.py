@@ -102,7 +102,9 @@ class StepBuilder:
 
     def _losses_and_grads(self, inputs, targets, norms, scale):
         with tf.GradientTape() as tape:
-            outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True)
+            # A model with training-only queries built from the targets (denoising) asks for them.
+            extra = {"targets": targets} if getattr(self.model, "trains_on_targets", False) else {}
+            outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True, **extra)
             losses = self._criterion_fn(outputs, targets, **norms)
             scaled = tf.cast(losses["loss"], tf.float32) * scale
         grads = tape.gradient(scaled, self.variables)
