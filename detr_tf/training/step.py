@@ -4,10 +4,10 @@
 trainer runs. See detr_tf/training/trainer.py for the three phases of a step and what XLA
 compiles in each `jit` setting.
 
-With the fused AdamW (the default, detr_tf/training/fused_adamw.py) the third phase is one
-compiled program: finiteness guard, clip, both groups' update, EMA, loss scale and step count.
-With jit='step' on the default engine (one device, nothing to all-reduce) it joins the forward,
-matching, loss and backward in a single XLA program per step. With Mirrored, MultiWorkerMirrored
+With the fused AdamW (detr_tf/training/fused_adamw.py; the default with a GPU or TPU) the third
+phase is one compiled program: finiteness guard, clip, both groups' update, EMA, loss scale and
+step count. With jit='step' on the default engine (one device, nothing to all-reduce) it joins
+the forward, matching, loss and backward in a single XLA program per step. With Mirrored, MultiWorkerMirrored
 and Horovod the all-reduce stays outside XLA and the update runs as its own program (one per
 local device).
 """
