@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 import gin
 import tensorflow as tf
 
+from detr_tf import losses
 from detr_tf.ops import box_ops
 from detr_tf.ops import matching
 
@@ -102,15 +103,6 @@ class FocalSetCriterion:
         del num_queries  # no class-weight normalizer: the focal loss is divided by num_boxes
         return {"num_boxes": tf.reduce_sum(tf.cast(targets["mask"], tf.float32))}
 
-    def _num_boxes(self, mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
-        if num_boxes is None:
-            num_boxes = tf.reduce_sum(tf.cast(mask, tf.float32))
-            ctx = tf.distribute.get_replica_context()
-            if ctx is not None and ctx.num_replicas_in_sync > 1:
-                num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
-                num_boxes = num_boxes / ctx.num_replicas_in_sync
-        return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
-
     def match(self, logits: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
               tgt_boxes: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
         """[N, B, Q, *] predictions -> [N, B, Q] int32 target per query, -1 unmatched."""
@@ -176,7 +168,7 @@ class FocalSetCriterion:
             b = tf.shape(labels)[0]
             labels, tgt_boxes = tf.zeros([b, 1], tf.int32), tf.zeros([b, 1, 4])
             mask = tf.zeros([b, 1], tf.bool)
-        n_box = self._num_boxes(mask, num_boxes)
+        n_box = losses.box_normalizer(mask, num_boxes)
         ce, bbox, giou, idx = self._losses(logits, boxes, labels, tgt_boxes, mask, n_box)
         w_ce, w_bbox, w_giou = self.weights
         out = {"loss": tf.reduce_sum(w_ce * ce + w_bbox * bbox + w_giou * giou),

@@ -28,6 +28,18 @@ from detr_tf.ops import box_ops
 from detr_tf.ops import matching
 
 
+def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
+    """The loss normalizer: `num_boxes` if given, else the real boxes of `tgt_mask` averaged over
+    the replicas in sync (the reference's all-reduced num_boxes / world size); at least 1."""
+    if num_boxes is None:
+        num_boxes = tf.reduce_sum(tf.cast(tgt_mask, tf.float32))
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
+            num_boxes = num_boxes / ctx.num_replicas_in_sync
+    return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
+
+
 @gin.configurable
 class SetCriterion:
     """Callable `criterion(outputs, targets, num_boxes=None) -> dict of scalar float32 tensors`.
@@ -67,15 +79,6 @@ class SetCriterion:
         self.weight_giou = weight_giou
         self.aux_loss = aux_loss
         self.weight_enc = weight_enc
-
-    def _num_boxes(self, tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
-        if num_boxes is None:
-            num_boxes = tf.reduce_sum(tf.cast(tgt_mask, tf.float32))
-            ctx = tf.distribute.get_replica_context()
-            if ctx is not None and ctx.num_replicas_in_sync > 1:
-                num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
-                num_boxes = num_boxes / ctx.num_replicas_in_sync
-        return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
 
     def local_normalizers(self, targets: Dict[str, tf.Tensor],
                           num_queries: int) -> Dict[str, tf.Tensor]:
@@ -182,7 +185,7 @@ class SetCriterion:
             tgt_mask = tf.zeros([bsz, 1], tf.bool)
         targets = {"labels": labels, "boxes": tgt_boxes, "mask": tgt_mask}
         num_layers = len(layers)
-        n_box = self._num_boxes(tgt_mask, num_boxes)
+        n_box = box_normalizer(tgt_mask, num_boxes)
         groups = outputs.get("num_groups", 1)
         if groups != 1 and groups != self.num_groups:
             raise ValueError(f"SetCriterion: the model returns {groups} query groups but "
