@@ -1,6 +1,6 @@
 """TF Model Garden's DETR (official/projects/detr) train step, built for side-by-side timing.
 
-Model Garden is the point of comparison of issue 8: the same model size (ResNet + 6/6
+Model Garden is our point of comparison, at the same model size (ResNet + 6/6
 transformer, 100 queries), resolution, batch and precision, fed the same synthetic batch, with
 its own task code (`DetectionTask.train_step`: forward, six sequential Hungarian matchings, the
 losses, backward, its DETR AdamW with global clipping) wrapped in one `tf.function`.
