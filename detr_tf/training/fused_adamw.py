@@ -93,7 +93,8 @@ class AdamWGroup(tf.Module):
         return self.rate(self.iterations)
 
 
-def _all_finite(tensors) -> tf.Tensor:
+def all_finite(tensors) -> tf.Tensor:
+    """Whether every element of every tensor is finite (a scalar bool)."""
     return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
@@ -167,7 +168,7 @@ class FusedUpdate:
         position = {w.ref(): k for k, w in enumerate(w for ws in self.variables for w in ws)}
 
         def update(grads, loss_finite):
-            grads_finite = _all_finite(grads)
+            grads_finite = all_finite(grads)
             ok = tf.logical_and(grads_finite, loss_finite)
             if self.clip_norm > 0:
                 grads, norm = tf.clip_by_global_norm(grads, self.clip_norm)

@@ -46,10 +46,6 @@ def _zeros_for_missing(grads, variables):
             for g, v in zip(grads, variables)]
 
 
-def _all_finite(tensors) -> tf.Tensor:
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
-
-
 class StepBuilder:
     """Builds the per-replica step; kept apart from `train` so benchmarks can time the same step.
 
@@ -149,7 +145,7 @@ class StepBuilder:
             stats["applied"], stats["grad_norm"] = engine.merge_call(
                 self.fused, (grads, loss_finite))
             return stats
-        grads_finite = _all_finite(grads)
+        grads_finite = fused_adamw.all_finite(grads)
         if self.clip_norm and self.clip_norm > 0:
             grads, grad_norm = tf.clip_by_global_norm(grads, self.clip_norm)
         else:
