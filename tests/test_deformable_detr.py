@@ -72,3 +72,54 @@ def test_mixed_bfloat16_stays_close_to_float32():
     assert out["pred_logits"].dtype == tf.float32 and out["pred_boxes"].dtype == tf.float32
     np.testing.assert_allclose(out["pred_boxes"], ref["boxes"], atol=0.05)
     np.testing.assert_allclose(out["pred_logits"], ref["logits"], atol=0.5)
+
+
+def test_slow_group_holds_backbone_sampling_offsets_and_reference_points():
+    """The reference's 0.1x group: the sampling offsets of every deformable attention layer
+    and the decoder's reference-point projection join the backbone's rate, nothing else does;
+    a pattern that names nothing is refused."""
+    from detr_tf.modeling.deformable_attention import MultiScaleDeformableAttention
+    from detr_tf.training.step import split_variables
+    model = h.narrow_model("plain")
+    h.run(model, h.fixture_images()[:1, :64, :64])
+    attention = [m for m in model.submodules if isinstance(m, MultiScaleDeformableAttention)]
+    assert len(attention) == 4  # 2 encoder self-attentions, 2 decoder cross-attentions
+    expected = list(model.backbone.trainable_variables) + list(
+        model.reference_points.trainable_variables)
+    for layer in attention:
+        expected += layer.sampling_offsets.trainable_variables
+    slow, rest = split_variables(model, ("sampling_offsets", "reference_points"))
+    assert {v.ref() for v in slow} == {v.ref() for v in expected}
+    assert len(slow) == len(expected) == 15 + 2 + 4 * 2
+    assert len(slow) + len(rest) == len(model.trainable_variables)
+    assert ([v.ref() for v in split_variables(model)[0]]
+            == [v.ref() for v in model.backbone.trainable_variables])
+    with pytest.raises(ValueError, match="sampling_offset"):
+        split_variables(model, ("sampling_offset",))
+
+
+@pytest.mark.parametrize("name", ["deformable_detr_r50.gin", "deformable_detr_r50_refine.gin",
+                                  "deformable_detr_r50_two_stage.gin"])
+def test_config_slow_patterns_name_variables_of_its_variant(name):
+    """Each COCO config's slow patterns all exist in a model of its variant (two-stage has no
+    reference-point projection), checked on the narrow model of the same variant."""
+    import gin
+    from detr_tf import config
+    from detr_tf.training.step import split_variables
+    from tests.test_gin_configs import GIN_DIR, required_macros
+    path = GIN_DIR / name
+    gin.clear_config()
+    try:
+        config.parse_gin_config([str(path)], [f"{m} = '/dummy'" for m in required_macros(path)],
+                                finalize=False)
+        patterns = gin.query_parameter("%SLOW_PATTERNS")
+        refine, two_stage = gin.query_parameter("%WITH_BOX_REFINE"), gin.query_parameter(
+            "%TWO_STAGE")
+    finally:
+        gin.clear_config()
+    variant = "two_stage" if two_stage else "refine" if refine else "plain"
+    model = h.narrow_model(variant)
+    h.run(model, h.fixture_images()[:1, :64, :64])
+    slow, _ = split_variables(model, patterns)
+    assert "sampling_offsets" in patterns
+    assert len(slow) == 15 + 4 * 2 + (0 if two_stage else 2)

@@ -71,7 +71,8 @@ def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
     Args:
       steps_per_epoch: optimizer steps per epoch, to place the epoch-based rate drops.
       learning_rate: transformer, input projection, queries and heads.
-      backbone_learning_rate: the backbone's trainable variables.
+      backbone_learning_rate: the backbone's trainable variables, and those that
+        `split_variables.slow_patterns` names (detr_tf/training/step.py).
       weight_decay: decoupled weight decay for both groups.
       lr_drop_epochs: epochs at which both rates are multiplied by lr_drop_factor.
       lr_drop_factor: multiplier per drop.

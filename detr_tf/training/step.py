@@ -11,8 +11,9 @@ the forward, matching, loss and backward in a single XLA program per step. With 
 and Horovod the all-reduce stays outside XLA and the update runs as its own program (one per
 local device).
 """
-from typing import Callable
+from typing import Callable, Sequence
 
+import gin
 import tensorflow as tf
 
 from detr_tf.training import fused_adamw
@@ -204,10 +205,25 @@ class _Opaque:
         self.value = value
 
 
-def split_variables(model):
-    """(backbone, rest) trainable variables; the backbone group is the backbone's own variables,
-    not a guess from names."""
+@gin.configurable
+def split_variables(model, slow_patterns: Sequence[str] = ()):
+    """(slow, rest) trainable variables, for build_optimizers' (backbone, main) groups.
+
+    The slow group holds the backbone's own variables (not a guess from names) and every other
+    variable whose name has one of `slow_patterns` as a path component, e.g. 'sampling_offsets'
+    matches .../self_attn/sampling_offsets/kernel:0. Deformable DETR trains its sampling offsets
+    and reference points at 0.1x the main rate, which is its backbone's rate: its configs bind
+    `split_variables.slow_patterns = ('sampling_offsets', 'reference_points')`. A pattern that
+    names no variable is an error (a misspelt binding would otherwise change nothing).
+    """
     backbone_ids = {v.ref() for v in model.backbone.trainable_variables}
-    backbone = [v for v in model.trainable_variables if v.ref() in backbone_ids]
-    rest = [v for v in model.trainable_variables if v.ref() not in backbone_ids]
-    return backbone, rest
+    named = {p: [v for v in model.trainable_variables if p in v.name.split("/")]
+             for p in slow_patterns}
+    unmatched = [p for p, vs in named.items() if not vs]
+    if unmatched:
+        raise ValueError(f"split_variables.slow_patterns: {unmatched} name no trainable variable "
+                         f"of {model.name}")
+    slow_ids = backbone_ids | {v.ref() for vs in named.values() for v in vs}
+    slow = [v for v in model.trainable_variables if v.ref() in slow_ids]
+    rest = [v for v in model.trainable_variables if v.ref() not in slow_ids]
+    return slow, rest
