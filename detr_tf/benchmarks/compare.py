@@ -67,7 +67,7 @@ def parse_variants(specs: Sequence[str]) -> List[Variant]:
     return out
 
 
-def _build(variant: Variant, model_fn, criterion, image_size, raw) -> Callable[[], object]:
+def build_call(variant: Variant, model_fn, criterion, image_size, raw) -> Callable[[], object]:
     """Builds one variant; returns a zero-argument call running one train step."""
     if variant.side == "model_garden":
         previous = tf_keras.mixed_precision.global_policy().name
@@ -94,7 +94,7 @@ def run(model_fn, criterion, variants: Sequence[Variant], image_size: Tuple[int,
         log(f"building {v.name} ...")
         t0 = time.perf_counter()
         try:
-            call = _build(v, model_fn, criterion, image_size, raw)
+            call = build_call(v, model_fn, criterion, image_size, raw)
             build_s = time.perf_counter() - t0
             first = timing.timed_call(call)
             second = timing.timed_call(call)  # warm-up: lazily created slots, caches

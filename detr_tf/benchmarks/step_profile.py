@@ -1,0 +1,139 @@
+"""Where a train step's time goes: TensorFlow's profiler trace, summed by kind of work.
+
+The host trace (`tf.profiler.experimental`, an XSpace protobuf) holds one event per TensorFlow
+op run, named `<op name>:<op type>`, and one asynchronous-kernel start event per launch of an
+XLA program, around the events of the HLO ops it runs (tagged with their module). Each TensorFlow
+op event and each launch on the executor's threads is counted once, under the first category of
+`CATEGORIES` that claims it (a launch under 'XLA: <function>'); ops of the gradient (under the
+tape's `gradient_tape/` scope) are kept apart from the forward pass's. Times are summed over
+both compute threads, so with inter-op parallelism they can add up to more than the wall-clock
+step.
+"""
+import collections
+import glob
+import os
+import re
+import tempfile
+from typing import Callable, Dict, List, Tuple
+
+import tensorflow as tf
+
+from detr_tf.benchmarks.xla_launches import _stats
+
+# (category, test on (op name, op type)), first match wins. Op types are TensorFlow's, with
+# oneDNN's `_Mkl`/`_MklNative` rewrites.
+CATEGORIES: List[Tuple[str, Callable[[str, str], bool]]] = [
+    ("optimizer update", lambda name, kind: (kind.startswith("ResourceApply") or bool(
+        re.search(r"(^|/)((backbone_)?adamw|AdamWeightDecay)/", name)))),
+    # Model Garden's matcher: a TensorFlow while-loop per decoder layer, not compiled.
+    ("matcher loops (not compiled)", lambda name, kind: bool(re.match(r"while(_\d+)?/", name))),
+    ("convolutions", lambda name, kind: "Conv" in kind),
+    ("matmuls and einsums", lambda name, kind: any(k in kind for k in ("MatMul", "Einsum"))),
+    ("casts", lambda name, kind: kind == "Cast"),
+    ("transposes", lambda name, kind: "Transpose" in kind),
+    ("normalization", lambda name, kind: "BatchNorm" in kind or "norm" in name.lower()),
+    ("other TensorFlow ops", lambda name, kind: True),
+]
+# The call op of a compiled function runs as an asynchronous kernel; XLA:CPU executes the program
+# inside its start event, on the calling thread (farming parallel loops out to Eigen threads,
+# whose events are skipped). Its HLO ops' events, tagged with their module, fall inside it.
+LAUNCH_EVENT = "ExecutorState::ProcessAsync::Start"
+COMPUTE_LINE = "tf_Compute"  # the threads of TensorFlow's executor
+_TF_OP = re.compile(r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")  # "<op name>:<op type>"
+
+
+class _Tally:
+    """Per-category time and runs, XLA time per module, and what fills the 'other' rows."""
+
+    def __init__(self):
+        self.ms, self.runs, self.xla = (collections.Counter() for _ in range(3))
+        self.other_types, self.other_scopes = collections.Counter(), collections.Counter()
+
+    def add_op(self, name: str, duration_ps: int):
+        op_name, kind = name.rsplit(":", 1)
+        category = next(c for c, claims in CATEGORIES if claims(op_name, kind))
+        if op_name.startswith("gradient_tape/") and category != "optimizer update":
+            category += ", backward"
+        self._add(category, duration_ps)
+        if category.startswith("other"):
+            self.other_types[kind] += duration_ps / 1e9
+            self.other_scopes["/".join(op_name.split("/")[:2])] += duration_ps / 1e9
+
+    def add_launch(self, module: str, duration_ps: int):
+        self.xla[module] += duration_ps / 1e9
+        self._add(f"XLA: {_short_module(module)}", duration_ps)
+
+    def _add(self, category: str, duration_ps: int):
+        self.ms[category] += duration_ps / 1e9
+        self.runs[category] += 1
+
+    def report(self) -> Dict[str, object]:
+        return {"ms": dict(self.ms), "xla_ms": dict(self.xla), "ops": dict(self.runs),
+                "other_ms_by_type": dict(self.other_types.most_common(15)),
+                "other_ms_by_scope": dict(self.other_scopes.most_common(15))}
+
+
+def _tally_line(plane, names: Dict[int, str], line, tally: _Tally):
+    launches, hlo = [], []
+    for event in line.events:
+        name = plane.event_metadata[event.metadata_id].name
+        if name == LAUNCH_EVENT:
+            launches.append(event)
+        elif _TF_OP.match(name):
+            tally.add_op(name, event.duration_ps)
+        else:
+            module = _stats(plane, names, event).get("hlo_module")
+            if module is not None:
+                hlo.append((event.offset_ps, module))
+    for event in launches:  # an XLA program if HLO ops ran inside it
+        end = event.offset_ps + event.duration_ps
+        module = next((m for t, m in hlo if event.offset_ps <= t < end), None)
+        if module is not None:
+            tally.add_launch(module, event.duration_ps)
+
+
+def profile_trace(xspace_path: str) -> Dict[str, object]:
+    """{'ms': {category: ms}, 'xla_ms': {module: ms}, 'ops': {category: runs}} of one trace, and
+    the 15 op types and name scopes (first two components) that take most of the 'other' rows'
+    time ('other_ms_by_type', 'other_ms_by_scope'). XLA launches are the 'XLA: <function>'
+    categories; `xla_ms` keeps the modules' full names.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(xspace_path, "rb") as f:
+        space.ParseFromString(f.read())
+    tally = _Tally()
+    for plane in space.planes:
+        names = {k: m.name for k, m in plane.stat_metadata.items()}
+        for line in plane.lines:
+            if line.name.startswith(COMPUTE_LINE):
+                _tally_line(plane, names, line, tally)
+    return tally.report()
+
+
+def _short_module(module: str) -> str:
+    """XLA's module name -> '<function> (forward|backward)', e.g.
+    'a_inference___backward___call___9244_9979__.1110' -> '__call__ (backward)'."""
+    module = str(module)
+    core = re.sub(r"_\d+(_\d+)*__\.\d+$", "", module)  # the trace and module ids
+    core = re.sub(r"^(a_)?(inference_)?(_*(forward|backward)_)?", "", core)
+    return f"{core or module} ({'backward' if 'backward' in module else 'forward'})"
+
+
+def profile_steps(step: Callable[[], object], steps: int = 3) -> Dict[str, object]:
+    """Runs step() once unprofiled (traces and compiles), then `steps` times under the profiler.
+
+    Returns profile_trace's dict with every figure divided by `steps` (per step).
+    """
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
+    logdir = tempfile.mkdtemp(prefix="step_profile_")
+    tf.profiler.experimental.start(logdir)
+    try:
+        for _ in range(steps):
+            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
+    finally:
+        tf.profiler.experimental.stop()
+    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+    found = profile_trace(sorted(paths)[-1])
+    return {key: {k: v / steps for k, v in table.items()} for key, table in found.items()}
