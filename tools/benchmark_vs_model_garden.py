@@ -15,13 +15,9 @@ import sys
 from absl import app, flags
 
 from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
+from detr_tf.benchmarks import compare
 
-flags.DEFINE_multi_string("gin_file", ["models/detr_r50.gin"], "Our model's Gin file(s).")
-flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings for our model.")
-flags.DEFINE_integer("image_size", 256, "Square image side in pixels (multiple of 32).")
-flags.DEFINE_integer("batch_size", 2, "Images per step.")
-flags.DEFINE_integer("num_boxes", 7, "Real boxes per image (COCO averages about 7).")
-flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image (both sides).")
+compare.define_flags(flags)
 flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds after the warm-up.")
 flags.DEFINE_multi_string("variant", [], "Variants 'side/precision/jit' to run, as the table "
                           "names them ('detr_tf/float32/jit=loss') or with a bare jit "
@@ -33,21 +29,10 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"unexpected arguments {argv[1:]}")
-    from detr_tf import config
-    from detr_tf.benchmarks import model_garden
-    model_garden.import_model_garden()  # before Gin is locked: it registers configurables
-    config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.benchmarks import compare, flops
-    from detr_tf.losses import SetCriterion
-    from detr_tf.modeling.detr import build_model
-
-    try:
-        variants = (compare.parse_variants(FLAGS.variant) if FLAGS.variant
-                    else list(compare.DEFAULT_VARIANTS))
-    except ValueError as e:
-        sys.exit(f"benchmark_vs_model_garden.py: {e}")
+    from detr_tf.benchmarks import flops
+    variants, build_model, criterion = compare.setup(
+        "benchmark_vs_model_garden.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.variant)
     size = (FLAGS.image_size, FLAGS.image_size)
-    criterion = SetCriterion()
     shape = flops.DetrShape(image_size=size, batch_size=FLAGS.batch_size,
                             num_classes=criterion.num_classes)
     report = compare.run(build_model, criterion, variants, size, FLAGS.batch_size,

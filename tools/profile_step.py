@@ -15,12 +15,10 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_multi_string("gin_file", ["models/detr_r50.gin"], "Our model's Gin file(s).")
-flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings for our model.")
-flags.DEFINE_integer("image_size", 256, "Square image side in pixels (multiple of 32).")
-flags.DEFINE_integer("batch_size", 2, "Images per step.")
-flags.DEFINE_integer("num_boxes", 7, "Real boxes per image.")
-flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image (both sides).")
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
+from detr_tf.benchmarks import compare
+
+compare.define_flags(flags)
 flags.DEFINE_integer("steps", 3, "Timed steps, then as many profiled steps, per variant.")
 flags.DEFINE_multi_string("variant", ["model_garden/float32/none", "detr_tf/float32/loss",
                                       "detr_tf/mixed_bfloat16/loss"],
@@ -59,18 +57,9 @@ def table(rows) -> str:
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"unexpected arguments {argv[1:]}")
-    from detr_tf import config
-    from detr_tf.benchmarks import compare, model_garden, synthetic
-    model_garden.import_model_garden()  # before Gin is locked: it registers configurables
-    config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.losses import SetCriterion
-    from detr_tf.modeling.detr import build_model
-
-    try:
-        variants = compare.parse_variants(FLAGS.variant)
-    except ValueError as e:
-        sys.exit(f"profile_step.py: {e}")
-    criterion = SetCriterion()
+    from detr_tf.benchmarks import synthetic
+    variants, build_model, criterion = compare.setup(
+        "profile_step.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.variant)
     raw = synthetic.draw(FLAGS.batch_size, (FLAGS.image_size,) * 2, FLAGS.num_boxes,
                          FLAGS.max_boxes, criterion.num_classes)
     rows = {v.name: _profile(v, build_model, criterion, raw) for v in variants}

@@ -8,6 +8,7 @@ interleaved rounds on the same synthetic batch. Model Garden's step is its own
 """
 import dataclasses
 import statistics
+import sys
 import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -65,6 +66,37 @@ def parse_variants(specs: Sequence[str]) -> List[Variant]:
                 f"{JITS['detr_tf']} for detr_tf and {JITS['model_garden']} for model_garden")
         out.append(Variant(*parts))
     return out
+
+
+def define_flags(flags) -> None:
+    """The flags both comparison tools take: our model's Gin config and the synthetic batch."""
+    flags.DEFINE_multi_string("gin_file", ["models/detr_r50.gin"], "Our model's Gin file(s).")
+    flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings for our model.")
+    flags.DEFINE_integer("image_size", 256, "Square image side in pixels (multiple of 32).")
+    flags.DEFINE_integer("batch_size", 2, "Images per step.")
+    flags.DEFINE_integer("num_boxes", 7, "Real boxes per image (COCO averages about 7).")
+    flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image (both sides).")
+
+
+def setup(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
+          variant_specs: Sequence[str]):
+    """A comparison tool's start: Model Garden imported (it registers Gin configurables, so
+    before the config is parsed and locked), our model's Gin config parsed, the variants parsed
+    (DEFAULT_VARIANTS if none). Exits naming `tool` on a bad variant.
+
+    Returns:
+      (variants, build_model, criterion): our model function and a SetCriterion from the config.
+    """
+    from detr_tf import config
+    model_garden.import_model_garden()
+    config.parse_gin_config(gin_files, gin_params)
+    from detr_tf.losses import SetCriterion
+    from detr_tf.modeling.detr import build_model
+    try:
+        variants = parse_variants(variant_specs) if variant_specs else list(DEFAULT_VARIANTS)
+    except ValueError as e:
+        sys.exit(f"{tool}: {e}")
+    return variants, build_model, SetCriterion()
 
 
 def build_call(variant: Variant, model_fn, criterion, image_size, raw) -> Callable[[], object]:

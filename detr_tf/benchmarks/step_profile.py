@@ -10,15 +10,10 @@ both compute threads, so with inter-op parallelism they can add up to more than 
 step.
 """
 import collections
-import glob
-import os
 import re
-import tempfile
 from typing import Callable, Dict, List, Tuple
 
-import tensorflow as tf
-
-from detr_tf.benchmarks.xla_launches import _stats
+from detr_tf.benchmarks import xla_launches
 
 # (category, test on (op name, op type)), first match wins. Op types are TensorFlow's, with
 # oneDNN's `_Mkl`/`_MklNative` rewrites.
@@ -82,7 +77,7 @@ def _tally_line(plane, names: Dict[int, str], line, tally: _Tally):
         elif _TF_OP.match(name):
             tally.add_op(name, event.duration_ps)
         else:
-            module = _stats(plane, names, event).get("hlo_module")
+            module = xla_launches.event_stats(plane, names, event).get("hlo_module")
             if module is not None:
                 hlo.append((event.offset_ps, module))
     for event in launches:  # an XLA program if HLO ops ran inside it
@@ -126,14 +121,5 @@ def profile_steps(step: Callable[[], object], steps: int = 3) -> Dict[str, objec
 
     Returns profile_trace's dict with every figure divided by `steps` (per step).
     """
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
-    logdir = tempfile.mkdtemp(prefix="step_profile_")
-    tf.profiler.experimental.start(logdir)
-    try:
-        for _ in range(steps):
-            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
-    finally:
-        tf.profiler.experimental.stop()
-    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
-    found = profile_trace(sorted(paths)[-1])
+    found = profile_trace(xla_launches.trace_steps(step, steps))
     return {key: {k: v / steps for k, v in table.items()} for key, table in found.items()}

@@ -24,7 +24,7 @@ import tensorflow as tf
 _CALL_KERNELS = ("StatefulPartitionedCall", "PartitionedCall")
 
 
-def _stats(plane, names, event) -> Dict[str, object]:
+def event_stats(plane, names, event) -> Dict[str, object]:
     out = {}
     for stat in list(event.stats) + list(plane.event_metadata[event.metadata_id].stats):
         for field in ("str_value", "int64_value", "uint64_value", "ref_value"):
@@ -49,7 +49,7 @@ def count_trace(xspace_path: str) -> Dict[str, object]:
         for line in plane.lines:
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
-                stats = _stats(plane, names, event)
+                stats = event_stats(plane, names, event)
                 compiles += name == "CpuCompiler::CompileCpuExecutable"
                 if (name == "ExecutorState::ProcessAsync::Start"
                         and stats.get("kernel_type") in _CALL_KERNELS):
@@ -66,6 +66,20 @@ def count_trace(xspace_path: str) -> Dict[str, object]:
             "compiles": compiles}
 
 
+def trace_steps(step: Callable[[], object], steps: int) -> str:
+    """Runs step() once untraced (traces and compiles), then `steps` times under the profiler;
+    returns the path of the trace (an .xplane.pb file)."""
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
+    logdir = tempfile.mkdtemp(prefix="step_trace_")
+    tf.profiler.experimental.start(logdir)
+    try:
+        for _ in range(steps):
+            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
+    finally:
+        tf.profiler.experimental.stop()
+    return sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))[-1]
+
+
 def count_per_step(step: Callable[[], object], steps: int = 3) -> Dict[str, object]:
     """Runs step() once untraced (compiles), then `steps` times under the profiler.
 
@@ -73,16 +87,7 @@ def count_per_step(step: Callable[[], object], steps: int = 3) -> Dict[str, obje
       {'calls_per_step', 'programs_per_step', 'distinct_programs', 'modules', 'compiles'}:
       'compiles' counts XLA compilations during the profiled steps (0 unless a step recompiles).
     """
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
-    logdir = tempfile.mkdtemp(prefix="xla_launches_")
-    tf.profiler.experimental.start(logdir)
-    try:
-        for _ in range(steps):
-            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
-    finally:
-        tf.profiler.experimental.stop()
-    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
-    counts = count_trace(sorted(paths)[-1])
+    counts = count_trace(trace_steps(step, steps))
     return {"calls_per_step": counts["calls"] / steps,
             "programs_per_step": counts["programs"] / steps,
             "distinct_programs": len(counts["modules"]), "compiles": counts["compiles"],
