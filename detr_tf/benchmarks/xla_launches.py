@@ -25,6 +25,7 @@ _CALL_KERNELS = ("StatefulPartitionedCall", "PartitionedCall")
 
 
 def event_stats(plane, names, event) -> Dict[str, object]:
+    """{stat name: value} of one trace event, its own stats and its metadata's."""
     out = {}
     for stat in list(event.stats) + list(plane.event_metadata[event.metadata_id].stats):
         for field in ("str_value", "int64_value", "uint64_value", "ref_value"):
