@@ -25,15 +25,20 @@ def _msda(prefix: str, attn) -> Dict[str, Target]:
     return out
 
 
+def _ffn(prefix: str, layer, final_norm) -> Dict[str, Target]:
+    """A layer's feed-forward block and the norm after it (final_layer_norm in transformers)."""
+    return {**_dense(f"{prefix}.mlp.fc1", layer.ffn.linear1),
+            **_dense(f"{prefix}.mlp.fc2", layer.ffn.linear2),
+            **_norm(f"{prefix}.final_layer_norm", final_norm)}
+
+
 def _encoder(t) -> Dict[str, Target]:
     out = {}
     for i, layer in enumerate(t.encoder_layers):
         p = f"model.encoder.layers.{i}"
         out.update(_msda(f"{p}.self_attn", layer.self_attn))
         out.update(_norm(f"{p}.self_attn_layer_norm", layer.norm1))
-        out.update(_dense(f"{p}.mlp.fc1", layer.ffn.linear1))
-        out.update(_dense(f"{p}.mlp.fc2", layer.ffn.linear2))
-        out.update(_norm(f"{p}.final_layer_norm", layer.norm2))
+        out.update(_ffn(p, layer, layer.norm2))
     return out
 
 
@@ -47,9 +52,7 @@ def _decoder(t) -> Dict[str, Target]:
         out.update(_norm(f"{p}.self_attn_layer_norm", layer.norm1))
         out.update(_msda(f"{p}.encoder_attn", layer.cross_attn))
         out.update(_norm(f"{p}.encoder_attn_layer_norm", layer.norm2))
-        out.update(_dense(f"{p}.mlp.fc1", layer.ffn.linear1))
-        out.update(_dense(f"{p}.mlp.fc2", layer.ffn.linear2))
-        out.update(_norm(f"{p}.final_layer_norm", layer.norm3))
+        out.update(_ffn(p, layer, layer.norm3))
     return out
 
 
