@@ -9,7 +9,6 @@ jit-compiled (`--modes`), in interleaved rounds. It prints a markdown table and 
 average, and writes everything as JSON. See detr_tf/benchmarks/deformable_attention.py for how
 FLOPs and memory are counted.
 """
-import json
 import platform
 
 from absl import app, flags
@@ -18,6 +17,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.benchmarks import deformable_attention as bench
+from detr_tf.benchmarks import timing
 
 tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
 
@@ -57,10 +57,7 @@ def main(argv):
     print(bench.table(report))
     print(f"load average (1, 5, 15 min): start {report['config']['load_average_start']}, "
           f"end {report['config']['load_average_end']}")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {FLAGS.json_out}")
+    timing.write_json(report, FLAGS.json_out, indent=1)
     print("next: docs/PERFORMANCE.md, 'Multi-scale deformable attention', reads these figures")
 
 

@@ -6,7 +6,6 @@ update time); prints a table, writes JSON.
 
 The model is Gin's `build_model`; see detr_tf/benchmarks/optimizer.py for what is timed.
 """
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     cli.reject_positional("benchmark_optimizer.py", argv, "; use --gin_file/--gin_param")
     cli.parse_gin_or_exit("benchmark_optimizer.py", FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.benchmarks import optimizer
+    from detr_tf.benchmarks import optimizer, timing
     from detr_tf.modeling.detr import build_model
 
     report = optimizer.benchmark_optimizers(build_model, FLAGS.rounds)
@@ -37,10 +36,7 @@ def main(argv):
         print(f"| {name} | {r['first_call_s']:.1f} | {r['apply_ms']:.1f} |")
     report["command"] = " ".join(sys.argv)
     report["load_average"] = os.getloadavg()
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {FLAGS.json_out}")
+    timing.write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

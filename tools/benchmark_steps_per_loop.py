@@ -8,7 +8,6 @@ jit, engine); the variants then share its compiled step and input and are timed 
 rounds: 'per_step' (the loop before train.steps_per_loop: two host reads every step) and 'N=k'
 (detr_tf/training/device_loop.py). See detr_tf/benchmarks/host_loop.py.
 """
-import json
 import sys
 
 from absl import app, flags
@@ -29,16 +28,13 @@ def main(argv):
         sys.exit(f"unexpected arguments {argv[1:]}")
     from detr_tf import config
     config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.benchmarks import host_loop
+    from detr_tf.benchmarks import host_loop, timing
 
     report = host_loop.measure(FLAGS.steps_per_loop, FLAGS.steps, FLAGS.rounds,
                                log=lambda s: print(s, flush=True))
     report["command"] = " ".join(sys.argv)
     print(host_loop.table(report))
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {FLAGS.json_out}")
+    timing.write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

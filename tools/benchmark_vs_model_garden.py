@@ -29,7 +29,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"unexpected arguments {argv[1:]}")
-    from detr_tf.benchmarks import flops
+    from detr_tf.benchmarks import flops, timing
     variants, build_model, criterion = compare.setup(
         "benchmark_vs_model_garden.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.variant)
     size = (FLAGS.image_size, FLAGS.image_size)
@@ -41,9 +41,7 @@ def main(argv):
     report["command"] = " ".join(sys.argv)
     print(compare.table(report))
     print(json.dumps(report["ratios"], indent=2))
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+    timing.write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ The step is the trainer's own (detr_tf/benchmarks/ours.py) on one synthetic batc
 come from TensorFlow's profiler trace (see detr_tf/benchmarks/xla_launches.py for how). The
 mirrored engine runs over 2 logical CPUs.
 """
-import json
 import sys
 
 from absl import app, flags
@@ -81,14 +80,11 @@ def main(argv):
         print(f"| {r['engine']} ({r['replicas']} replicas) | {r['jit']} | {r['optimizer']} | "
               f"{r['calls_per_step']:g} / {r['programs_per_step']:g} | "
               f"{r['distinct_programs']} | {r['compiles']} |")
-    if FLAGS.json_out:
-        print(f"wrote {FLAGS.json_out}")
 
 
 def _write(rows):
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=2)
+    from detr_tf.benchmarks import timing
+    timing.write_json({"command": " ".join(sys.argv), "rows": rows}, FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ trace by category (convolutions, matmuls, casts, transposes, normalization, the 
 update, each XLA program, the rest), forward and backward apart. Times are per step, summed
 over TensorFlow's compute threads.
 """
-import json
 import statistics
 import sys
 
@@ -57,17 +56,14 @@ def table(rows) -> str:
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"unexpected arguments {argv[1:]}")
-    from detr_tf.benchmarks import synthetic
+    from detr_tf.benchmarks import synthetic, timing
     variants, build_model, criterion = compare.setup(
         "profile_step.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.variant)
     raw = synthetic.draw(FLAGS.batch_size, (FLAGS.image_size,) * 2, FLAGS.num_boxes,
                          FLAGS.max_boxes, criterion.num_classes)
     rows = {v.name: _profile(v, build_model, criterion, raw) for v in variants}
     print(table(rows))
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "variants": rows}, f, indent=2)
-        print(f"wrote {FLAGS.json_out}")
+    timing.write_json({"command": " ".join(sys.argv), "variants": rows}, FLAGS.json_out)
 
 
 if __name__ == "__main__":

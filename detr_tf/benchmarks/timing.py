@@ -1,12 +1,14 @@
-"""Timing helpers: synchronized calls, interleaved rounds, latency summaries, peak memory.
+"""Timing helpers: synchronized calls, interleaved rounds, latency summaries, peak memory, and
+the tools' JSON reports.
 
 On a shared machine the load changes while a benchmark runs, so variants are timed in
 interleaved rounds (A B C, B C A, ...) and compared by their medians: a burst of load then
 slows every variant alike instead of the one that happened to run during it.
 """
+import json
 import resource
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -54,3 +56,11 @@ def latency_summary(seconds: Sequence[float]) -> Dict[str, float]:
 def peak_host_memory_mb() -> float:
     """Peak resident set size of this process so far, in MiB (ru_maxrss is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def write_json(report, path: Optional[str], indent: int = 2) -> None:
+    """A benchmark tool's JSON report, written to `path` (nothing if None), and where it went."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=indent)
+        print(f"wrote {path}")
