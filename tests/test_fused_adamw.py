@@ -12,6 +12,8 @@ B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.1
 SHAPES = ([3], [2, 2], [4])  # group 0 (backbone): the first variable; group 1: the rest
 LRS = (1e-4, 1e-3)
 CLIP = 2e-9
+# The compiled (XLA, tf.where-guarded) form and the kernel form (ResourceApplyAdam under a cond).
+FORMS = pytest.mark.parametrize("compiled", [True, False], ids=["xla", "kernels"])
 
 
 def _problem(steps=5, seed=0, dtype=np.float32):
@@ -54,10 +56,11 @@ def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None):
     return w, m, v, ema, t
 
 
-def _build(weights, clip, ema_decay=None):
+def _build(weights, clip, ema_decay=None, compiled=True):
     variables = [tf.Variable(x) for x in weights]
     groups = [fused_adamw.AdamWGroup(lr, weight_decay=WD, beta_1=B1, beta_2=B2, epsilon=EPS,
-                                     name=f"g{k}") for k, lr in enumerate(LRS)]
+                                     jit_compile=compiled, name=f"g{k}")
+              for k, lr in enumerate(LRS)]
     split = [variables[:1], variables[1:]]
     for group, vars_ in zip(groups, split):
         group.build(vars_)
@@ -74,10 +77,11 @@ def _run(update, grads_per_step):
             for grads in grads_per_step]
 
 
-def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients():
+@FORMS
+def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients(compiled):
     # float64 variables: float32 weights near 1 round updates of ~lr by ~1e-7 per step.
     weights, grads = _problem(dtype=np.float64)
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled)
     results = _run(update, grads)
     w, m, v, ema_want, t = _numpy_adamw(weights, grads, CLIP, ema_decay=0.9)
     assert [bool(ok) for ok, _ in results] == [True, True, False, True, True]
@@ -100,14 +104,15 @@ def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients():
 
 
 @pytest.mark.torch
-def test_fused_update_matches_torch_optim_adamw():
+@FORMS
+def test_fused_update_matches_torch_optim_adamw(compiled):
     # TensorFlow and triton's LLVM library crash the process when both are loaded; triton only
     # serves GPUs.
     sys.modules.setdefault("triton", None)
     torch = pytest.importorskip("torch")
     weights, grads = _problem(steps=4, seed=1, dtype=np.float64)
     grads = [g for g in grads if all(np.isfinite(x).all() for x in g)]
-    variables, _, _, _, update = _build(weights, clip=0.0)
+    variables, _, _, _, update = _build(weights, clip=0.0, compiled=compiled)
     _run(update, grads)
     params = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in weights]
     opt = torch.optim.AdamW([{"params": params[:1], "lr": LRS[0]},
@@ -123,17 +128,18 @@ def test_fused_update_matches_torch_optim_adamw():
                                    atol=1e-6 * np.abs(want - w0).max())
 
 
-def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path):
+@FORMS
+def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path, compiled):
     weights, grads = _problem(steps=4, seed=2)
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5, compiled=compiled)
     _run(update, grads)
     straight = [x.numpy() for x in variables + ema.shadow]
 
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5, compiled=compiled)
     _run(update, grads[:2])
     items = dict(v=variables, b=groups[0], o=groups[1], ema=ema, step=step)
     path = tf.train.Checkpoint(**items).save(str(tmp_path / "ckpt"))
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5, compiled=compiled)
     items = dict(v=variables, b=groups[0], o=groups[1], ema=ema, step=step)
     tf.train.Checkpoint(**items).restore(path).assert_consumed()
     assert int(step.numpy()) == 2 and int(groups[1].iterations.numpy()) == 2
@@ -142,11 +148,12 @@ def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_mirrored_two_replicas_update_equals_one_device():
+@FORMS
+def test_mirrored_two_replicas_update_equals_one_device(compiled):
     weights, grads = _problem(steps=3, seed=3)
     grads = [g for g in grads if all(np.isfinite(x).all() for x in g)]
     halves = [[[g * 0.5, g * 1.5] for g in step_grads] for step_grads in grads]  # mean = g
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled)
     _run(update, grads)
     want = [x.numpy() for x in variables + ema.shadow]
 
@@ -155,7 +162,7 @@ def test_mirrored_two_replicas_update_equals_one_device():
     strategy = tf.distribute.MirroredStrategy(
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
-        variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9)
+        variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled)
 
     @tf.function
     def train_step(per_replica):

@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpointing, fused_adamw, optimization, trainer
+from detr_tf.training import checkpointing, fused_adamw, optimization, state, trainer
 
 
 def test_step_decay_schedule_with_warmup():
@@ -29,6 +29,28 @@ def test_build_optimizers_places_epoch_drops_and_groups_rates(fused):
         assert float(sched(9999)) == pytest.approx(base)
         assert float(sched(10000)) == pytest.approx(base * 0.1)
     assert main_opt.weight_decay == pytest.approx(1e-4)
+
+
+def test_defaults_are_the_fused_update_in_its_cpu_form():
+    groups = optimization.build_optimizers(steps_per_epoch=10)
+    assert all(isinstance(g, fused_adamw.AdamWGroup) and not g.jit_compile for g in groups)
+
+
+def test_a_checkpoint_resumes_only_with_the_optimizer_kind_that_wrote_it(tmp_path):
+    """Each kind's checkpoint is recognised; the other kind is refused, naming the binding."""
+    variables = [tf.Variable(tf.ones([3]))]
+    paths, kinds = {}, {}
+    for fused in (True, False):
+        backbone, main = optimization.build_optimizers(steps_per_epoch=10, fused=fused)
+        backbone.build(variables)
+        main.build(variables)
+        kinds[fused] = main
+        paths[fused] = tf.train.Checkpoint(backbone_optimizer=backbone, optimizer=main,
+                                           v=variables).save(str(tmp_path / f"{fused}" / "c"))
+    for written in (True, False):
+        state.check_optimizer_kind(paths[written], kinds[written])
+        with pytest.raises(ValueError, match=f"build_optimizers.fused = {written} to resume"):
+            state.check_optimizer_kind(paths[written], kinds[not written])
 
 
 def test_tf_keras_adamw_update_matches_pytorch_adamw_formula():

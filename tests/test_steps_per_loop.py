@@ -254,9 +254,9 @@ def test_steps_per_loop_choices():
 
 @pytest.fixture
 def fused_update():
-    """The trainer with build_optimizers.fused=True (a CPU's default is tf_keras's AdamW)."""
+    """The trainer with the fused update's XLA form (a CPU's default is its kernel form)."""
     with gin.unlock_config():
-        gin.bind_parameter("build_optimizers.fused", True)
+        gin.bind_parameter("build_optimizers.jit_compile", True)
     yield
     with gin.unlock_config():
         gin.clear_config()

@@ -87,10 +87,14 @@ def _assert_same_weights(ref, other, ref_before):
     assert len(names) > 100 and set(names) <= set(other)
     update = max(np.abs(ref[k] - ref_before[k]).max() for k in names)
     assert update > 1e-5
-    # The weights differ by far less than one step changes them, up to a few float32 ulps
-    # (reductions in another order round differently).
+    # The weights differ by far less than one step changes them (1%), up to a few float32 ulps
+    # (reductions in another order round differently). Not less than 1%: torch.optim.AdamW's
+    # update g / (|g| + eps) turns gradients that are pure rounding noise (the key projection's
+    # bias gets a true gradient of zero: softmax ignores it) into steps of up to lr, so a sum in
+    # another order moves such weights by ~0.1% of a step (measured with both forms of the fused
+    # update; tf_keras's eps-hat form, 30x larger eps at first, damped it to ~0.002%).
     for k in names:
-        tol = 1e-3 * update + 4 * np.finfo(np.float32).eps * np.abs(ref[k])
+        tol = 1e-2 * update + 4 * np.finfo(np.float32).eps * np.abs(ref[k])
         excess = np.abs(ref[k] - other[k]) - tol
         assert np.all(excess <= 0), (k, float(np.abs(ref[k] - other[k]).max()), update)
 
@@ -160,6 +164,29 @@ def _preempt_then_resume(launch, out, reference):
 
 def test_mirrored_two_replicas_equals_one_device(engine_runs):
     _assert_same_training(engine_runs / "default", engine_runs / "mirrored")
+
+
+@pytest.fixture(scope="module")
+def tf_keras_runs(shapes_cache, tmp_path_factory):
+    """One-device and mirrored runs with tf_keras's AdamW (build_optimizers.fused = False)."""
+    out = tmp_path_factory.mktemp("engines_tf_keras")
+    proc, log = run([sys.executable, str(PROG), "engines_pair", str(out), shapes_cache],
+                    env=dict(ENV, TRAINER_PROG_VARIANT="tf_keras"))
+    assert proc.returncode == 0, log[-4000:]
+    return out
+
+
+def test_tf_keras_adamw_mirrored_two_replicas_equals_one_device(tf_keras_runs):
+    _assert_same_training(tf_keras_runs / "default", tf_keras_runs / "mirrored")
+
+
+def test_a_tf_keras_run_is_not_resumed_by_the_fused_update(tf_keras_runs, shapes_cache):
+    run_dir = tf_keras_runs / "default"
+    before = sorted(os.listdir(run_dir / "checkpoints"))
+    proc, log = train_cli(run_dir, shapes_cache, "train.num_steps = 4")
+    assert proc.returncode != 0 and "Traceback" not in log, log[-3000:]
+    assert "build_optimizers.fused = False to resume it" in log, log[-3000:]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == before  # nothing saved or lost
 
 
 # Query groups and denoising queries (their losses and all-reduced normalizers) on every

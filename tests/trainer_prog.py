@@ -41,7 +41,8 @@ from detr_tf.training import trainer  # noqa: E402
 
 # TRAINER_PROG_VARIANT=group_dn: the same runs with 2 query groups and denoising queries. Their
 # noise is off for the same reason as dropout: random streams differ per replica by design.
-VARIANTS = {"": [], "group_dn": [
+# TRAINER_PROG_VARIANT=tf_keras: with tf_keras's AdamW instead of the fused update.
+VARIANTS = {"": [], "tf_keras": ["build_optimizers.fused = False"], "group_dn": [
     "build_model.transformer = @AnchorTransformer()",
     "build_model.num_groups = 2", "SetCriterion.num_groups = 2",
     "build_model.denoising = True", "DenoisingQueries.num_groups = 2",

@@ -16,6 +16,8 @@ from detr_tf import cli
 cli.define_gin_flags()
 flags.adopt_module_key_flags(cli)
 flags.DEFINE_integer("rounds", 10, "Interleaved timed rounds.")
+flags.DEFINE_multi_enum("variant", None, ["tf_keras", "tf_keras_xla", "fused_xla", "fused_kernels"],
+                        "Updates to time (repeatable; default: all).")
 flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
 FLAGS = flags.FLAGS
 
@@ -26,12 +28,13 @@ def main(argv):
     from detr_tf.benchmarks import optimizer, timing
     from detr_tf.modeling.detr import build_model
 
-    report = optimizer.benchmark_optimizers(build_model, FLAGS.rounds)
+    variants = FLAGS.variant or list(optimizer.VARIANTS)
+    report = optimizer.benchmark_optimizers(build_model, FLAGS.rounds, variants=variants)
     print(f"{report['num_variables']} variables, {report['num_parameters']:,} parameters; "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| optimizer | first call (s) | update, median (ms) |")
     print("|---|---|---|")
-    for name in ("tf_keras", "tf_keras_xla", "fused"):
+    for name in variants:
         r = report[name]
         print(f"| {name} | {r['first_call_s']:.1f} | {r['apply_ms']:.1f} |")
     report["command"] = " ".join(sys.argv)

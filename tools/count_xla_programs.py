@@ -20,7 +20,9 @@ cli.define_gin_flags()
 flags.adopt_module_key_flags(cli)
 flags.DEFINE_list("engines", ["default", "mirrored"], "default, mirrored and/or horovod.")
 flags.DEFINE_list("jits", ["step", "loss", "none"], "jit settings to count.")
-flags.DEFINE_list("optimizers", ["fused", "tf_keras"], "fused and/or tf_keras AdamW.")
+flags.DEFINE_list("optimizers", ["fused", "tf_keras"],
+                  "fused (its XLA form, a GPU's default), fused_kernels (a CPU's default) "
+                  "and/or tf_keras AdamW.")
 flags.DEFINE_integer("steps", 3, "Profiled steps (after one untraced step).")
 flags.DEFINE_integer("batch_size", 2, "Images per step.")
 flags.DEFINE_integer("image_size", 64, "Square synthetic image side.")
@@ -45,7 +47,8 @@ def _count(engine, jit, optimizer, batch):
     from detr_tf.modeling.detr import build_model
 
     with gin.unlock_config():
-        gin.bind_parameter("build_optimizers.fused", optimizer == "fused")
+        gin.bind_parameter("build_optimizers.fused", optimizer.startswith("fused"))
+        gin.bind_parameter("build_optimizers.jit_compile", optimizer == "fused")
     size = (FLAGS.image_size, FLAGS.image_size)
     ts = ours.build_train_step(build_model, SetCriterion(), jit, image_size=size, engine=engine)
     counts = xla_launches.count_per_step(lambda: ts.step(batch), FLAGS.steps)

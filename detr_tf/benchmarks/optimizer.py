@@ -1,13 +1,15 @@
 """The optimizer side of a train step alone: tf_keras's two AdamW vs the fused update.
 
-Both apply the same gradients to the same model's trainable variables (each with its own
+All apply the same gradients to the same model's trainable variables (each with its own
 slots), on the default engine, behind the same global-norm clip and finiteness guard the step
 uses: tf_keras's path as detr_tf/training/step.py runs it with `build_optimizers.fused=False`,
-the fused one as it runs by default. tf_keras compiles its per-variable updates with XLA only
-when it finds a GPU; 'tf_keras_xla' forces that path here, to show what a GPU run pays. Measured: the first call (tracing + XLA compilation + one
-update) of each, then the update time in interleaved rounds.
+and the fused update in both its forms ('fused_xla': one XLA program, the default with a GPU;
+'fused_kernels': ResourceApplyAdam per variable, the default on a CPU). tf_keras compiles its
+per-variable updates with XLA only when it finds a GPU; 'tf_keras_xla' forces that path here,
+to show what a GPU run pays. Measured: the first call (tracing + XLA compilation + one update)
+of each, then the update time in interleaved rounds.
 """
-from typing import Callable, Dict
+from typing import Callable, Dict, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -23,8 +25,7 @@ def _tf_keras_apply(optimizers, groups, clip_norm) -> Callable:
 
     @tf.function
     def apply(grads):
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        grads, _ = tf.clip_by_global_norm(grads, clip_norm)
+        grads, _, finite = fused_adamw.clip_and_check(grads, clip_norm)
 
         def update():
             optimizers[0].apply_gradients(zip(grads[:nb], variables[:nb]))
@@ -47,20 +48,28 @@ def _fused_apply(optimizers, groups, clip_norm) -> Callable:
     return apply
 
 
+# name: (build_optimizers.fused, its jit_compile, how the update is called)
+VARIANTS = {"tf_keras": (False, False, _tf_keras_apply),
+            "tf_keras_xla": (False, True, _tf_keras_apply),
+            "fused_xla": (True, True, _fused_apply),
+            "fused_kernels": (True, False, _fused_apply)}
+
+
 def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 10,
-                         clip_norm: float = 0.1, log: Callable[[str], None] = print
-                         ) -> Dict[str, object]:
-    """{name: {first_call_s, apply_ms (median), apply_ms_all}, num_variables, num_parameters}."""
+                         clip_norm: float = 0.1, variants: Sequence[str] = tuple(VARIANTS),
+                         log: Callable[[str], None] = print) -> Dict[str, object]:
+    """{name: {first_call_s, apply_ms (median), apply_ms_all}, num_variables, num_parameters}
+    for each of `variants` (names in VARIANTS)."""
     model = state.build_model(model_fn)
     groups = step_lib.split_variables(model)
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.normal(size=v.shape).astype(np.float32) * 1e-3)
              for v in groups[0] + groups[1]]
     applies = {}
-    for name, fused, make in (("tf_keras", False, _tf_keras_apply),
-                              ("tf_keras_xla", False, _tf_keras_apply),
-                              ("fused", True, _fused_apply)):
-        optimizers = optimization.build_optimizers(steps_per_epoch=1000, fused=fused)
+    for name in variants:
+        fused, jit, make = VARIANTS[name]
+        optimizers = optimization.build_optimizers(steps_per_epoch=1000, fused=fused,
+                                                   jit_compile=jit)
         for opt, vars_ in zip(optimizers, groups):
             opt.build(vars_)
             if name == "tf_keras_xla":

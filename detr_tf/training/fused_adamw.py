@@ -17,10 +17,16 @@ variables (a MirroredVariable's components), one program per local device, with 
 all-reduced gradients; every copy gets the same values. On one device it is one program, and
 the trainer can compile it into the step's own XLA program (jit='step').
 
-`build_optimizers(fused=False)` (detr_tf/training/optimization.py) selects the former pair of
-tf_keras AdamW optimizers instead; its default picks this update with a GPU or TPU and tf_keras's
-on a CPU, where the fused XLA update is measured slower (tf_keras compiles nothing without a
-GPU): see docs/PERFORMANCE.md, "XLA programs per step, and the fused optimizer update".
+Two ways to run it, the same math and the same checkpointed state:
+- compiled (`jit_compile=True`, the default with a GPU or TPU): one XLA program, every new value
+  selected by the finiteness guard (`tf.where`);
+- kernels (`jit_compile=False`, the default on a CPU): under one `tf.cond` on the guard, each
+  variable is decayed in place and updated by TensorFlow's `ResourceApplyAdam` kernel, whose
+  update is torch's once its epsilon is eps * sqrt(1 - beta_2^t). XLA:CPU runs the compiled
+  update's element-wise fusions one after another on one thread; the kernels use every core.
+
+`build_optimizers(fused=False)` (detr_tf/training/optimization.py) selects a pair of tf_keras
+AdamW optimizers instead. See docs/PERFORMANCE.md, "The optimizer update", for the measurements.
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -93,9 +99,19 @@ class AdamWGroup(tf.Module):
         return self.rate(self.iterations)
 
 
-def all_finite(tensors) -> tf.Tensor:
-    """Whether every element of every tensor is finite (a scalar bool)."""
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+def clip_and_check(grads: Sequence[tf.Tensor], clip_norm: float):
+    """(clipped grads, global norm before clipping, whether every gradient is finite).
+
+    Finiteness is read from the global norm, which the clip computes anyway: it is finite
+    exactly when every gradient is, except when the sum of squares overflows float32
+    (|g| ~ 1e19), where tf.clip_by_global_norm would turn the gradients into NaN; such a step is
+    skipped too. `clip_norm` <= 0: no clip.
+    """
+    if clip_norm > 0:
+        grads, norm = tf.clip_by_global_norm(grads, clip_norm)
+    else:
+        norm = tf.linalg.global_norm(grads)
+    return grads, norm, tf.math.is_finite(norm)
 
 
 def _local(strategy: tf.distribute.Strategy, value, index: int):
@@ -132,6 +148,11 @@ class FusedUpdate:
         self.loss_scale, self.ema, self.global_step = loss_scale, ema, global_step
         self._programs: Dict[int, Callable] = {}
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the update is the XLA form (it may then join the step's own program)."""
+        return self.groups[0].jit_compile
+
     def __call__(self, strategy: tf.distribute.Strategy, grads: Sequence[tf.Tensor],
                  loss_finite: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """Updates every local copy; returns (applied, gradient global norm before clipping).
@@ -158,7 +179,7 @@ class FusedUpdate:
         if index not in self._programs:
             local = lambda value: _local(strategy, value, index)  # noqa: E731
             self._programs[index] = tf.function(
-                self._update_fn(local), jit_compile=self.groups[0].jit_compile)
+                self._update_fn(local), jit_compile=self.compiled)
         return self._programs[index]
 
     def _update_fn(self, local: Callable) -> Callable:
@@ -168,19 +189,13 @@ class FusedUpdate:
         position = {w.ref(): k for k, w in enumerate(w for ws in self.variables for w in ws)}
 
         def update(grads, loss_finite):
-            grads_finite = all_finite(grads)
+            grads, norm, grads_finite = clip_and_check(grads, self.clip_norm)
             ok = tf.logical_and(grads_finite, loss_finite)
-            if self.clip_norm > 0:
-                grads, norm = tf.clip_by_global_norm(grads, self.clip_norm)
+            if self.compiled:
+                self._compiled_update(local, groups, position, grads, ok)
             else:
-                norm = tf.linalg.global_norm(grads)
-            new_weights, start = [], 0
-            for group, iterations, ms, vs, ws in groups:
-                new_weights += _apply_group(group, iterations, ms, vs, ws,
-                                            grads[start:start + len(ws)], ok)
-                start += len(ws)
-            if self.ema is not None:
-                self._blend_ema(local, position, new_weights, ok)
+                tf.cond(ok, lambda: self._kernel_update(local, groups, grads),
+                        lambda: tf.constant(False))
             if self.loss_scale is not None:
                 scale, good = local(self.loss_scale.scale), local(self.loss_scale.good_steps)
                 new_scale, new_good = self.loss_scale.next_values(scale, good, grads_finite)
@@ -192,13 +207,35 @@ class FusedUpdate:
 
         return update
 
-    def _blend_ema(self, local, position, new_weights, ok) -> None:
-        decay = self.ema.decay
-        for shadow, var in zip(self.ema.shadow, self.ema._model_variables):  # noqa: SLF001
-            shadow = local(shadow)
-            old = shadow.read_value()
-            blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
-            shadow.assign(tf.where(ok, blended, old))
+    def _compiled_update(self, local, groups, position, grads, ok) -> None:
+        """Every new value computed, then kept only where `ok` (one XLA program)."""
+        new_weights, start = [], 0
+        for group, iterations, ms, vs, ws in groups:
+            new_weights += _apply_group(group, iterations, ms, vs, ws,
+                                        grads[start:start + len(ws)], ok)
+            start += len(ws)
+        if self.ema is not None:
+            decay = self.ema.decay
+            for shadow, var in self._ema_pairs(local):
+                old = shadow.read_value()
+                blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
+                shadow.assign(tf.where(ok, blended, old))
+
+    def _kernel_update(self, local, groups, grads) -> tf.Tensor:
+        """The branch taken when `ok`: in-place kernels, variable by variable."""
+        start = 0
+        for group, iterations, ms, vs, ws in groups:
+            _apply_group_kernels(group, iterations, ms, vs, ws, grads[start:start + len(ws)])
+            start += len(ws)
+        if self.ema is not None:
+            for shadow, var in self._ema_pairs(local):
+                shadow.assign_sub((1.0 - self.ema.decay) * (shadow - local(var)))
+        return tf.constant(True)
+
+    def _ema_pairs(self, local):
+        """(local shadow copy, model variable) pairs of the EMA."""
+        return [(local(shadow), var) for shadow, var in
+                zip(self.ema.shadow, self.ema._model_variables)]  # noqa: SLF001
 
 
 def _apply_group(group: AdamWGroup, iterations, ms, vs, ws, grads, ok) -> List[tf.Tensor]:
@@ -219,3 +256,30 @@ def _apply_group(group: AdamWGroup, iterations, ms, vs, ws, grads, ok) -> List[t
         new_weights.append(new_w)
     iterations.assign_add(tf.cast(ok, tf.int64))
     return new_weights
+
+
+def _apply_group_kernels(group: AdamWGroup, iterations, ms, vs, ws, grads) -> None:
+    """torch.optim.AdamW on one group's local copies with in-place kernels.
+
+    ResourceApplyAdam computes w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + e), which
+    is torch's w -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps) for e = eps * sqrt(bc2).
+    """
+    lr = group.rate(iterations)
+    scalars = {}  # per dtype: the bias corrections in the weights' own precision
+    for w, m, v, g in zip(ws, ms, vs, grads):
+        dtype = w.dtype
+        if dtype not in scalars:
+            scalars[dtype] = _adam_scalars(group, lr, iterations + 1, dtype)
+        if group.weight_decay:
+            w.assign_sub(w * (scalars[dtype]["lr"] * group.weight_decay))
+        tf.raw_ops.ResourceApplyAdam(var=w.handle, m=m.handle, v=v.handle,
+                                     grad=tf.cast(g, dtype), **scalars[dtype])
+    iterations.assign_add(1)
+
+
+def _adam_scalars(group: AdamWGroup, lr, t, dtype) -> Dict[str, tf.Tensor]:
+    """ResourceApplyAdam's scalar inputs for step `t` (1-based), with torch's epsilon."""
+    b1, b2, t = tf.constant(group.beta_1, dtype), tf.constant(group.beta_2, dtype), tf.cast(t, dtype)
+    b2_power = b2 ** t
+    return dict(lr=tf.cast(lr, dtype), beta1=b1, beta2=b2, beta1_power=b1 ** t,
+                beta2_power=b2_power, epsilon=group.epsilon * tf.sqrt(1.0 - b2_power))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpointing, optimization
+from detr_tf.training import checkpointing, fused_adamw, optimization
 from detr_tf.training.step import split_variables
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -139,12 +139,32 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
         raise FileNotFoundError(
             f"worker {engine.rank} cannot read the chief's checkpoint {path!r} (step {step}): "
             "every process of a run must see the same model_dir (a shared file system)")
+    check_optimizer_kind(path, state.optimizers[1])
     checkpoint.restore(path).assert_existing_objects_matched()
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
     saver.saved_step = step
     return step
+
+
+# build_optimizers.fused: (a key only that kind's checkpoints hold, the kind's name)
+_OPTIMIZER_KINDS = {True: ("optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE",
+                           "the fused AdamW update (build_optimizers.fused = True)"),
+                    False: ("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE",
+                            "tf_keras's AdamW (build_optimizers.fused = False)")}
+
+
+def check_optimizer_kind(path: str, optimizer) -> None:
+    """Raises ValueError, naming the binding that fixes it, when checkpoint `path` holds the
+    other optimizer kind's state than `optimizer`'s (the fused AdamWGroup or tf_keras's AdamW).
+    The two keep different slots, so one cannot resume the other."""
+    fused = isinstance(optimizer, fused_adamw.AdamWGroup)
+    key, written = _OPTIMIZER_KINDS[not fused]
+    if key in {name for name, _ in tf.train.list_variables(path)}:
+        raise ValueError(f"checkpoint {path!r} holds the optimizer state of {written}, but this "
+                         f"run builds {_OPTIMIZER_KINDS[fused][1]}: bind "
+                         f"build_optimizers.fused = {not fused} to resume it")
 
 
 def start(state: TrainState, checkpoint: tf.train.Checkpoint,

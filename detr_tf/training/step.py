@@ -4,12 +4,13 @@
 trainer runs. See detr_tf/training/trainer.py for the three phases of a step and what XLA
 compiles in each `jit` setting.
 
-With the fused AdamW (detr_tf/training/fused_adamw.py; the default with a GPU or TPU) the third
-phase is one compiled program: finiteness guard, clip, both groups' update, EMA, loss scale and
-step count. With jit='step' on the default engine (one device, nothing to all-reduce) it joins
-the forward, matching, loss and backward in a single XLA program per step. With Mirrored, MultiWorkerMirrored
-and Horovod the all-reduce stays outside XLA and the update runs as its own program (one per
-local device).
+With the fused AdamW (detr_tf/training/fused_adamw.py, the default) the third phase is one
+function: finiteness guard, clip, both groups' update, EMA, loss scale and step count. In its
+XLA form (the default with a GPU or TPU) and with jit='step' on the default engine (one device,
+nothing to all-reduce) it joins the forward, matching, loss and backward in a single XLA program
+per step. With Mirrored, MultiWorkerMirrored and Horovod the all-reduce stays outside XLA and the
+update runs as its own program (one per local device). Its kernel form (a CPU's default) runs
+outside XLA whatever the `jit` setting.
 """
 from typing import Callable, Sequence
 
@@ -91,10 +92,12 @@ class StepBuilder:
                 (self.backbone_opt, self.main_opt), (self.backbone_vars, self.main_vars),
                 clip_norm, loss_scale, ema, global_step)
         # One device, nothing to all-reduce: forward, matching, loss, backward, clip and the
-        # fused update compile into one XLA program. Other engines keep their collectives
-        # outside XLA (Horovod's cannot be compiled), so the update is a program of its own.
+        # fused update's XLA form compile into one XLA program. Other engines keep their
+        # collectives outside XLA (Horovod's cannot be compiled), so the update is a program of
+        # its own.
         self._whole_step = None
-        if self.fused is not None and jit == "step" and engine.name == "default":
+        if self.fused is not None and self.fused.compiled and jit == "step" \
+                and engine.name == "default":
             self._whole_step = tf.function(self._replica_step, jit_compile=True)
 
     def _losses_and_grads(self, inputs, targets, norms, scale):
@@ -146,11 +149,7 @@ class StepBuilder:
             stats["applied"], stats["grad_norm"] = engine.merge_call(
                 self.fused, (grads, loss_finite))
             return stats
-        grads_finite = fused_adamw.all_finite(grads)
-        if self.clip_norm and self.clip_norm > 0:
-            grads, grad_norm = tf.clip_by_global_norm(grads, self.clip_norm)
-        else:
-            grad_norm = tf.linalg.global_norm(grads)
+        grads, grad_norm, grads_finite = fused_adamw.clip_and_check(grads, self.clip_norm or 0.0)
         stats["applied"] = engine.merge_call(self._apply, (grads, grads_finite, loss_finite))
         stats["grad_norm"] = grad_norm
         return stats
