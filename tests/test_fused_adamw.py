@@ -162,7 +162,8 @@ def test_mirrored_two_replicas_update_equals_one_device(compiled):
     strategy = tf.distribute.MirroredStrategy(
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
-        variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled)
+        variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9,
+                                                      compiled=compiled)
 
     @tf.function
     def train_step(per_replica):

@@ -89,10 +89,11 @@ def _assert_same_weights(ref, other, ref_before):
     assert update > 1e-5
     # The weights differ by far less than one step changes them (1%), up to a few float32 ulps
     # (reductions in another order round differently). Not less than 1%: torch.optim.AdamW's
-    # update g / (|g| + eps) turns gradients that are pure rounding noise (the key projection's
-    # bias gets a true gradient of zero: softmax ignores it) into steps of up to lr, so a sum in
-    # another order moves such weights by ~0.1% of a step (measured with both forms of the fused
-    # update; tf_keras's eps-hat form, 30x larger eps at first, damped it to ~0.002%).
+    # update g / (|g| + eps) turns gradients that are pure rounding noise (e.g. the key
+    # projection's bias gets a true gradient of zero: softmax ignores it) into steps of up to lr,
+    # so a sum in another order moves such weights by ~0.1% of a step (measured with both forms
+    # of the fused update; tf_keras's eps-hat form, 30x larger eps at first, damped it to
+    # ~0.002%).
     for k in names:
         tol = 1e-2 * update + 4 * np.finfo(np.float32).eps * np.abs(ref[k])
         excess = np.abs(ref[k] - other[k]) - tol

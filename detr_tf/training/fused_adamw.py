@@ -1,10 +1,9 @@
-"""AdamW for both parameter groups as one compiled update over all variables.
+"""AdamW for both parameter groups as one update over all variables.
 
-tf_keras's AdamW compiles one XLA program per variable shape (about 30 s of first call for R50)
-and launches one update per variable per step. Here the whole optimizer side of a step is one
-function, compiled once: the finiteness check, the global-norm clip, the AdamW update of both
-groups (backbone and rest, each with its own learning-rate schedule), the EMA of the weights, the
-dynamic loss scale and the step counter. A step whose loss or gradients are not finite changes
+tf_keras's AdamW, on a GPU, compiles one XLA program per variable shape and launches one update
+per variable per step. Here the whole optimizer side of a step is one function: the finiteness
+check, the global-norm clip, the AdamW update of both groups (backbone and rest, each with its
+own learning-rate schedule), the EMA of the weights, the dynamic loss scale and the step counter. A step whose loss or gradients are not finite changes
 no weight, slot, EMA or iteration count (the loss scale and global_step still move), as before.
 
 The math is torch.optim.AdamW's, the reference's, exactly: decoupled decay first
@@ -279,7 +278,8 @@ def _apply_group_kernels(group: AdamWGroup, iterations, ms, vs, ws, grads) -> No
 
 def _adam_scalars(group: AdamWGroup, lr, t, dtype) -> Dict[str, tf.Tensor]:
     """ResourceApplyAdam's scalar inputs for step `t` (1-based), with torch's epsilon."""
-    b1, b2, t = tf.constant(group.beta_1, dtype), tf.constant(group.beta_2, dtype), tf.cast(t, dtype)
+    b1, b2 = tf.constant(group.beta_1, dtype), tf.constant(group.beta_2, dtype)
+    t = tf.cast(t, dtype)
     b2_power = b2 ** t
     return dict(lr=tf.cast(lr, dtype), beta1=b1, beta2=b2, beta1_power=b1 ** t,
                 beta2_power=b2_power, epsilon=group.epsilon * tf.sqrt(1.0 - b2_power))
