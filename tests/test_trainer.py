@@ -59,14 +59,19 @@ def engine_runs(shapes_cache, tmp_path_factory):
     return out
 
 
+def _engines_pair(shapes_cache, tmp_path_factory, variant):
+    """One-device and mirrored runs of trainer_prog.py's TRAINER_PROG_VARIANT `variant`."""
+    out = tmp_path_factory.mktemp(f"engines_{variant}")
+    proc, log = run([sys.executable, str(PROG), "engines_pair", str(out), shapes_cache],
+                    env=dict(ENV, TRAINER_PROG_VARIANT=variant))
+    assert proc.returncode == 0, log[-4000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def group_dn_runs(shapes_cache, tmp_path_factory):
     """One-device and mirrored runs of the tiny model with 2 query groups and denoising."""
-    out = tmp_path_factory.mktemp("engines_group_dn")
-    proc, log = run([sys.executable, str(PROG), "engines_pair", str(out), shapes_cache],
-                    env=GROUP_DN_ENV)
-    assert proc.returncode == 0, log[-4000:]
-    return out
+    return _engines_pair(shapes_cache, tmp_path_factory, "group_dn")
 
 
 GROUP_DN_ENV = dict(ENV, TRAINER_PROG_VARIANT="group_dn")
@@ -170,11 +175,7 @@ def test_mirrored_two_replicas_equals_one_device(engine_runs):
 @pytest.fixture(scope="module")
 def tf_keras_runs(shapes_cache, tmp_path_factory):
     """One-device and mirrored runs with tf_keras's AdamW (build_optimizers.fused = False)."""
-    out = tmp_path_factory.mktemp("engines_tf_keras")
-    proc, log = run([sys.executable, str(PROG), "engines_pair", str(out), shapes_cache],
-                    env=dict(ENV, TRAINER_PROG_VARIANT="tf_keras"))
-    assert proc.returncode == 0, log[-4000:]
-    return out
+    return _engines_pair(shapes_cache, tmp_path_factory, "tf_keras")
 
 
 def test_tf_keras_adamw_mirrored_two_replicas_equals_one_device(tf_keras_runs):

@@ -3,8 +3,9 @@
 tf_keras's AdamW, on a GPU, compiles one XLA program per variable shape and launches one update
 per variable per step. Here the whole optimizer side of a step is one function: the finiteness
 check, the global-norm clip, the AdamW update of both groups (backbone and rest, each with its
-own learning-rate schedule), the EMA of the weights, the dynamic loss scale and the step counter. A step whose loss or gradients are not finite changes
-no weight, slot, EMA or iteration count (the loss scale and global_step still move), as before.
+own learning-rate schedule), the EMA of the weights, the dynamic loss scale and the step counter.
+A step whose loss or gradients are not finite changes no weight, slot, EMA or iteration count
+(the loss scale and global_step still move), as before.
 
 The math is torch.optim.AdamW's, the reference's, exactly: decoupled decay first
 (w -= lr * wd * w), then m, v, and w -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps), where bc1,
@@ -190,10 +191,11 @@ class FusedUpdate:
         def update(grads, loss_finite):
             grads, norm, grads_finite = clip_and_check(grads, self.clip_norm)
             ok = tf.logical_and(grads_finite, loss_finite)
+            per_group = _split_by_group(grads, groups)
             if self.compiled:
-                self._compiled_update(local, groups, position, grads, ok)
+                self._compiled_update(local, groups, position, per_group, ok)
             else:
-                tf.cond(ok, lambda: self._kernel_update(local, groups, grads),
+                tf.cond(ok, lambda: self._kernel_update(local, groups, per_group),
                         lambda: tf.constant(False))
             if self.loss_scale is not None:
                 scale, good = local(self.loss_scale.scale), local(self.loss_scale.good_steps)
@@ -206,13 +208,11 @@ class FusedUpdate:
 
         return update
 
-    def _compiled_update(self, local, groups, position, grads, ok) -> None:
+    def _compiled_update(self, local, groups, position, per_group, ok) -> None:
         """Every new value computed, then kept only where `ok` (one XLA program)."""
-        new_weights, start = [], 0
-        for group, iterations, ms, vs, ws in groups:
-            new_weights += _apply_group(group, iterations, ms, vs, ws,
-                                        grads[start:start + len(ws)], ok)
-            start += len(ws)
+        new_weights = []
+        for (group, iterations, ms, vs, ws), grads in zip(groups, per_group):
+            new_weights += _apply_group(group, iterations, ms, vs, ws, grads, ok)
         if self.ema is not None:
             decay = self.ema.decay
             for shadow, var in self._ema_pairs(local):
@@ -220,12 +220,10 @@ class FusedUpdate:
                 blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
                 shadow.assign(tf.where(ok, blended, old))
 
-    def _kernel_update(self, local, groups, grads) -> tf.Tensor:
+    def _kernel_update(self, local, groups, per_group) -> tf.Tensor:
         """The branch taken when `ok`: in-place kernels, variable by variable."""
-        start = 0
-        for group, iterations, ms, vs, ws in groups:
-            _apply_group_kernels(group, iterations, ms, vs, ws, grads[start:start + len(ws)])
-            start += len(ws)
+        for (group, iterations, ms, vs, ws), grads in zip(groups, per_group):
+            _apply_group_kernels(group, iterations, ms, vs, ws, grads)
         if self.ema is not None:
             for shadow, var in self._ema_pairs(local):
                 shadow.assign_sub((1.0 - self.ema.decay) * (shadow - local(var)))
@@ -235,6 +233,15 @@ class FusedUpdate:
         """(local shadow copy, model variable) pairs of the EMA."""
         return [(local(shadow), var) for shadow, var in
                 zip(self.ema.shadow, self.ema._model_variables)]  # noqa: SLF001
+
+
+def _split_by_group(grads: Sequence[tf.Tensor], groups) -> List[Sequence[tf.Tensor]]:
+    """`grads` (the groups' variables concatenated in order) as one list per group."""
+    out, start = [], 0
+    for *_, ws in groups:
+        out.append(grads[start:start + len(ws)])
+        start += len(ws)
+    return out
 
 
 def _apply_group(group: AdamWGroup, iterations, ms, vs, ws, grads, ok) -> List[tf.Tensor]:
