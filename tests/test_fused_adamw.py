@@ -181,3 +181,44 @@ def test_mirrored_two_replicas_update_equals_one_device(compiled):
     for var, w in zip(variables + ema.shadow, want):
         for copy in strategy.experimental_local_results(var):
             np.testing.assert_allclose(copy.numpy(), w, rtol=1e-6)
+
+
+def _every_binade(dtype: tf.DType) -> np.ndarray:
+    """Both signs of each binade's first, second, middle and last value, and zero.
+
+    Subnormals are left out: TensorFlow's CPU kernels flush them to zero in any arithmetic.
+    """
+    bits = {tf.float16: 10, tf.bfloat16: 7, tf.float32: 23, tf.float64: 52}[dtype]
+    emax = int(np.frexp(float(dtype.max))[1]) - 1
+    fractions = np.array([0, 1, 2 ** (bits - 1), 2 ** bits - 1], np.float64) / 2 ** bits
+    normal = [2.0 ** e * (1 + fractions) for e in range(1 - emax, emax + 1)]
+    values = np.concatenate(normal + [[0.0]])
+    return np.concatenate([values, -values])
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64],
+                         ids=lambda d: d.name)
+def test_decay_is_skipped_only_where_it_would_change_no_weight(dtype):
+    values = tf.constant(_every_binade(dtype), dtype)
+    limit = fused_adamw.decay_limit(dtype)
+    for rate, should_run in ((limit, False), (4 * limit, True)):
+        rate = tf.constant(rate, dtype)
+        forced = values - values * rate  # the decay computed regardless, in the dtype
+        var = tf.Variable(values)
+        ran = fused_adamw.decay_in_place([var], rate)
+        assert bool(ran) == should_run
+        # Exactly (float64 holds every value): the skipped decay would have changed nothing;
+        # the one that runs is w - w * rate.
+        np.testing.assert_array_equal(tf.cast(var, tf.float64).numpy(),
+                                      tf.cast(forced, tf.float64).numpy())
+        if not should_run:  # torch's form, w * (1 - rate), multiplies by exactly 1
+            assert float(tf.constant(1.0, dtype) - rate) == 1.0
+    changed = values != values - values * tf.constant(4 * limit, dtype)
+    assert bool(tf.reduce_any(changed))
+
+
+def test_detr_float32_weight_decay_is_below_the_limit():
+    # lr 1e-4 (transformer) and 1e-5 (backbone) with weight decay 1e-4: the kernel form skips it.
+    rate = tf.cast(tf.constant(1e-4), tf.float32) * 1e-4
+    assert float(rate) <= fused_adamw.decay_limit(tf.float32)
+    assert fused_adamw.decay_limit(tf.float32) < 2e-8  # Deformable DETR's 2e-4 x 1e-4 runs

@@ -32,6 +32,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+# Explicit mantissa bits of each float type: its machine epsilon is 2 ** -bits.
+_MANTISSA_BITS = {tf.float16: 10, tf.bfloat16: 7, tf.float32: 23, tf.float64: 52}
+
 
 def adamw_update(w, m, v, g, lr, wd, beta_1, beta_2, eps, t):
     """One torch.optim.AdamW step for one tensor; returns the new (w, m, v).
@@ -272,15 +275,38 @@ def _apply_group_kernels(group: AdamWGroup, iterations, ms, vs, ws, grads) -> No
     """
     lr = group.rate(iterations)
     scalars = {}  # per dtype: the bias corrections in the weights' own precision
+    for w in ws:
+        if w.dtype not in scalars:
+            scalars[w.dtype] = _adam_scalars(group, lr, iterations + 1, w.dtype)
+    if group.weight_decay:
+        for dtype, s in scalars.items():
+            decay_in_place([w for w in ws if w.dtype == dtype], s["lr"] * group.weight_decay)
     for w, m, v, g in zip(ws, ms, vs, grads):
-        dtype = w.dtype
-        if dtype not in scalars:
-            scalars[dtype] = _adam_scalars(group, lr, iterations + 1, dtype)
-        if group.weight_decay:
-            w.assign_sub(w * (scalars[dtype]["lr"] * group.weight_decay))
         tf.raw_ops.ResourceApplyAdam(var=w.handle, m=m.handle, v=v.handle,
-                                     grad=tf.cast(g, dtype), **scalars[dtype])
+                                     grad=tf.cast(g, w.dtype), **scalars[w.dtype])
     iterations.assign_add(1)
+
+
+def decay_in_place(ws: Sequence[tf.Variable], rate: tf.Tensor) -> tf.Tensor:
+    """w -= rate * w for each of `ws` (all of rate's dtype); returns whether it ran.
+
+    Skipped as a whole when it cannot change any weight: for rate <= eps / 8 (eps: the dtype's
+    machine epsilon), fl(w * rate) is under half the spacing of the floats next to every normal
+    w, so w - w * rate rounds back to w. (Subnormal weights, which TensorFlow's CPU kernels flush
+    to zero in any arithmetic, ResourceApplyAdam's included, are flushed by the Adam kernel.) DETR's float32 defaults (lr 1e-4 and 1e-5, weight decay
+    1e-4) are such a case, in torch's form w * (1 - lr * wd) too, since 1 - 1e-8 rounds to 1.
+    """
+    def decay():
+        for w in ws:
+            w.assign_sub(w * rate)
+        return tf.constant(True)
+
+    return tf.cond(rate > decay_limit(rate.dtype), decay, lambda: tf.constant(False))
+
+
+def decay_limit(dtype: tf.DType) -> float:
+    """The largest decay rate that changes no finite value of `dtype` (eps / 8)."""
+    return 2.0 ** -(_MANTISSA_BITS[dtype] + 3)
 
 
 def _adam_scalars(group: AdamWGroup, lr, t, dtype) -> Dict[str, tf.Tensor]:
