@@ -42,7 +42,10 @@ def build_train_step(model_fn: Callable[[], tf_keras.Model], criterion, jit: str
     """
     engine = engine or dist.make_engine("default")
     previous = tf_keras.mixed_precision.global_policy().name
+    generators_were_on = tf_keras.backend.experimental.is_tf_random_generator_enabled()
     state.set_precision(precision)
+    # As train() does: dropout draws from each layer's own tf.random.Generator.
+    tf_keras.backend.experimental.enable_tf_random_generator()
     try:
         with engine.scope():
             model = state.build_model(model_fn, image_size)
@@ -57,6 +60,8 @@ def build_train_step(model_fn: Callable[[], tf_keras.Model], criterion, jit: str
                                            None, global_step)
     finally:
         tf_keras.mixed_precision.set_global_policy(previous)
+        if not generators_were_on:
+            tf_keras.backend.experimental.disable_tf_random_generator()
 
     @tf.function
     def step(batch):

@@ -22,6 +22,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.deformable_attention import MultiScaleDeformableAttention
+from detr_tf.modeling.dropout import Dropout
 from detr_tf.modeling.position_encoding import sine_features
 from detr_tf.modeling.transformer import MultiHeadAttention, _FeedForward, _layer_norm
 
@@ -66,8 +67,8 @@ class DeformableEncoderLayer(tf_keras.layers.Layer):
         self.ffn = _FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
         self.norm1 = _layer_norm("norm1")
         self.norm2 = _layer_norm("norm2")
-        self.dropout1 = tf_keras.layers.Dropout(dropout)
-        self.dropout2 = tf_keras.layers.Dropout(dropout)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
 
     def call(self, src, pos, reference_points, shapes, padding_mask, training=None):
         """src, pos: [B, S, d]; reference_points [B, S, L, 2]; padding_mask [B, S] (True =
@@ -92,7 +93,7 @@ class DeformableDecoderLayer(tf_keras.layers.Layer):
         self.norm1 = _layer_norm("norm1")
         self.norm2 = _layer_norm("norm2")
         self.norm3 = _layer_norm("norm3")
-        self.dropouts = [tf_keras.layers.Dropout(dropout) for _ in range(3)]
+        self.dropouts = [Dropout(dropout) for _ in range(3)]
 
     def call(self, tgt, query_pos, reference_points, memory, shapes, padding_mask,
              training=None):

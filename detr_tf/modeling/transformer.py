@@ -12,6 +12,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.modeling.dropout import Dropout
 from detr_tf.modeling.position_encoding import sine_features
 
 
@@ -57,7 +58,7 @@ class MultiHeadAttention(tf_keras.layers.Layer):
         self.k_proj = tf_keras.layers.Dense(d_model, name="k_proj")
         self.v_proj = tf_keras.layers.Dense(d_model, name="v_proj")
         self.out_proj = tf_keras.layers.Dense(d_model, name="out_proj")
-        self.dropout = tf_keras.layers.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def _split(self, x):
         b, n = tf.shape(x)[0], tf.shape(x)[1]
@@ -91,7 +92,7 @@ class _FeedForward(tf_keras.layers.Layer):
         super().__init__(**kwargs)
         self.linear1 = tf_keras.layers.Dense(dim_feedforward, name="linear1")
         self.linear2 = tf_keras.layers.Dense(d_model, name="linear2")
-        self.dropout = tf_keras.layers.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.activation = activation
 
     def call(self, x, training=None):
@@ -107,8 +108,8 @@ class EncoderLayer(tf_keras.layers.Layer):
         self.ffn = _FeedForward(d_model, dim_feedforward, dropout, activation, name="ffn")
         self.norm1 = _layer_norm("norm1")
         self.norm2 = _layer_norm("norm2")
-        self.dropout1 = tf_keras.layers.Dropout(dropout)
-        self.dropout2 = tf_keras.layers.Dropout(dropout)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
 
     def call(self, src, pos, key_mask, training=None):
         """src, pos: [B, S, d]; key_mask: [B, S] bool -> [B, S, d]."""
@@ -130,9 +131,9 @@ class DecoderLayer(tf_keras.layers.Layer):
         self.norm1 = _layer_norm("norm1")
         self.norm2 = _layer_norm("norm2")
         self.norm3 = _layer_norm("norm3")
-        self.dropout1 = tf_keras.layers.Dropout(dropout)
-        self.dropout2 = tf_keras.layers.Dropout(dropout)
-        self.dropout3 = tf_keras.layers.Dropout(dropout)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
+        self.dropout3 = Dropout(dropout)
 
     def call(self, tgt, memory, pos, query_pos, memory_mask, cross_query_pos=None,
              training=None, self_attn_mask=None):

@@ -1,0 +1,47 @@
+"""Dropout whose mask costs one random integer and one compare per element.
+
+tf_keras's Dropout, with the layer's own `tf.random.Generator` (what the trainer turns on so
+the random stream is checkpointed), draws a uniform float per element, compares it with the rate,
+scales the input and selects between it and a tensor of zeros; its gradient selects and scales
+again. Here the generator's raw 32-bit integers are compared with round(rate * 2^32) and the
+input is multiplied by the kept-and-scaled mask: one multiply forward, one backward.
+
+The same layer otherwise: a unit is dropped with probability rate (to within 2^-32, finer than
+a float32 uniform's 2^-24) and the kept ones are scaled by 1 / (1 - rate) in the input's dtype.
+Without a generator (tf_keras's legacy or stateless random modes), or with a `noise_shape`, it
+is tf_keras's Dropout unchanged. The mask stream differs from tf_keras's, so a run resumed from
+a checkpoint written before this layer existed draws different masks from there on.
+"""
+import tensorflow as tf
+import tf_keras
+
+
+class Dropout(tf_keras.layers.Dropout):
+    """tf_keras.layers.Dropout with an integer-threshold mask; same arguments and state."""
+
+    def call(self, inputs, training=None):
+        self._random_generator._maybe_init()  # noqa: SLF001 (creates the generator, if any)
+        generator = getattr(self._random_generator, "_generator", None)
+        if generator is None or self.noise_shape is not None or not 0 < self.rate < 1:
+            return super().call(inputs, training=training)
+        if training is None:
+            training = tf_keras.backend.learning_phase()
+        return tf.__internal__.smart_cond.smart_cond(
+            training, lambda: self._drop(inputs, generator), lambda: tf.identity(inputs))
+
+    def _drop(self, inputs: tf.Tensor, generator: tf.random.Generator) -> tf.Tensor:
+        return inputs * keep_mask(generator, tf.shape(inputs), self.rate, inputs.dtype)
+
+
+def keep_mask(generator: tf.random.Generator, shape, rate: float, dtype) -> tf.Tensor:
+    """1 / (1 - rate) where a unit is kept, 0 where dropped (probability round(rate*2^32)/2^32)."""
+    bits = generator.uniform_full_int(shape, tf.uint32)
+    keep = bits >= tf.constant(drop_threshold(rate), tf.uint32)
+    return tf.cast(keep, dtype) * tf.constant(1.0 / (1.0 - rate), dtype)
+
+
+def drop_threshold(rate: float) -> int:
+    """The integer below which a uniform 32-bit draw drops the unit."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    return min(int(round(rate * 2 ** 32)), 2 ** 32 - 1)
