@@ -41,14 +41,17 @@ def _layer_and_saved_state(x, rate=RATE, seed=3):
 
 
 def _numpy_keep(state, algorithm, shape, rate):
-    """Keep-mask from the same draws: bits >= rate * 2^32, computed in numpy."""
+    """Keep-mask from the same draws, in numpy: each 32-bit integer split into its two 16-bit
+    halves (in memory order), one per unit, kept where the half >= rate * 2^16."""
+    size = int(np.prod(shape))
     replay = tf.random.Generator.from_state(state, algorithm)
-    bits = replay.uniform_full_int(shape, tf.uint32).numpy().astype(np.uint64)
-    return bits >= np.uint64(round(rate * 2 ** 32))
+    bits = replay.uniform_full_int([(size + 1) // 2], tf.uint32).numpy()
+    halves = bits.view(np.uint16)[:size].astype(np.int64)
+    return (halves >= round(rate * 2 ** 16)).reshape(shape)
 
 
 def test_float32_output_is_the_numpy_mask_times_the_input_scaled(generators):
-    x = tf.random.stateless_normal([64, 2, 300], seed=[1, 2])
+    x = tf.random.stateless_normal([63, 3, 301], seed=[1, 2])  # an odd number of units
     layer, generator, state = _layer_and_saved_state(x)
     y = layer(x, training=True).numpy()
     keep = _numpy_keep(state, generator.algorithm, x.shape, RATE)
@@ -114,6 +117,7 @@ def test_without_a_generator_it_is_tf_keras_dropout(legacy_random):
 
 
 def test_threshold_and_bad_rates():
-    assert drop_threshold(0.5) == 2 ** 31 and drop_threshold(0.0) == 0
+    assert drop_threshold(0.5) == 2 ** 15 and drop_threshold(0.0) == 0
+    assert abs(drop_threshold(0.1) / 2 ** 16 - 0.1) < 7.7e-6
     with pytest.raises(ValueError, match="dropout rate must be in"):
         drop_threshold(1.0)
