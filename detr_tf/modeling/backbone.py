@@ -46,10 +46,34 @@ class FrozenBatchNorm(tf_keras.layers.Layer):
         super().build(input_shape)
 
     def call(self, x: tf.Tensor) -> tf.Tensor:
-        # Fold into one scale and shift in float32, then apply in the compute dtype.
-        scale = self.weight * tf.math.rsqrt(self.running_var + self.epsilon)
-        shift = self.bias - self.running_mean * scale
+        scale, shift = self.scale_and_shift()
         return x * tf.cast(scale, x.dtype) + tf.cast(shift, x.dtype)
+
+    def scale_and_shift(self) -> Tuple[tf.Tensor, tf.Tensor]:
+        """The norm as one per-channel scale and shift, folded in float32."""
+        scale = self.weight * tf.math.rsqrt(self.running_var + self.epsilon)
+        return scale, self.bias - self.running_mean * scale
+
+    def after(self, conv: "TorchConv2D", x: tf.Tensor) -> tf.Tensor:
+        """self(conv(x)) as conv(x) with kernel * scale, plus the shift as a bias.
+
+        The scale moves from the activations (a full multiply forward and backward) onto the
+        kernel, and grappler's remapper can fuse the convolution with the bias add and a
+        following ReLU. Equal to self(conv(x)) up to float rounding.
+        """
+        if not self.built:  # as __call__ would, under this layer's name
+            with tf.name_scope(self._name_scope()):  # noqa: SLF001
+                self._maybe_build(tf.TensorSpec([None, None, None, conv.filters]))  # noqa: SLF001
+        scale, shift = self.scale_and_shift()
+        y = conv(x, kernel_scale=scale)
+        return tf.nn.bias_add(y, tf.cast(shift, y.dtype))
+
+
+def conv_norm(conv: "TorchConv2D", norm: tf_keras.layers.Layer, x: tf.Tensor) -> tf.Tensor:
+    """norm(conv(x)); a frozen norm is folded into the convolution (`FrozenBatchNorm.after`)."""
+    if isinstance(norm, FrozenBatchNorm):
+        return norm.after(conv, x)
+    return norm(conv(x))
 
 
 NORMS = ("frozen", "batch")
@@ -77,11 +101,14 @@ class TorchConv2D(tf_keras.layers.Conv2D):
                              2.0, "fan_out", "untruncated_normal"), **kwargs)
         self._pad = dilation * (kernel_size // 2)
 
-    def call(self, x: tf.Tensor) -> tf.Tensor:
+    def call(self, x: tf.Tensor, kernel_scale: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """Pads, then convolves; with kernel_scale ([filters]), by the kernel times it."""
         if self._pad:
             p = self._pad
             x = tf.pad(x, [[0, 0], [p, p], [p, p], [0, 0]])
-        return super().call(x)
+        if kernel_scale is None:
+            return super().call(x)
+        return self.convolution_op(x, self.kernel * tf.cast(kernel_scale, self.kernel.dtype))
 
 
 def downsample_mask(pixel_mask: tf.Tensor, stride: int) -> tf.Tensor:
@@ -121,12 +148,12 @@ class BasicBlock(tf_keras.layers.Layer):
 
     def call(self, x: tf.Tensor, mask_in: tf.Tensor) -> tf.Tensor:
         """x: [B, h, w, C_in], mask_in: [B, h, w] bool -> [B, h/stride, w/stride, planes]."""
-        out = tf.nn.relu(self.bn1(self.conv1(_zero_padding(x, mask_in))))
+        out = tf.nn.relu(conv_norm(self.conv1, self.bn1, _zero_padding(x, mask_in)))
         out = _zero_padding(out, downsample_mask(mask_in, self.stride))
-        out = self.bn2(self.conv2(out))
+        out = conv_norm(self.conv2, self.bn2, out)
         identity = x
         if self.downsample is not None:
-            identity = self.downsample[1](self.downsample[0](x))
+            identity = conv_norm(*self.downsample, x)
         return tf.nn.relu(out + identity)
 
 
@@ -154,12 +181,12 @@ class Bottleneck(tf_keras.layers.Layer):
 
     def call(self, x: tf.Tensor, mask_in: tf.Tensor) -> tf.Tensor:
         """x: [B, h, w, C_in], mask_in: [B, h, w] bool -> [B, h/stride, w/stride, 4*planes]."""
-        out = tf.nn.relu(self.bn1(self.conv1(x)))
-        out = tf.nn.relu(self.bn2(self.conv2(_zero_padding(out, mask_in))))
-        out = self.bn3(self.conv3(out))
+        out = tf.nn.relu(conv_norm(self.conv1, self.bn1, x))
+        out = tf.nn.relu(conv_norm(self.conv2, self.bn2, _zero_padding(out, mask_in)))
+        out = conv_norm(self.conv3, self.bn3, out)
         identity = x
         if self.downsample is not None:
-            identity = self.downsample[1](self.downsample[0](x))
+            identity = conv_norm(*self.downsample, x)
         return tf.nn.relu(out + identity)
 
 
@@ -238,8 +265,7 @@ class ResNet(tf_keras.layers.Layer):
 
     def stem(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> tf.Tensor:
         """conv1 7x7/2 -> bn1 -> ReLU -> max-pool 3x3/2: [B, H, W, 3] -> [B, H/4, W/4, width]."""
-        x = self.conv1(_zero_padding(images, pixel_mask))
-        x = tf.nn.relu(self.bn1(x))  # stride 2
+        x = tf.nn.relu(conv_norm(self.conv1, self.bn1, _zero_padding(images, pixel_mask)))
         # The max-pool pads with zeros rather than torch's -inf: its input is >= 0 after the
         # ReLU and every window holds a real value, so the maximum is the same.
         x = tf.pad(_zero_padding(x, downsample_mask(pixel_mask, 2)),
