@@ -24,6 +24,7 @@ Two ways to run it, the same math and the same checkpointed state:
   variable is decayed in place and updated by TensorFlow's `ResourceApplyAdam` kernel, whose
   update is torch's once its epsilon is eps * sqrt(1 - beta_2^t). XLA:CPU runs the compiled
   update's element-wise fusions one after another on one thread; the kernels use every core.
+  The decay pass is skipped when lr * wd is too small to change any weight (`decay_in_place`).
 
 `build_optimizers(fused=False)` (detr_tf/training/optimization.py) selects a pair of tf_keras
 AdamW optimizers instead. See docs/PERFORMANCE.md, "The optimizer update", for the measurements.
