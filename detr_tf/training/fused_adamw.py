@@ -293,9 +293,11 @@ def decay_in_place(ws: Sequence[tf.Variable], rate: tf.Tensor) -> tf.Tensor:
 
     Skipped as a whole when it cannot change any weight: for rate <= eps / 8 (eps: the dtype's
     machine epsilon), fl(w * rate) is under half the spacing of the floats next to every normal
-    w, so w - w * rate rounds back to w. (Subnormal weights, which TensorFlow's CPU kernels flush
-    to zero in any arithmetic, ResourceApplyAdam's included, are flushed by the Adam kernel.) DETR's float32 defaults (lr 1e-4 and 1e-5, weight decay
-    1e-4) are such a case, in torch's form w * (1 - lr * wd) too, since 1 - 1e-8 rounds to 1.
+    w, so w - w * rate rounds back to w. DETR's float32 defaults (lr 1e-4 and 1e-5, weight
+    decay 1e-4) are such a case, in torch's form w * (1 - lr * wd) too, since 1 - 1e-8 rounds
+    to 1. Subnormal weights are the exception: TensorFlow's CPU kernels flush them to zero in
+    any arithmetic, so a decay that ran would zero them; the skip leaves them, and the Adam
+    kernel that follows flushes them anyway.
     """
     def decay():
         for w in ws:
