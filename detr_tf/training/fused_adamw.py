@@ -308,7 +308,7 @@ def decay_in_place(ws: Sequence[tf.Variable], rate: tf.Tensor) -> tf.Tensor:
 
 
 def decay_limit(dtype: tf.DType) -> float:
-    """The largest decay rate that changes no finite value of `dtype` (eps / 8)."""
+    """The largest decay rate that changes no normal value of `dtype` (eps / 8)."""
     return 2.0 ** -(_MANTISSA_BITS[dtype] + 3)
 
 
