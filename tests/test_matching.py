@@ -158,9 +158,10 @@ def test_leading_dims_and_broadcast_mask():
     np.testing.assert_array_equal(broadcast, out)
 
 
-def test_padded_targets_never_influence_the_result():
+@pytest.mark.parametrize("num_queries", [8, 20])  # the JV start, and the greedy one
+def test_padded_targets_never_influence_the_result(num_queries):
     rng = np.random.default_rng(11)
-    cost = rng.normal(size=(16, 8, 6)).astype(np.float32)
+    cost = rng.normal(size=(16, num_queries, 6)).astype(np.float32)
     mask = rng.random((16, 6)) < 0.5
     base = _JIT(tf.constant(cost), tf.constant(mask)).numpy()
     for fill in [-1e9, 1e9, np.nan, -np.inf, 0.0]:

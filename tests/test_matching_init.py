@@ -98,6 +98,57 @@ def test_column_reduction_only_on_square_problems():
     assert np.all(v[square] <= cost[square].min(axis=1) + 1e-6)
 
 
+_CHECKED_GREEDY = tf.function(matching_init.checked_greedy_start, jit_compile=True)
+
+
+def _greedy_reference(cost, row_mask, col_mask, bound):
+    """float64 numpy: each real row's first cheapest usable column, the lowest row winning a
+    contested column; ok unless some entry (real or padded) is NaN or beyond +-bound."""
+    n, r, c = cost.shape
+    row4col, placed = -np.ones((n, c), np.int32), np.zeros((n, r), bool)
+    for b in range(n):
+        usable = np.nonzero(col_mask[b])[0]
+        for i in np.nonzero(row_mask[b])[0]:
+            if usable.size:
+                j = usable[np.argmin(cost[b, i, usable].astype(np.float64))]
+                if row4col[b, j] < 0:
+                    row4col[b, j], placed[b, i] = i, True
+    ok = not np.any(~(np.abs(cost.astype(np.float64)) <= bound))
+    return row4col, placed, ok
+
+
+@pytest.mark.parametrize("shape", [(32, 5, 8), (16, 12, 100)])
+def test_checked_greedy_start_against_numpy(shape):
+    rng = np.random.default_rng(sum(shape))
+    n, r, c = shape
+    # Integer costs: many ties, which the lowest column must win (no signed zeros here).
+    cost = rng.integers(-3, 4, shape).astype(np.float32)
+    row_mask = rng.random((n, r)) < 0.7
+    col_mask = rng.random((n, c)) < 0.8
+    col_mask[0] = False  # a problem with no usable column: no row is placed
+    bound = 1e15
+    got = [x.numpy() for x in _CHECKED_GREEDY(cost, row_mask, col_mask, bound)]
+    want = _greedy_reference(cost, row_mask, col_mask, bound)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[2] and want[2]
+    # One bad entry anywhere, in a real row or a padded one, a usable column or not, is found.
+    for value in [np.nan, np.inf, -np.inf, 2e15, -2e15]:
+        for b, i, j in [(1, 0, 0), (2, r - 1, c - 1), (3, int(np.argmin(row_mask[3])), 1),
+                        (4, 1, int(np.argmin(col_mask[4])))]:
+            poked = cost.copy()
+            poked[b, i, j] = value
+            assert not _greedy_reference(poked, row_mask, col_mask, bound)[2]
+            assert not bool(_CHECKED_GREEDY(poked, row_mask, col_mask, bound)[2]), (value, b)
+    # Just within the bound is fine.
+    poked = cost.copy()
+    poked[1, 0, 0] = -1e15
+    got = [x.numpy() for x in _CHECKED_GREEDY(poked, row_mask, col_mask, bound)]
+    want = _greedy_reference(poked, row_mask, col_mask, bound)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[2] and want[2]
+
+
 _VARIANTS = [(None, 1), (1, 2), (4, 4)]  # (arr_passes, unroll); (None, 1) = no JV
 
 

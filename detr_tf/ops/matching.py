@@ -69,15 +69,6 @@ def _insertion_order(todo: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     return order[:, :num_rows], tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)
 
 
-def _start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_passes: Optional[int]
-           ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(row4col [N, C], v [N, C], init passes): the greedy start, or JV's if arr_passes is set."""
-    if arr_passes is None:
-        row4col = matching_init.greedy_start(cost, row_mask, col_mask)
-        return row4col, tf.zeros_like(cost[:, 0, :]), tf.constant(0, tf.int32)
-    return matching_init.jv_start(cost, row_mask, col_mask, arr_passes)
-
-
 def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
            arr_passes: Optional[int] = None, unroll: int = 1
            ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
@@ -86,7 +77,7 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
     Requires, per problem, no more real rows than real columns.
 
     Args:
-      cost: [N, R, C] float32, finite.
+      cost: [N, R, C] float32, any values: non-finite ones are cleaned (see `hungarian_matching`).
       row_mask: [N, R] bool, rows that must be assigned.
       col_mask: [N, C] bool, columns that may be used.
       arr_passes: None for the greedy start; otherwise the JV initialisation with at most this
@@ -106,9 +97,9 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
                          f"got cost with {num_cols} (the larger of Q and T).")
     num_words = (num_rows + 63) // 64
 
-    row4col, v, init_passes = _start(cost, row_mask, col_mask, arr_passes)
+    cost, row4col, v, init_passes, placed = matching_init.start(cost, row_mask, col_mask,
+                                                                arr_passes)
     # Each problem walks its own list of rows still to insert: the real rows the start left free.
-    placed = matching_init.col4row(row4col, num_rows) >= 0
     order, num_todo = _insertion_order(row_mask & ~placed)  # [N, R], [N]
     # A search scans at most min(R, C) columns before it reaches a free one, plus the sink step.
     max_iterations = num_rows * (min(num_rows, num_cols) + 1) + 1
@@ -297,7 +288,6 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     if num_targets <= num_queries:
         # Rows are targets, columns queries: [N, T, Q], so a target's row is one contiguous read.
         rows_first = tf.transpose(cost, [0, 2, 1])
-        rows_first = matching_inputs.sanitize(rows_first, target_mask, query_mask)
         return _solve(rows_first, target_mask, query_mask, arr_passes, unroll)
 
     # More target slots than queries. A problem with more real targets than queries is solved
@@ -313,7 +303,6 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     rows = tf.where(t, padded_queries, target_mask)
     cols = tf.where(t, target_mask, padded_queries)
     square = tf.where(transposed[:, None, None], swapped, normal)
-    square = matching_inputs.sanitize(square, rows, cols)
     row4col, stats = _solve(square, rows, cols, arr_passes, unroll)  # [N, T]
     # Normal problems: the first Q columns are the queries. Transposed ones: column = target,
     # row4col = its query; invert it so every query names its target.
@@ -403,8 +392,8 @@ class HungarianMatcher:
     def __init__(self, arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
                  unroll: Optional[int] = None, jv_min_fill: float = DEFAULT_JV_MIN_FILL):
         if (unroll is not None and unroll < 1) or (arr_passes is not None and arr_passes < 0):
-            raise ValueError(f"HungarianMatcher: unroll must be None or >= 1 and arr_passes None or "
-                             f">= 0, got unroll={unroll}, arr_passes={arr_passes}.")
+            raise ValueError(f"HungarianMatcher: unroll must be None or >= 1 and arr_passes None "
+                             f"or >= 0, got unroll={unroll}, arr_passes={arr_passes}.")
         self.arr_passes = arr_passes
         self.unroll = unroll
         self.jv_min_fill = jv_min_fill

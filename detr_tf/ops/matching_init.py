@@ -18,10 +18,16 @@ Two starts are offered:
   no epsilon), so one pass costs one sweep over [N, R, C] rather than one loop iteration per row.
   Without epsilon, ties can make rows displace each other back and forth, which is why the
   number of passes is bounded; whatever is still free is left to the exact search.
+
+`start` takes the raw costs, cleans them (`matching_inputs.sanitize`) and runs one of the two.
+For the greedy start it checks the costs in the argmin's own reduction
+(`checked_greedy_start`) rather than in a pass of its own.
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import tensorflow as tf
+
+from detr_tf.ops import matching_inputs
 
 _INF = float("inf")
 
@@ -98,11 +104,52 @@ def greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> t
     Returns:
       row4col: [N, C] int32, the row owning each column or -1.
     """
-    n = tf.shape(cost)[0]
-    num_rows, num_cols = cost.shape[1], cost.shape[2]
-    _, best = min_and_argmin(tf.where(col_mask[:, None, :], cost, _INF))  # [N, R]
-    winner = _scatter_min_rows(n, tf.where(row_mask, best, num_cols), num_cols, num_rows)
-    return tf.where(winner < num_rows, winner, -1)
+    return checked_greedy_start(cost, row_mask, col_mask, _INF)[0]
+
+
+def _claim(wanted: tf.Tensor, row_mask: tf.Tensor, num_cols: int
+           ) -> Tuple[tf.Tensor, tf.Tensor]:
+    """[N, R] column wanted by each row (num_cols: none) -> (row4col [N, C], placed [N, R]).
+
+    Each column goes to the lowest real row that wants it; `placed` marks the rows that got one.
+    """
+    num_rows = wanted.shape[1]
+    wanted = tf.where(row_mask, wanted, num_cols)
+    winner = _scatter_min_rows(tf.shape(wanted)[0], wanted, num_cols, num_rows)  # [N, C]
+    got = tf.gather(winner, tf.minimum(wanted, num_cols - 1), batch_dims=1)  # [N, R]
+    placed = (wanted < num_cols) & (got == tf.range(num_rows, dtype=tf.int32))
+    return tf.where(winner < num_rows, winner, -1), placed
+
+
+def checked_greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
+                         bound: float) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """`greedy_start` on unchecked costs, checking them in the same reduction.
+
+    One pass over the costs instead of two (a finiteness check, then the argmin): the usual
+    input is all finite, and the caller cleans the costs only when it is not.
+
+    Args:
+      cost: [N, R, C] float32, any values.
+      row_mask, col_mask: [N, R], [N, C] bool.
+      bound: entries with |x| > bound (or NaN) count as bad.
+
+    Returns:
+      row4col: [N, C] int32, as `greedy_start` gives; placed: [N, R] bool, the real rows that
+      got a column; ok: scalar bool, False if any entry, real or padded, is bad (the others
+      are then meaningless).
+    """
+    num_cols = cost.shape[2]
+    key = sortable_int64(cost) + tf.cast(tf.range(num_cols), tf.int64)
+    key = tf.where(col_mask[:, None, :], key, tf.int64.max)
+    # A bad entry wins its row's minimum, so checking the minima finds every bad entry.
+    key = tf.where(tf.abs(cost) <= bound, key, tf.int64.min)
+    best = tf.reduce_min(key, axis=2)  # [N, R]
+    ok = tf.reduce_all(best != tf.int64.min)
+    # A row with no usable column (best = int64 max) wants none.
+    col = tf.where(best < tf.int64.max, tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32),
+                   num_cols)
+    row4col, placed = _claim(col, row_mask, num_cols)
+    return row4col, placed, ok
 
 
 def _column_reduction(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
@@ -226,3 +273,38 @@ def jv_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_pass
 
     passes, row4col, v = tf.while_loop(cond, body, [tf.constant(0), row4col, v])
     return row4col, v, passes
+
+
+def start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_passes: Optional[int]
+          ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Cleans raw costs (see `matching_inputs.sanitize`) and starts the search on them.
+
+    The greedy start (arr_passes None) checks the costs in its own reduction: one fused copy
+    marks every bad entry (non-finite, or beyond +-CLIP) as NaN, the start runs on that copy,
+    and only if it found a bad entry are the costs cleaned and the start redone. A separate
+    check took about as long as the argmin, and as all the search steps of a sparse batch, on
+    XLA:CPU (docs/PERFORMANCE.md).
+
+    Args:
+      cost: [N, R, C] float32, any values.
+      row_mask, col_mask: [N, R], [N, C] bool.
+      arr_passes: None for the greedy start, else `jv_start` with at most this many passes.
+
+    Returns:
+      (clean cost [N, R, C], row4col [N, C], v [N, C], passes (scalar int32), placed [N, R]:
+      the real rows the start assigned).
+    """
+    if arr_passes is not None:
+        clean = matching_inputs.sanitize(cost, row_mask, col_mask)
+        row4col, v, passes = jv_start(clean, row_mask, col_mask, arr_passes)
+        return clean, row4col, v, passes, col4row(row4col, cost.shape[1]) >= 0
+    marked = tf.where(tf.abs(cost) <= matching_inputs.CLIP, cost, float("nan"))
+    row4col, placed, ok = checked_greedy_start(marked, row_mask, col_mask, matching_inputs.CLIP)
+
+    def cleaned():
+        worst = matching_inputs.worst_cost(cost, row_mask, col_mask)  # [N]
+        clean = matching_inputs.clean(cost, worst[:, None, None])
+        return (clean,) + checked_greedy_start(clean, row_mask, col_mask, _INF)[:2]
+
+    clean, row4col, placed = tf.cond(ok, lambda: (marked, row4col, placed), cleaned)
+    return clean, row4col, tf.zeros_like(cost[:, 0, :]), tf.constant(0, tf.int32), placed

@@ -3,19 +3,19 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
-# Finite costs are clipped to +-_CLIP (far beyond any real matching cost, far below overflow).
-_CLIP = 1e15
+# Finite costs are clipped to +-CLIP (far beyond any real matching cost, far below overflow).
+CLIP = 1e15
 
 
 def worst_cost(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Tensor:
     """[N, R, C] float32 -> [N] a finite cost worse than every real finite entry (max+range+1)."""
     finite = tf.math.is_finite(cost)
     real = row_mask[:, :, None] & col_mask[:, None, :] & finite
-    clipped = tf.clip_by_value(tf.where(finite, cost, 0.0), -_CLIP, _CLIP)
+    clipped = tf.clip_by_value(tf.where(finite, cost, 0.0), -CLIP, CLIP)
     # Reduce the minor axis first: XLA:CPU vectorises that, while a reduction over [R, C] at
     # once took several ms here.
-    hi = tf.reduce_max(tf.reduce_max(tf.where(real, clipped, -_CLIP), axis=2), axis=1)
-    lo = tf.reduce_min(tf.reduce_min(tf.where(real, clipped, _CLIP), axis=2), axis=1)
+    hi = tf.reduce_max(tf.reduce_max(tf.where(real, clipped, -CLIP), axis=2), axis=1)
+    lo = tf.reduce_min(tf.reduce_min(tf.where(real, clipped, CLIP), axis=2), axis=1)
     return hi + tf.maximum(hi - lo, 0.0) + 1.0
 
 
@@ -32,11 +32,15 @@ def sanitize(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor) -> tf.Te
       computed (in a conditional) when some entry needs it: those reductions cost more than the
       whole search on typical inputs.
     """
-    ok = tf.reduce_all(tf.reduce_all(tf.abs(cost) <= _CLIP, axis=2))  # False for NaN, +-inf
+    ok = tf.reduce_all(tf.reduce_all(tf.abs(cost) <= CLIP, axis=2))  # False for NaN, +-inf
     worst = tf.cond(ok, lambda: tf.zeros_like(cost[:, 0, 0]),
                     lambda: worst_cost(cost, row_mask, col_mask))  # [N]
-    out = tf.where(tf.math.is_finite(cost), tf.clip_by_value(cost, -_CLIP, _CLIP),
-                   worst[:, None, None])
+    return clean(cost, worst[:, None, None])
+
+
+def clean(cost: tf.Tensor, worst: tf.Tensor) -> tf.Tensor:
+    """Finite entries clipped to +-CLIP, the others replaced by `worst` (broadcast)."""
+    out = tf.where(tf.math.is_finite(cost), tf.clip_by_value(cost, -CLIP, CLIP), worst)
     out.set_shape(cost.shape)
     return out
 
