@@ -36,9 +36,11 @@ _MAX_COLUMNS = 1 << 16
 _SHRINK_FACTORS = (4, 16, 64)
 # Augmenting-row-reduction passes of the JV start, by default (see the benchmark's table).
 DEFAULT_ARR_PASSES = 4
-# Search steps per while-loop iteration on crowded problems (see jv_min_fill), by default: fewer
-# loop-condition round trips. Sparse problems need a handful of steps and run one per iteration.
+# Search steps per while-loop iteration, by default: fewer loop-condition round trips. Crowded
+# problems (see jv_min_fill) take hundreds of steps; sparse ones a handful, so a problem that
+# finishes mid-iteration idles less with 2.
 DEFAULT_UNROLL = 4
+DEFAULT_SPARSE_UNROLL = 2
 # The JV start runs only when min(Q, T) >= this fraction of max(Q, T), by default. With few
 # targets the greedy start already places nearly every row, and the JV sweeps over [N, T, Q]
 # cost more than the handful of search steps they save (docs/PERFORMANCE.md).
@@ -104,7 +106,8 @@ def _solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
     # A search scans at most min(R, C) columns before it reaches a free one, plus the sink step.
     max_iterations = num_rows * (min(num_rows, num_cols) + 1) + 1
 
-    consts = dict(cost=cost, order=order, num_todo=num_todo, col_mask=col_mask)
+    consts = dict(cost=cost, problem=tf.range(n), order=order, num_todo=num_todo,
+                  col_mask=col_mask)
     ptr0 = tf.zeros([n], tf.int32)
     row0 = tf.gather(order, ptr0, batch_dims=1)
     state = dict(
@@ -143,20 +146,19 @@ def _search(state, consts, static_n: Optional[int], max_iterations: int, unroll:
     capacities = sorted({static_n} | {max(1, static_n // f) for f in _SHRINK_FACTORS},
                         reverse=True)
     row4col_out, steps_out = state["row4col"], state["steps"]
-    global_index = tf.range(static_n)  # [n_stage] global index of each problem in the stage
     for stage, capacity in enumerate(capacities):
         if stage > 0:
             active = tf.cast(state["ptr"] < consts["num_todo"], tf.int32)
             pick = tf.math.top_k(active, k=capacity, sorted=False).indices  # [capacity]
             state = {k: tf.gather(x, pick) for k, x in state.items()}
-            consts = {k: tf.gather(x, pick) for k, x in consts.items()}
-            global_index = tf.gather(global_index, pick)
+            # The costs stay whole: rows are read at their problem's global index.
+            consts = {k: x if k == "cost" else tf.gather(x, pick) for k, x in consts.items()}
         stop = capacities[stage + 1] if stage + 1 < len(capacities) else 0
         state, iterations = _run_stage(state, consts, iterations, stop, max_iterations,
                                        unroll)
-        row4col_out = tf.tensor_scatter_nd_update(row4col_out, global_index[:, None],
-                                                  state["row4col"])
-        steps_out = tf.tensor_scatter_nd_update(steps_out, global_index[:, None], state["steps"])
+        index = consts["problem"][:, None]
+        row4col_out = tf.tensor_scatter_nd_update(row4col_out, index, state["row4col"])
+        steps_out = tf.tensor_scatter_nd_update(steps_out, index, state["steps"])
     return row4col_out, iterations, steps_out
 
 
@@ -190,13 +192,13 @@ def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int,
     return state, iterations
 
 
-def _relax(s: Dict[str, tf.Tensor], flat_cost: tf.Tensor, num_rows: int, active: tf.Tensor
-           ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def _relax(s: Dict[str, tf.Tensor], flat_cost: tf.Tensor, num_rows: int, problem: tf.Tensor,
+           active: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Relaxes the labels through the current row: (shortest [n, C], path [n, C], pathbits)."""
     num_cols = flat_cost.shape[1]
-    # The current row's costs [n, C], as a plain row gather from [n * R, C]: the batch_dims
+    # The current row's costs [n, C], as a plain row gather from [N * R, C]: the batch_dims
     # gather was the costliest fusion of the loop on XLA:CPU.
-    crow = tf.gather(flat_cost, tf.range(tf.shape(s["row"])[0]) * num_rows + s["row"])
+    crow = tf.gather(flat_cost, problem * num_rows + s["row"])
     crow.set_shape(s["row"].shape.concatenate([num_cols]))
     v = s["v"]
     # Offset that turns C[row, :] - v into labels: entry label minus the row's potential.
@@ -235,7 +237,8 @@ def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[
     num_words = (num_rows + 63) // 64
     col_iota = tf.range(num_cols, dtype=tf.int32)
     active = s["ptr"] < num_todo  # [n]
-    shortest, path, pathbits = _relax(s, tf.reshape(cost, [-1, num_cols]), num_rows, active)
+    shortest, path, pathbits = _relax(s, tf.reshape(cost, [-1, num_cols]), num_rows,
+                                      consts["problem"], active)
 
     # One reduction picks the cheapest unscanned column, free columns first on ties, then
     # the lowest index: key = [label (32 bits) | owned flag | column index].
@@ -337,7 +340,7 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
     else:
         crowded = min(num_queries, num_targets) >= jv_min_fill * max(num_queries, num_targets)
         if unroll is None:
-            unroll = DEFAULT_UNROLL if crowded else 1
+            unroll = DEFAULT_UNROLL if crowded else DEFAULT_SPARSE_UNROLL
         if not crowded:
             arr_passes = None
         matched, stats = _hungarian_flat(flat, mask, arr_passes, unroll)
@@ -365,7 +368,8 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
       unroll: search steps per while-loop iteration. Every iteration costs a loop-condition round
         trip, so on crowded problems fewer, longer iterations help; a problem that finishes
         mid-iteration just idles. None: 4 (DEFAULT_UNROLL) when the shapes are crowded (see
-        jv_min_fill), else 1. Like arr_passes, it never changes the result.
+        jv_min_fill), else 2 (DEFAULT_SPARSE_UNROLL). Like arr_passes, it never changes the
+        result.
       jv_min_fill: the shapes count as crowded when min(Q, T) >= jv_min_fill * max(Q, T)
         (static shapes). Only crowded shapes get the JV start; others the greedy start.
         0 = the JV start whenever arr_passes is set.
