@@ -281,9 +281,8 @@ def start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_passes:
 
     The greedy start (arr_passes None) checks the costs in its own reduction: one fused copy
     marks every bad entry (non-finite, or beyond +-CLIP) as NaN, the start runs on that copy,
-    and only if it found a bad entry are the costs cleaned and the start redone. A separate
-    check took about as long as the argmin, and as all the search steps of a sparse batch, on
-    XLA:CPU (docs/PERFORMANCE.md).
+    and only if it found a bad entry are the costs cleaned and the start redone. On XLA:CPU a
+    separate check took about as long as the argmin itself (docs/PERFORMANCE.md).
 
     Args:
       cost: [N, R, C] float32, any values.
