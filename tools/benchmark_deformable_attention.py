@@ -9,15 +9,20 @@ jit-compiled (`--modes`), in interleaved rounds. It prints a markdown table and 
 average, and writes everything as JSON. See detr_tf/benchmarks/deformable_attention.py for how
 FLOPs and memory are counted.
 """
+import os
 import platform
 
-from absl import app, flags
-from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
-import tensorflow as tf
-import tf_keras
+# Memory statistics on the CPU need a BFC allocator, chosen before TensorFlow loads (see
+# bench.step_memory_mb); CPUs with AVX-512 get one from oneDNN anyway.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-from detr_tf.benchmarks import deformable_attention as bench
-from detr_tf.benchmarks import timing
+from absl import app, flags  # noqa: E402
+from detr_tf import cli  # noqa: F401,E402 -- quiets TensorFlow's C++ logs before it loads
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+from detr_tf.benchmarks import deformable_attention as bench  # noqa: E402
+from detr_tf.benchmarks import timing  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
 

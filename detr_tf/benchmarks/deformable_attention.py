@@ -116,8 +116,18 @@ def build_step(case: Case, variant: str, d_model: int, num_heads: int, num_point
 
 
 def step_memory_mb(fn: Callable[[], object], steps: int = 2) -> float:
-    """Peak allocator memory of `steps` calls of a warmed-up fn above what was held before."""
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    """Peak allocator memory of `steps` calls of a warmed-up fn above what was held before.
+
+    TensorFlow keeps CPU memory statistics only with a BFC allocator: oneDNN's, on by default on
+    CPUs with AVX-512, or the one TF_CPU_ALLOCATOR_USE_BFC=true asks for before TensorFlow loads
+    (tools/benchmark_deformable_attention.py sets it).
+    """
+    try:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+    except ValueError as err:
+        raise RuntimeError("step_memory_mb: TensorFlow keeps no memory statistics for CPU:0 in "
+                           "this process; set TF_CPU_ALLOCATOR_USE_BFC=true before it loads."
+                           ) from err
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     for _ in range(steps):
         timing.sync(fn())
