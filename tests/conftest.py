@@ -1,5 +1,13 @@
 """Test-session setup shared by every test module."""
-import tensorflow as tf
+import os
+
+# oneDNN for every test and every process a test starts, before TensorFlow loads. TensorFlow
+# turns it on by default only on some CPUs (AVX-512 and newer); on an AVX2-only AMD EPYC the
+# suite ran without it, its convolutions about 1.9x slower, and CI took over 50 minutes instead
+# of under 30. With it on, every CPU runs the suite as it was developed.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+import tensorflow as tf  # noqa: E402
 
 # Two logical CPU devices for the whole test process, so tests of replica-context code can use a
 # real MirroredStrategy in-process. This must happen before anything initialises TensorFlow's

@@ -178,10 +178,14 @@ def tf_keras_runs(shapes_cache, tmp_path_factory):
     return _engines_pair(shapes_cache, tmp_path_factory, "tf_keras")
 
 
+# tf_keras's own AdamW on the engines: slow (a pair of runs of their own), so `pytest -m slow -k
+# tf_keras tests/test_trainer.py`.
+@pytest.mark.slow
 def test_tf_keras_adamw_mirrored_two_replicas_equals_one_device(tf_keras_runs):
     _assert_same_training(tf_keras_runs / "default", tf_keras_runs / "mirrored")
 
 
+@pytest.mark.slow
 def test_a_tf_keras_run_is_not_resumed_by_the_fused_update(tf_keras_runs, shapes_cache):
     run_dir = tf_keras_runs / "default"
     before = sorted(os.listdir(run_dir / "checkpoints"))
@@ -238,6 +242,10 @@ def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
     _assert_same_training(engine_runs / "default", engine_runs / "horovod")
 
 
+# Preemption of one of two processes: slow (two jobs each, started, signalled and resumed), so
+# `pytest -m slow -k preempted tests/test_trainer.py`. The single-process SIGTERM test below
+# stays in the default suite.
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs, shapes_cache,
                                                                      tmp_path):
@@ -252,6 +260,7 @@ def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs
     _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
 
 
+@pytest.mark.slow
 def test_multi_worker_preempted_on_one_worker_stops_all_and_resumes_exactly(
         engine_runs, shapes_cache, tmp_path):
     def launch(num_steps):
