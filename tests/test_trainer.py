@@ -233,6 +233,10 @@ def test_gradient_accumulation_equals_one_larger_batch(engine_runs):
     _assert_same_training(engine_runs / "default", engine_runs / "accumulated")
 
 
+# Two-process engines against one device: slow (each starts two TensorFlow processes that
+# compile and train), so `pytest -m slow -k two_processes tests/test_trainer.py`. Mirrored and
+# gradient accumulation stay in the default suite, and so does tests/test_horovod.py.
+@pytest.mark.slow
 @pytest.mark.horovod
 def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
     exe = horovodrun_or_skip()
@@ -287,6 +291,7 @@ def _free_ports(n):
     return ports
 
 
+@pytest.mark.slow
 def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache):
     ports = _free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
