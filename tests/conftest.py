@@ -3,8 +3,9 @@ import os
 
 # oneDNN for every test and every process a test starts, before TensorFlow loads. TensorFlow
 # turns it on by default only on some CPUs (AVX-512 and newer); on an AVX2-only AMD EPYC the
-# suite ran without it, its convolutions about 1.9x slower, and CI took over 50 minutes instead
-# of under 30. With it on, every CPU runs the suite as it was developed.
+# suite ran without it, with Eigen's convolutions (about 1.9x slower on a small conv step). With
+# it on, every CPU runs the suite as it was developed. It did not shorten CI there much: the
+# suite still took about 43 minutes before the longest tests moved to the slow set.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import tensorflow as tf  # noqa: E402
