@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Union
 
 import tensorflow as tf
 
+from detr_tf.training import hardware
+
 # What 'auto' picks. On a GPU or TPU the host round trip of every step (tens to hundreds of
 # microseconds of launch and sync, plus Python) is worth hiding; on a CPU the host and the
 # "device" share the same cores, and the measured effect of longer loops ranged from a loss to a
@@ -39,8 +41,7 @@ def resolve_steps_per_loop(steps_per_loop: Union[int, str]) -> int:
     """'auto' -> ACCELERATOR_STEPS_PER_LOOP with a GPU or TPU, else CPU_STEPS_PER_LOOP; an int
     >= 1 is kept."""
     if steps_per_loop == "auto":
-        accelerated = (tf.config.list_physical_devices("GPU")
-                       or tf.config.list_physical_devices("TPU"))
+        accelerated = hardware.detect().accelerated
         return ACCELERATOR_STEPS_PER_LOOP if accelerated else CPU_STEPS_PER_LOOP
     if isinstance(steps_per_loop, bool) or not isinstance(steps_per_loop, int) or (
             steps_per_loop < 1):

@@ -16,16 +16,15 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpointing, fused_adamw, optimization
+from detr_tf.training import checkpointing, fused_adamw, hardware, optimization
 from detr_tf.training.step import split_variables
 
-PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-
-
-def set_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"train.precision={precision!r} is not one of {PRECISIONS}")
+def set_precision(precision: str) -> str:
+    """Sets the Keras policy; 'auto' is resolved on this machine (hardware.resolve_precision).
+    Returns the policy set."""
+    precision, _ = hardware.resolve_precision(precision)
     tf_keras.mixed_precision.set_global_policy(precision)
+    return precision
 
 
 def build_model(model_fn: Callable[[], tf_keras.Model],

@@ -12,23 +12,29 @@ per step. With Mirrored, MultiWorkerMirrored and Horovod the all-reduce stays ou
 update runs as its own program (one per local device). Its kernel form (a CPU's default) runs
 outside XLA whatever the `jit` setting.
 """
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Tuple
 
 import gin
 import tensorflow as tf
 
-from detr_tf.training import fused_adamw
+from detr_tf.training import fused_adamw, hardware
 
 JIT_CHOICES = ("auto", "step", "loss", "none")
 
 
-def resolve_jit(jit: str, deterministic: bool = False) -> str:
-    """'auto' -> 'step' with a GPU or TPU, else 'loss'; other choices are checked and kept.
+def resolve_jit(jit: str, deterministic: bool = False, hw=None) -> str:
+    """'auto' -> hardware.auto_jit ('step' with a GPU or TPU, else 'loss'); other choices are
+    checked and kept. See `resolve_jit_why` for the reason of an 'auto' choice.
 
     A deterministic run cannot compile the backward pass: TensorFlow's op determinism refuses
     XLA's max-pool gradient (the backbone's stem), at the first step's compile. So 'auto' gives
     'loss' then, and an explicit 'step' fails here, before anything compiles.
     """
+    return resolve_jit_why(jit, deterministic, hw)[0]
+
+
+def resolve_jit_why(jit: str, deterministic: bool = False, hw=None) -> Tuple[str, str]:
+    """(jit, why) as `resolve_jit`; why is empty unless 'auto' chose."""
     if jit not in JIT_CHOICES:
         raise ValueError(f"train.jit={jit!r} is not one of {JIT_CHOICES}")
     if jit == "step" and deterministic:
@@ -36,9 +42,8 @@ def resolve_jit(jit: str, deterministic: bool = False) -> str:
                          "deterministic max-pool gradient; use jit='loss' (matching and losses "
                          "compiled, the same results) or turn off deterministic")
     if jit != "auto":
-        return jit
-    accelerated = tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
-    return "step" if accelerated and not deterministic else "loss"
+        return jit, ""
+    return hardware.auto_jit(hw or hardware.detect(), deterministic)
 
 
 def _zeros_for_missing(grads, variables):

@@ -28,12 +28,13 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpointing, state as state_lib
+from detr_tf.training import checkpointing, hardware, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
 from detr_tf.training.loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
 from detr_tf.training.metrics_writer import MetricsWriter, format_elapsed
-from detr_tf.training.step import StepBuilder, resolve_jit, split_variables  # noqa: F401
+from detr_tf.training.step import (  # noqa: F401
+    StepBuilder, resolve_jit, resolve_jit_why, split_variables)
 
 NAN_POLICIES = ("stop", "skip")
 
@@ -98,7 +99,7 @@ def train(model_dir: str,
           init_weights: Optional[str] = None,
           distribution: str = "default",
           cpu_devices: int = 0,
-          precision: str = "float32",
+          precision: str = "auto",
           jit: str = "auto",
           clip_norm: float = 0.1,
           grad_accum_steps: int = 1,
@@ -138,7 +139,9 @@ def train(model_dir: str,
       distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod' (automatic under
         horovodrun).
       cpu_devices: with 'mirrored' on a CPU-only machine, logical CPU devices to mirror over.
-      precision: Keras policy: 'float32', 'mixed_bfloat16' or 'mixed_float16'.
+      precision: Keras policy: 'float32', 'mixed_bfloat16', 'mixed_float16', or 'auto':
+        mixed_bfloat16 where the hardware computes bfloat16 natively, else float32
+        (detr_tf/training/hardware.py; the run's first line says what it chose and why).
       jit: what XLA compiles, see the module docstring.
       clip_norm: max global gradient norm (DETR: 0.1); <= 0 disables.
       grad_accum_steps: micro-batches accumulated per optimizer step.
@@ -184,15 +187,20 @@ def train(model_dir: str,
     # Dropout draws from tf.random.Generator state that lives in the layers' variables, so it is
     # checkpointed and a resumed run continues the same random stream.
     tf_keras.backend.experimental.enable_tf_random_generator()
+    hw = hardware.detect()
+    precision, precision_why = hardware.resolve_precision(precision, hw)
     state_lib.set_precision(precision)
-    jit = resolve_jit(jit, deterministic)
+    jit, jit_why = resolve_jit_why(jit, deterministic, hw)
     steps_per_loop = resolve_steps_per_loop(steps_per_loop)
     writer = MetricsWriter(model_dir, enabled=engine.is_chief)
+    # What 'auto' chose, and why: on the run's first line and atop operative_config.gin.
+    chosen = {"precision": hardware.describe(precision, precision_why),
+              "jit": hardware.describe(jit, jit_why)}
     if engine.is_chief:
         _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
-        print(f"detr_tf: engine={engine.name} replicas={engine.num_replicas} jit={jit} "
-              f"precision={precision} steps={num_steps} steps_per_loop={steps_per_loop} "
-              f"model_dir={model_dir}", flush=True)
+        print(f"detr_tf: engine={engine.name} replicas={engine.num_replicas} "
+              f"jit={chosen['jit']} precision={chosen['precision']} steps={num_steps} "
+              f"steps_per_loop={steps_per_loop} model_dir={model_dir}", flush=True)
 
     state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, precision,
                             ema_decay, jit, clip_norm, grad_accum_steps)
@@ -209,7 +217,7 @@ def train(model_dir: str,
                      steps_per_loop=steps_per_loop)
     timing = {"set-up": time.time() - started}
     result = _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_fn,
-                  timing, start_step)
+                  timing, start_step, chosen)
     if result.terminated:
         writer.close()
         return {"step": result.step, **result.last_train}
@@ -231,13 +239,15 @@ def _build(engine, model_fn, criterion, info, steps_per_epoch, precision, ema_de
 
 
 def _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_fn, timing,
-         start_step):
-    """The training loop, timed into `timing`; writes operative_config.gin after step one."""
+         start_step, chosen):
+    """The training loop, timed into `timing`; writes operative_config.gin after step one, headed
+    by the values the run resolved (`chosen`: binding -> value, e.g. what 'auto' picked)."""
     def write_operative_config():
         # Only after the first step has every configurable the step uses been called.
         if engine.is_chief:
+            resolved = "".join(f"# train.{k} resolved to {v}\n" for k, v in chosen.items())
             _write_text(os.path.join(model_dir, "operative_config.gin"),
-                        gin.operative_config_str())
+                        resolved + gin.operative_config_str())
 
     # The NaN policy 'stop' ends a device loop at the first non-finite step, before the host
     # raises; 'skip' lets the loop go on (those steps skip their update).
