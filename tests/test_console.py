@@ -72,3 +72,53 @@ def test_tools_hide_tensorflow_cpp_logs_unless_verbose(verbose):
     assert proc.returncode == 0 and "result ok" in out, out[-3000:]
     assert ("Ignoring Assert operator" in out) == verbose, out[-3000:]
     assert ("oneDNN custom operations" in out) == verbose, out[-3000:]
+
+
+ONEDNN = """
+import runpy, sys
+sys.argv = ["{tool}"]
+runpy.run_path("{tool}", run_name="imported_not_main")  # the tool's imports, not its main()
+from tensorflow.python.util import _pywrap_util_port
+print("onednn", _pywrap_util_port.IsMklEnabled())
+"""
+
+
+@pytest.mark.parametrize("user_value, expected", [(None, True), ("0", False), ("1", True)])
+def test_tools_turn_onednn_on_unless_the_user_set_it(user_value, expected):
+    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3")
+    if user_value is not None:
+        env["TF_ENABLE_ONEDNN_OPTS"] = user_value
+    code = ONEDNN.format(tool=REPO / "tools" / "train.py")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert f"onednn {expected}" in proc.stdout
+
+
+def _first_imports(path):
+    """The top-level modules a script imports, in order (absl and the standard library left
+    out), at any depth of the file."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [n for _, n in sorted(names)]
+
+
+@pytest.mark.parametrize("tool", sorted(p.name for p in (REPO / "tools").glob("*.py")))
+def test_every_tool_imports_cli_before_tensorflow(tool):
+    """cli sets TensorFlow's environment (oneDNN, log level) at import, which works only before
+    TensorFlow loads: every tool that reaches TensorFlow imports it first."""
+    names = _first_imports(REPO / "tools" / tool)
+    reaching = [n for n in names if n.split(".")[0] in ("tensorflow", "tf_keras", "detr_tf")
+                and n != "detr_tf.cli"]
+    if not reaching:
+        return  # the torch fixture scripts: no TensorFlow
+    assert "detr_tf.cli" in names, f"{tool} reaches {reaching[0]} but never imports detr_tf.cli"
+    assert names.index("detr_tf.cli") < names.index(reaching[0]), (
+        f"{tool} imports {reaching[0]} before detr_tf.cli")

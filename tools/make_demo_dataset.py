@@ -12,6 +12,7 @@ composited onto real-photo backgrounds with scale, rotation and lighting variety
 """
 from absl import app, flags
 
+from detr_tf import cli  # noqa: F401 -- first: sets TensorFlow's environment before it loads
 from detr_tf.data import demo_photos
 
 FLAGS = flags.FLAGS
