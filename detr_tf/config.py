@@ -4,11 +4,12 @@ Every entry script goes through `parse_gin_config`, so a typo in a binding or a 
 fails the same way everywhere: a one-paragraph message that names the file, the binding and what
 was expected, and no traceback.
 """
+import copy
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import gin
 
@@ -22,6 +23,60 @@ _REQUIRED_MACRO = re.compile(r"(\w+)/macro\.value set to `%gin\.REQUIRED` but no
 
 class ConfigError(ValueError):
     """A Gin file or binding is wrong; the message says which and why."""
+
+
+class UnsetMacro(str):
+    """The value a tool gives a `%gin.REQUIRED` macro that the user did not set, when the tool
+    may not need it (`parse_gin_config(..., defer_required=True)`).
+
+    Importing weights needs only the model, evaluating only the model and the eval data, yet
+    experiment files also require training data and backbone weights. A str, so code that
+    merely passes it on works; code that reads it calls `check_given` first, which names the
+    macro and the fix.
+    """
+
+    def __new__(cls, name: str):
+        obj = super().__new__(cls, f"<{name}: %gin.REQUIRED, not given>")
+        obj.name = name
+        return obj
+
+    def __reduce__(self):  # Gin copies bound values: keep the name
+        return UnsetMacro, (self.name,)
+
+
+def check_given(value, what: str) -> None:
+    """Raises ConfigError when `value` is an unset %gin.REQUIRED macro that `what` needs.
+
+    Args:
+      value: a bound value.
+      what: what reads it, e.g. "reading the training data (TFRecordSource.file_pattern)".
+    """
+    if isinstance(value, UnsetMacro):
+        raise ConfigError(f"{value.name} is required for {what}; the gin files set it to "
+                          f"%gin.REQUIRED: give it with --gin_param=\"{value.name}='...'\"")
+
+
+def bound_value(selector: str, name: str, default: Any = None) -> Any:
+    """The value bound to `selector.name`, its references resolved; `default` if unbound.
+
+    Resolves this one binding only: `gin.get_bindings(selector)` resolves all of them, and for a
+    run's `train` that calls e.g. `@custom_train_steps()`, which prepares the custom dataset.
+    """
+    bindings = gin.get_bindings(selector, resolve_references=False)
+    return copy.deepcopy(bindings[name]) if name in bindings else default
+
+
+def _required_macros() -> list[str]:
+    """Macros still bound to %gin.REQUIRED, from the config's own text."""
+    return re.findall(r"^(\w+) = %gin\.REQUIRED$", gin.config_str(), flags=re.MULTILINE)
+
+
+def config_text() -> str:
+    """The Gin config as text, with every `UnsetMacro` written back as %gin.REQUIRED, so a saved
+    config asks for the macro again instead of holding the placeholder."""
+    text = gin.config_str()
+    return re.sub(r"^(\w+) = '<\1: %gin\.REQUIRED, not given>'$", r"\1 = %gin.REQUIRED", text,
+                  flags=re.MULTILINE)
 
 
 def gin_search_paths() -> list[Path]:
@@ -75,13 +130,16 @@ def _register_configurables() -> None:
 
 
 def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = (),
-                     finalize: bool = True) -> list[str]:
+                     finalize: bool = True, defer_required: bool = False) -> list[str]:
     """Parses gin files and bindings strictly: unknown names are errors.
 
     Args:
       gin_files: gin file names or paths, resolved with `resolve_gin_file`.
       gin_params: extra bindings, e.g. "train.num_steps = 10", applied after the files.
       finalize: lock the config after parsing.
+      defer_required: macros left at %gin.REQUIRED become `UnsetMacro`s instead of an error,
+        for tools that read only part of a run (the model, the eval data); what reads one
+        fails then, naming it (`check_given`).
 
     Returns:
       The resolved paths of the gin files that were parsed.
@@ -102,7 +160,12 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
         lg.setLevel(logging.CRITICAL)
     try:
         gin.parse_config_files_and_bindings(
-            paths, list(gin_params), skip_unknown=False, finalize_config=finalize)
+            paths, list(gin_params), skip_unknown=False, finalize_config=False)
+        if defer_required:
+            for name in _required_macros():
+                gin.bind_parameter(f"{name}/macro.value", UnsetMacro(name))
+        if finalize:
+            gin.finalize()
     except (ValueError, SyntaxError, OSError, TypeError) as e:
         where = f"gin files {paths}" if paths else "gin bindings"
         missing = _REQUIRED_MACRO.search(str(e))

@@ -123,4 +123,4 @@ def test_a_model_only_config_imports_and_says_the_tools_need_an_experiment_file(
         gin.clear_config()
     assert len(report.loaded) == 202 and not report.reinitialized
     assert path.endswith("ckpt-0") and (tmp_path / "run" / "config.gin").is_file()
-    assert "binds no train.model_fn" in steps
+    assert "the config binds no data" in steps

@@ -41,7 +41,10 @@ def main(argv):
     if not FLAGS.gin_file:
         sys.exit("import_weights.py: --gin_file is required (the model to import into), e.g. "
                  "--gin_file=gin_configs/detr_r50.gin")
-    cli.parse_gin_or_exit("import_weights.py", FLAGS.gin_file, FLAGS.gin_param)
+    # Only the model is built: the data and backbone-weight macros an experiment file requires
+    # for training may stay unset.
+    cli.parse_gin_or_exit("import_weights.py", FLAGS.gin_file, FLAGS.gin_param,
+                          defer_required=True)
     from detr_tf.weights import run_dir
 
     # Flags given on the command line win; the others leave load_pretrained's Gin bindings be.

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import gin
 
+from detr_tf import config
 from detr_tf.data import cache_dirs, custom_layouts as layouts
 
 _IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -230,6 +231,9 @@ def custom_dataset(data_dir: str = gin.REQUIRED,
                    cache_dir: str = "~/.cache/detr_tf/custom") -> CustomDataset:
     """`prepare_custom_dataset`, once per process for a given dataset version (Gin calls this
     for every reference; the annotation files' size and mtime tell a changed dataset)."""
+    config.check_given(data_dir, "the custom dataset (custom_dataset.data_dir), from which the "
+                       "classes, sizes and step budget come; to build only the model, give "
+                       "NUM_CLASSES (and NUM_QUERIES where the data sets it) instead")
     layout = layouts.detect_layout(data_dir)
     stamps = tuple(tuple(_file_stamp(s.annotations, False)) if s.annotations else s.voc_ids
                    for _, s in sorted(layout.splits.items()))

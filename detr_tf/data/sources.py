@@ -11,6 +11,7 @@ from typing import List, Optional
 import gin
 import tensorflow as tf
 
+from detr_tf import config
 from detr_tf.data import label_map as label_map_lib
 from detr_tf.data import tfexample
 
@@ -74,6 +75,7 @@ class TFRecordSource:
 
     def files(self) -> List[str]:
         """Sorted matching files; raises FileNotFoundError naming the pattern if none."""
+        config.check_given(self.file_pattern, "reading TFRecordSource.file_pattern")
         files = []
         for pattern in self.file_pattern.split(","):
             files.extend(tf.io.gfile.glob(pattern.strip()))
@@ -141,6 +143,7 @@ class TFDSSource:
     def _builder(self):
         import tensorflow_datasets as tfds  # imported here: only this source needs it
 
+        config.check_given(self.data_dir, f"reading TFDS {self.name!r} (TFDSSource.data_dir)")
         builder = tfds.builder(self.name, data_dir=self.data_dir)
         if not builder.is_prepared():
             raise FileNotFoundError(

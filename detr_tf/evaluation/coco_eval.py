@@ -18,6 +18,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import config
 from detr_tf.evaluation import coco_evaluator, restore
 from detr_tf.evaluation import postprocess as pp
 
@@ -103,6 +104,7 @@ def evaluate_model(model: Any,
 
 
 def _evaluator(info: Any) -> coco_evaluator.CocoEvaluator:
+    config.check_given(info.annotations_file, "the COCO evaluation (its annotations file)")
     names = {cid: name for cid, name in zip(info.category_ids, info.class_names)}
     return coco_evaluator.CocoEvaluator(annotations=info.annotations_file, category_names=names,
                                         label_map=list(info.category_ids))

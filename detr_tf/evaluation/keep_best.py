@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional
 import gin
 import tf_keras
 
+from detr_tf import config
 from detr_tf.evaluation import coco_eval, coco_evaluator, restore
 
 TRAIN_EVAL_SUBDIR = "train_eval"
@@ -32,6 +33,7 @@ def evaluate_source(model: tf_keras.Model, source: Any, output_dir: str, batch_s
     dataset = bindings.dataset_fn(is_training=False, global_batch_size=batch_size,
                                   deterministic=True, seed=0, eval_source=source)
     names = dict(zip(info.category_ids, info.class_names))
+    config.check_given(info.annotations_file, "the COCO evaluation (its annotations file)")
     evaluator = coco_evaluator.CocoEvaluator(annotations=info.annotations_file,
                                              category_names=names,
                                              label_map=list(info.category_ids))

@@ -9,10 +9,10 @@ import dataclasses
 import os
 from typing import Any, Callable, Optional, Tuple
 
-import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import config
 from detr_tf.training import checkpointing, state
 
 
@@ -31,12 +31,13 @@ def run_bindings() -> RunBindings:
     Raises:
       ValueError: one of them is not bound; the message names it.
     """
-    bound = gin.get_bindings("train")
-    missing = [k for k in ("model_fn", "dataset_fn", "dataset_info_fn") if k not in bound]
+    bound = {k: config.bound_value("train", k) for k in ("model_fn", "dataset_fn",
+                                                        "dataset_info_fn")}
+    missing = [k for k, v in bound.items() if v is None]
     if missing:
         raise ValueError(f"the Gin configuration binds no {', '.join('train.' + k for k in missing)}"
                          "; evaluation uses the run's own model and data bindings")
-    return RunBindings(bound["model_fn"], bound["dataset_fn"], bound["dataset_info_fn"])
+    return RunBindings(**bound)
 
 
 def build_eval_model(bindings: RunBindings) -> tf_keras.Model:

@@ -6,20 +6,19 @@ CheckpointManager of `tf.train.Checkpoint(model=model)`, the trainer's own layou
 tools/eval.py, predict.py and export.py take `--model_dir=DIR` unchanged, and a training run
 can start from it (`train.init_weights`).
 
-The model is the run's `train.model_fn` (what training and the evaluation tools build) or,
-for a file that only configures a model (gin_configs/models/*.gin), `build_model`; it is built
-in float32 on a small canvas, since DETR's weights do not depend on the image size and the
-import should not need the data.
+The model is the run's `train.model_fn`, which every model file (gin_configs/models/*.gin)
+binds, so an experiment file and its model file build the same model. It is built in float32 on
+a small canvas, since the weights do not depend on the image size, and the import needs no data
+(the tool leaves an experiment file's data and backbone-weight macros unset).
 """
 import os
 import shlex
 from typing import Tuple
 
-import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling import detr
+from detr_tf import config
 from detr_tf.training import checkpointing
 from detr_tf.weights.importer import load_pretrained
 from detr_tf.weights.report import ImportReport
@@ -27,15 +26,22 @@ from detr_tf.weights.report import ImportReport
 _BUILD_SIZE = (64, 64)
 
 
-def has_run_bindings() -> bool:
-    """Whether the Gin configuration binds the run's model (`train.model_fn`)."""
-    return "model_fn" in gin.get_bindings("train")
+def has_data_bindings() -> bool:
+    """Whether the Gin configuration binds the run's data (`train.dataset_fn`)."""
+    return config.bound_value("train", "dataset_fn") is not None
 
 
 def build_model() -> tf_keras.Model:
-    """The configured model (`train.model_fn`, else `build_model`), float32, built."""
+    """The configured model (`train.model_fn`), float32, built.
+
+    Raises:
+      ValueError: the configuration binds no `train.model_fn`.
+    """
     tf_keras.mixed_precision.set_global_policy("float32")
-    model_fn = gin.get_bindings("train")["model_fn"] if has_run_bindings() else detr.build_model
+    model_fn = config.bound_value("train", "model_fn")
+    if model_fn is None:
+        raise ValueError("the Gin configuration binds no train.model_fn: give a model file "
+                         "(gin_configs/models/*.gin) or an experiment file")
     model = model_fn()
     h, w = getattr(model, "build_size", _BUILD_SIZE)  # a two-stage model needs enough cells
     model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
@@ -67,7 +73,7 @@ def import_to_run_dir(weights: str, output_dir: str,
     report = load_pretrained(model, weights, **load_args)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "config.gin"), "w") as f:
-        f.write(gin.config_str())
+        f.write(config.config_text())
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model),
                                          checkpointing.checkpoint_dir(output_dir), max_to_keep=1)
     return report, manager.save(checkpoint_number=0)
@@ -76,8 +82,8 @@ def import_to_run_dir(weights: str, output_dir: str,
 def next_steps(output_dir: str) -> str:
     """What to run on the imported run directory (the tool's last words)."""
     d = shlex.quote(output_dir)
-    note = [] if has_run_bindings() else [
-        "  (the config binds no train.model_fn / data: give the tools an experiment file, "
+    note = [] if has_data_bindings() else [
+        "  (the config binds no data: give the tools an experiment file, "
         "e.g. --gin_file=gin_configs/detr_r50.gin with its required --gin_param values)"]
     return "\n".join([
         "", "detr_tf: next steps", *note,
