@@ -7,7 +7,7 @@ import tensorflow as tf
 import tf_keras
 from PIL import Image
 
-from detr_tf.evaluation import export, predict
+from detr_tf.evaluation import export, predict, visualize
 from tests.detr_standin import StandInDetr
 
 THRESHOLD = 0.232  # splits the seeded stand-in's scores (see test_export.py)
@@ -51,8 +51,11 @@ def test_predict_writes_json_and_pngs_and_agrees_with_export(images_dir, tmp_pat
     for record, path in zip(records, files):
         original = np.asarray(Image.open(path).convert("RGB"))
         png = np.asarray(Image.open(tmp_path / "out" / record["png"]))
-        assert png.shape == original.shape
-        assert (record["height"], record["width"]) == original.shape[:2]
+        # The drawing is the image enlarged by an integer factor (nearest-neighbour).
+        k = visualize.upscale_factor(original.shape[1], original.shape[0])
+        assert png.shape == (original.shape[0] * k, original.shape[1] * k, 3)
+        original = original.repeat(k, axis=0).repeat(k, axis=1)
+        assert (record["height"], record["width"]) == (png.shape[0] // k, png.shape[1] // k)
         scores = [d["score"] for d in record["detections"]]
         assert all(s >= THRESHOLD for s in scores) and scores == sorted(scores, reverse=True)
         for d in record["detections"]:
@@ -71,3 +74,31 @@ def test_predict_writes_json_and_pngs_and_agrees_with_export(images_dir, tmp_pat
             assert a["class"] == b["class"] == b["category_id"]  # no ids given: the index
             assert a["score"] == pytest.approx(b["score"], rel=1e-5)
             np.testing.assert_allclose(a["box"], b["box"], rtol=1e-5, atol=1e-3)
+
+
+def test_bad_files_are_skipped_and_named(images_dir, tmp_path, capsys):
+    """A truncated JPEG, a text file named .jpg and an unreadable file are skipped with one
+    line each naming the file and the reason; every good image before and after is done."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name in ("a.png", "b.jpg", "a.bmp"):
+        (folder / name).write_bytes((images_dir / name).read_bytes())
+    full = (images_dir / "b.jpg").read_bytes()
+    (folder / "0_truncated.jpg").write_bytes(full[: len(full) // 2])
+    (folder / "c_text.jpg").write_text("not an image at all")
+    (folder / "d_dir.png").mkdir()  # an image name that cannot be read as a file
+    tf_keras.utils.set_random_seed(0)
+    module = export.DetectionModule(
+        StandInDetr(), export.make_resize_pad_preprocess(shorter_side=32, max_size=48))
+    skipped = []
+    records = predict.predict_images(module, predict.list_images(folder), tmp_path / "out",
+                                     score_threshold=0.0, skipped=skipped)
+    printed = capsys.readouterr().out
+    bad = {"0_truncated.jpg": "not a decodable image", "c_text.jpg": "not a decodable image",
+           "d_dir.png": "cannot be read"}
+    assert {p.rsplit("/", 1)[1]: why.split(" (")[0] for p, why in skipped} == bad
+    for name in bad:
+        assert sum(name in line and "skipped" in line for line in printed.splitlines()) == 1
+    assert sorted(r["file"].rsplit("/", 1)[1] for r in records) == ["a.bmp", "a.png", "b.jpg"]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == [
+        "a.png", "a_1.png", "b.png"]

@@ -15,9 +15,10 @@ with boxes in original-image pixels, sorted by decreasing score, above the score
 label map's, as in COCO results and eval/detections.json) when the caller gives the
 category ids, else the class index.
 """
+import io
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import gin
 import numpy as np
@@ -25,6 +26,7 @@ import tensorflow as tf
 import tf_keras
 from PIL import Image
 
+from detr_tf import config
 from detr_tf.evaluation import export, preprocess, restore, visualize
 
 PREDICTIONS_SUBDIR = "predictions"
@@ -50,6 +52,16 @@ def list_images(path_or_dir: Union[str, os.PathLike]) -> List[str]:
     return files
 
 
+def _other_files(path: str) -> List[str]:
+    """The files of directory `path` that `list_images` leaves out (no image extension; hidden
+    files such as .DS_Store are not mentioned)."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(os.path.join(path, f) for f in os.listdir(path)
+                  if os.path.isfile(os.path.join(path, f)) and not f.startswith(".")
+                  and not f.lower().endswith(IMAGE_EXTENSIONS))
+
+
 def _png_names(paths: Sequence[str]) -> List[str]:
     """Output PNG names from input stems; 'a.jpg' and 'a.png' become 'a.png' and 'a_1.png'."""
     names, used = [], set()
@@ -72,17 +84,67 @@ def _class_name(index: int, class_names: Any) -> Optional[str]:
     return class_names[index] if 0 <= index < len(class_names) else None
 
 
+class UnreadableImage(ValueError):
+    """An image file that cannot be read or decoded; the message says why."""
+
+
+def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
+    """(the file's bytes, the RGB image) of one image file, fully decoded.
+
+    Raises:
+      UnreadableImage: the file cannot be read, or is not a complete image (a truncated JPEG
+        fails the full decode here, before the model runs).
+    """
+    try:
+        with open(path, "rb") as f:
+            encoded = f.read()
+    except OSError as e:
+        raise UnreadableImage(f"cannot be read ({e.strerror or e})") from e
+    try:
+        with Image.open(io.BytesIO(encoded)) as image:
+            image.load()
+            return encoded, image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise UnreadableImage(f"not a decodable image ({e})") from e
+
+
+def _detect(detector: Any, encoded: bytes) -> Dict[str, np.ndarray]:
+    """The detector's outputs for one encoded image, as numpy (first and only image)."""
+    try:
+        out = detector.serve_encoded(tf.constant([encoded]))
+    except tf.errors.OpError as e:  # a format PIL reads and TensorFlow's decoders do not
+        first_line = (e.message or "").strip().splitlines()[:1]
+        raise UnreadableImage(f"TensorFlow cannot decode it ({''.join(first_line)})") from e
+    n = int(out["num_detections"][0])
+    return {k: out[k][0, :n].numpy() for k in ("boxes", "scores", "classes")}
+
+
+def _record(path: str, png_name: Optional[str], image: Image.Image, det: Dict[str, np.ndarray],
+            class_names: Any, category_ids: Optional[Sequence[int]]) -> Dict[str, Any]:
+    width, height = image.size
+    return {
+        "file": path, "png": png_name, "height": height, "width": width,
+        "detections": [
+            {"box": [float(v) for v in box], "score": float(score), "class": int(cat),
+             "category_id": int(cat) if category_ids is None else int(category_ids[cat]),
+             "class_name": _class_name(int(cat), class_names)}
+            for box, score, cat in zip(det["boxes"], det["scores"], det["classes"])],
+    }
+
+
 def predict_images(detector: Any,
                    image_paths: Sequence[Union[str, os.PathLike]],
                    output_dir: Union[str, os.PathLike],
                    class_names: Union[Mapping[int, str], Sequence[str], None] = None,
                    score_threshold: float = 0.5,
                    draw: bool = True,
-                   category_ids: Optional[Sequence[int]] = None) -> List[Dict[str, Any]]:
+                   category_ids: Optional[Sequence[int]] = None,
+                   skipped: Optional[List[Tuple[str, str]]] = None) -> List[Dict[str, Any]]:
     """Detects objects in each image, writes OUT/detections.json and OUT/<name>.png.
 
     Images are run one at a time (they have different sizes and a CPU gains nothing from
-    batching them), each through `detector.serve_encoded`.
+    batching them), each through `detector.serve_encoded`. A file that cannot be read or
+    decoded is skipped with one line naming it and the reason; every other image is done.
 
     Args:
       detector: a `DetectionModule` or a `tf.saved_model.load`-ed export.
@@ -94,41 +156,31 @@ def predict_images(detector: Any,
       draw: write the annotated PNGs.
       category_ids: the dataset's category id of each class index (DatasetInfo.category_ids),
         written as `category_id`; None writes the class index there.
+      skipped: when given, (path, reason) of each skipped file is appended to it.
 
     Returns:
-      The list written to detections.json (see the module docstring).
+      The list written to detections.json (see the module docstring): the images done.
     """
     output_dir = os.fspath(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     paths = [os.path.abspath(os.fspath(p)) for p in image_paths]
     records = []
     for path, png_name in zip(paths, _png_names(paths)):
-        with open(path, "rb") as f:
-            encoded = f.read()
         try:
-            out = detector.serve_encoded(tf.constant([encoded]))
-        except tf.errors.InvalidArgumentError as e:
-            raise ValueError(f"predict_images: cannot decode {path} as an image: "
-                             f"{e.message}") from e
-        n = int(out["num_detections"][0])
-        scores = out["scores"][0, :n].numpy()
-        keep = scores >= score_threshold
-        boxes = out["boxes"][0, :n].numpy()[keep]
-        classes = out["classes"][0, :n].numpy()[keep]
-        scores = scores[keep]
-        image = Image.open(path).convert("RGB")
-        width, height = image.size
-        records.append({
-            "file": path, "png": png_name if draw else None, "height": height, "width": width,
-            "detections": [
-                {"box": [float(v) for v in box], "score": float(score), "class": int(cat),
-                 "category_id": int(cat) if category_ids is None else int(category_ids[cat]),
-                 "class_name": _class_name(int(cat), class_names)}
-                for box, score, cat in zip(boxes, scores, classes)],
-        })
+            encoded, image = read_image_file(path)
+            det = _detect(detector, encoded)
+        except UnreadableImage as e:
+            print(f"predict: skipped {path}: {e}", flush=True)
+            if skipped is not None:
+                skipped.append((path, str(e)))
+            continue
+        keep = det["scores"] >= score_threshold
+        det = {k: v[keep] for k, v in det.items()}
+        records.append(_record(path, png_name if draw else None, image, det, class_names,
+                               category_ids))
         if draw:
-            drawn = visualize.draw_detections(np.asarray(image), boxes, scores, classes,
-                                              class_names)
+            drawn = visualize.draw_detections(np.asarray(image), det["boxes"], det["scores"],
+                                              det["classes"], class_names)
             visualize.save_png(drawn, os.path.join(output_dir, png_name))
     with open(os.path.join(output_dir, DETECTIONS_FILENAME), "w") as f:
         json.dump(records, f, indent=1)
@@ -137,6 +189,7 @@ def predict_images(detector: Any,
 
 def _annotated_image_paths(annotations_file: str, limit: int) -> List[str]:
     """Image files named by a COCO json, resolved next to it (as the shapes dataset lays out)."""
+    config.check_given(annotations_file, "drawing the eval images (their annotations file)")
     with open(annotations_file) as f:
         images = json.load(f)["images"][:limit]
     base = os.path.dirname(annotations_file)
@@ -170,9 +223,11 @@ def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int =
     if not paths:
         return None
     out = os.path.join(model_dir, PREDICTIONS_SUBDIR)
-    predict_images(_run_detector(model, info), paths, out, class_names=list(info.class_names),
-                   category_ids=list(info.category_ids), score_threshold=score_threshold)
-    print(f"predict: wrote {len(paths)} images with detections to {out}", flush=True)
+    records = predict_images(_run_detector(model, info), paths, out,
+                             class_names=list(info.class_names),
+                             category_ids=list(info.category_ids),
+                             score_threshold=score_threshold)
+    print(f"predict: wrote {len(records)} images with detections to {out}", flush=True)
     return out
 
 
@@ -180,18 +235,29 @@ def predict_run(model_dir: str, images: str, output_dir: str, score_threshold: f
                 checkpoint: Optional[str] = None) -> List[Dict[str, Any]]:
     """tools/predict.py: annotated PNGs and one detections.json for an image or a directory.
 
-    The images are listed (and a bad path reported) before the model is built.
+    The images are listed (and a bad path reported) before the model is built. Files that
+    cannot be read or decoded are skipped, one line each; the run ends with the count.
+
+    Raises:
+      ValueError: not one image could be drawn (the tool then exits with status 1).
     """
     paths = list_images(images)
+    skipped: List[Tuple[str, str]] = []
+    for other in _other_files(images):
+        skipped.append((other, "not an image file name (" + "/".join(IMAGE_EXTENSIONS) + ")"))
+        print(f"predict: skipped {skipped[-1][0]}: {skipped[-1][1]}", flush=True)
     model, path = restore.load_trained_model(model_dir, checkpoint)
     print(f"predict: restored {path}", flush=True)
     info = restore.run_bindings().dataset_info_fn(is_training=False)
     records = predict_images(_run_detector(model, info), paths, output_dir,
                              class_names=list(info.class_names),
                              category_ids=list(info.category_ids),
-                             score_threshold=score_threshold)
+                             score_threshold=score_threshold, skipped=skipped)
     found = sum(len(r["detections"]) for r in records)
-    print(f"predict: {found} detections (score >= {score_threshold}) on {len(records)} images; "
-          f"wrote {output_dir}/*.png and {os.path.join(output_dir, DETECTIONS_FILENAME)}",
-          flush=True)
+    print(f"predict: drawn {len(records)}, skipped {len(skipped)}; {found} detections "
+          f"(score >= {score_threshold}); wrote {output_dir}/*.png and "
+          f"{os.path.join(output_dir, DETECTIONS_FILENAME)}", flush=True)
+    if not records:
+        raise ValueError(f"no image under {images} could be read and decoded "
+                         f"({len(skipped)} skipped, each named above)")
     return records
