@@ -76,3 +76,44 @@ def test_max_batches_and_feature_dict_layout():
 def test_unknown_layout_is_explained():
     with pytest.raises(ValueError, match="pass unpack="):
         coco_eval.unpack_batch({"images": 1})
+
+
+def test_an_undecodable_image_is_skipped_and_named(tmp_path, capsys):
+    """An eval record whose image cannot be decoded (a truncated JPEG) is left out, named by
+    image id; every other image is evaluated."""
+    import functools
+    import io
+
+    from PIL import Image
+
+    from detr_tf.data import augment, label_map, pipeline, sources, tfexample
+
+    rng = np.random.default_rng(0)
+    images, annotations = [], []
+    with tf.io.TFRecordWriter(str(tmp_path / "val.tfrecord")) as writer:
+        for image_id in (1, 2, 3):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (48, 64, 3), np.uint8)).save(buf, "JPEG")
+            encoded = buf.getvalue()
+            if image_id == 2:
+                encoded = encoded[: len(encoded) // 2]
+            writer.write(tfexample.build_tf_example(
+                encoded, "jpeg", 48, 64, image_id, f"{image_id}.jpg", [[0.1, 0.1, 0.5, 0.6]],
+                [1], [0], [400.0]).SerializeToString())
+            images.append({"id": image_id, "file_name": f"{image_id}.jpg", "height": 48,
+                           "width": 64})
+            annotations.append({"id": image_id, "image_id": image_id, "category_id": 1,
+                                "bbox": [6.4, 4.8, 25.6, 24.0], "area": 400.0, "iscrowd": 0})
+    ann = tmp_path / "val.json"
+    ann.write_text(json.dumps({"images": images, "annotations": annotations,
+                               "categories": [{"id": 1, "name": "thing"}]}))
+    source = sources.TFRecordSource(str(tmp_path / "val.tfrecord"), num_examples=3,
+                                    label_map=label_map.label_map_from_coco_json(str(ann)))
+    dataset = pipeline.build_dataset(
+        is_training=False, global_batch_size=2, train_source=source, eval_source=source,
+        eval_transform=functools.partial(augment.detr_eval_transform, short_side=48,
+                                         max_size=64), buckets=[(64, 64)], max_boxes=4)
+    evaluator = CocoEvaluator(str(ann), label_map=[1])
+    coco_eval.evaluate_model(OracleModel(), dataset, evaluator, log_every=0)
+    assert evaluator.num_images == 2 and evaluator.not_evaluated == [2]
+    assert "skipped 1 annotated image(s)" in capsys.readouterr().out

@@ -219,6 +219,11 @@ def build_dataset(is_training: bool, global_batch_size: int,
                                 deterministic=deterministic, seed=seed,
                                 shuffle_buffer=shuffle_buffer, repeat=is_training)
     ds = source.make(spec)
+    if not is_training:
+        # A record whose image cannot be decoded is left out of the evaluation instead of ending
+        # it; the evaluator names the annotated images it never saw (CocoEvaluator.evaluate).
+        # Only reading and decoding are covered: the annotation checks below still fail loudly.
+        ds = ds.ignore_errors()
 
     def prepare(raw, example_seed=None):
         image, boxes, labels = raw_to_instance(raw, label_map)

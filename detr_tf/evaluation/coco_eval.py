@@ -93,6 +93,12 @@ def evaluate_model(model: Any,
 
     metrics = evaluator.evaluate()
     print(f"eval: {evaluator.num_images} images in {time.time() - start:.0f}s")
+    missed = evaluator.not_evaluated
+    if missed and max_batches is None:
+        shown = ", ".join(map(str, missed[:20])) + (", ..." if len(missed) > 20 else "")
+        print(f"eval: skipped {len(missed)} annotated image(s) that the eval records did not "
+              f"yield (undecodable images, or records missing): image ids {shown}; the metrics "
+              "cover the images read", flush=True)
     print(evaluator.table(metrics), flush=True)
     if output_dir is not None:
         output_dir = os.fspath(output_dir)

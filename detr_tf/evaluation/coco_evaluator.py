@@ -100,6 +100,7 @@ class CocoEvaluator:
         self._ground_truth: Dict[int, np.ndarray] = {}  # image_id -> [m, 6] x, y, w, h, cat, crowd
         self._image_sizes: Dict[int, tuple] = {}  # image_id -> (height, width)
         self.undefined_metrics: List[str] = []
+        self.not_evaluated: List[int] = []
 
     @property
     def gt_from_targets(self) -> bool:
@@ -298,6 +299,9 @@ class CocoEvaluator:
         # Every image passed to update() has an entry here, possibly with zero detections.
         image_ids = sorted(self._detections)
         known = set(coco_gt.getImgIds())
+        # Annotated images never passed to update(): a partial pass, or records the eval
+        # pipeline could not read or decode (it skips them).
+        self.not_evaluated = sorted(known - set(image_ids))
         unknown = [i for i in image_ids if i not in known]
         if unknown:
             raise ValueError(
