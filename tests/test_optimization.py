@@ -14,6 +14,45 @@ def test_step_decay_schedule_with_warmup():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def _flat_cosine(step, base, total, warmup, flat_fraction, final):
+    """The flat-then-cosine rate, in float64, written from its definition."""
+    flat = max(round(flat_fraction * total), warmup)
+    if step < warmup:
+        return base * min((step + 1) / warmup, 1.0)
+    t = min(max((step - flat) / max(total - flat, 1), 0.0), 1.0)
+    return base * (final + (1 - final) * 0.5 * (1 + np.cos(np.pi * t)))
+
+
+@pytest.mark.parametrize("warmup, flat, final", [(0, 0.0, 0.0), (20, 0.5, 0.05), (50, 0.1, 0.1)])
+def test_flat_cosine_schedule(warmup, flat, final):
+    sched = optimization.FlatCosineSchedule(4e-4, 400, warmup, flat, final)
+    steps = [0, 1, 19, 20, 49, 50, 199, 200, 201, 300, 399, 400, 1000]
+    got = [float(sched(s)) for s in steps]
+    want = [_flat_cosine(s, 4e-4, 400, warmup, flat, final) for s in steps]
+    # float32: 1 + cos near the end cancels, so errors are relative to the base rate.
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=4e-4 * 1e-6)
+    assert got[-1] == pytest.approx(4e-4 * final, rel=1e-6, abs=1e-12)  # the floor, after the end
+
+
+def test_build_optimizers_takes_an_injected_schedule():
+    import gin
+
+    gin.clear_config()
+    gin.parse_config("FlatCosineSchedule.flat_fraction = 0.5\n"
+                     "build_optimizers.schedule = @FlatCosineSchedule")
+    try:
+        backbone, main = optimization.build_optimizers(steps_per_epoch=10, total_steps=100,
+                                                       learning_rate=2e-4,
+                                                       backbone_learning_rate=1e-4)
+    finally:
+        gin.clear_config()
+    for group, base in ((backbone, 1e-4), (main, 2e-4)):
+        assert float(group.rate(40)) == pytest.approx(base)  # flat for the first half
+        assert float(group.rate(75)) == pytest.approx(base * 0.5)  # half-way down the cosine
+    with pytest.raises(ValueError, match="needs the run's step count"):
+        optimization.FlatCosineSchedule(1e-4, None)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_build_optimizers_places_epoch_drops_and_groups_rates(fused):
     backbone_opt, main_opt = optimization.build_optimizers(

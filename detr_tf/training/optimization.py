@@ -15,7 +15,8 @@ tf_keras's AdamW and 2.2x faster than the XLA form, with the shortest first call
 Both forms keep the same state, so a checkpoint moves between devices; it resumes only with the
 optimizer kind (fused or tf_keras) that wrote it.
 """
-from typing import Optional, Sequence, Tuple
+import math
+from typing import Callable, Optional, Sequence, Tuple
 
 import gin
 import tensorflow as tf
@@ -24,7 +25,6 @@ import tf_keras
 from detr_tf.training import fused_adamw
 
 
-@gin.configurable
 class StepDecaySchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup, then a constant rate multiplied by `factor` at each of `drop_steps`.
 
@@ -57,14 +57,63 @@ class StepDecaySchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
                     warmup_steps=self.warmup_steps)
 
 
-@gin.configurable
-def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
+@gin.configurable(denylist=["base_lr", "total_steps"])
+class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup, a flat stretch at base_lr, then a half cosine down to
+    base_lr * final_factor at total_steps (the flat-then-cosine shape DEIM trains with).
+
+    Bind it as `build_optimizers.schedule = @FlatCosineSchedule`; build_optimizers gives the
+    rate and the run's step count, the rest are this class's own bindings.
+
+    Args:
+      base_lr: the rate after warmup, held until the cosine starts.
+      total_steps: the run's optimizer steps; the rate reaches its floor there.
+      warmup_steps: steps of linear warmup from base_lr / warmup_steps.
+      flat_fraction: fraction of total_steps (counted from step 0) before the cosine starts;
+        at least the warmup.
+      final_factor: the floor, as a fraction of base_lr.
+    """
+
+    def __init__(self, base_lr: float, total_steps: int, warmup_steps: int = 0,
+                 flat_fraction: float = 0.0, final_factor: float = 0.0):
+        if not total_steps or total_steps <= 0:
+            raise ValueError(f"FlatCosineSchedule needs the run's step count, got {total_steps}")
+        if not 0.0 <= flat_fraction < 1.0:
+            raise ValueError(f"FlatCosineSchedule.flat_fraction={flat_fraction} is not in [0, 1)")
+        self.base_lr = float(base_lr)
+        self.total_steps = int(total_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.flat_steps = max(int(round(flat_fraction * total_steps)), self.warmup_steps)
+        self.final_factor = float(final_factor)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        span = float(max(self.total_steps - self.flat_steps, 1))
+        progress = tf.clip_by_value((step - self.flat_steps) / span, 0.0, 1.0)
+        cosine = 0.5 * (1.0 + tf.cos(math.pi * progress))
+        lr = self.base_lr * (self.final_factor + (1.0 - self.final_factor) * cosine)
+        if self.warmup_steps > 0:
+            warm = self.base_lr * tf.minimum((step + 1) / self.warmup_steps, 1.0)
+            lr = tf.where(step < self.warmup_steps, warm, lr)
+        return lr
+
+    def get_config(self):
+        return dict(base_lr=self.base_lr, total_steps=self.total_steps,
+                    warmup_steps=self.warmup_steps, flat_steps=self.flat_steps,
+                    final_factor=self.final_factor)
+
+
+@gin.configurable(denylist=["steps_per_epoch", "total_steps"])
+def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
+                     learning_rate: float = 1e-4,
                      backbone_learning_rate: float = 1e-5, weight_decay: float = 1e-4,
                      lr_drop_epochs: Sequence[int] = (200,), lr_drop_factor: float = 0.1,
                      warmup_steps: int = 0, beta_1: float = 0.9, beta_2: float = 0.999,
                      epsilon: float = 1e-8, jit_compile: Optional[bool] = None,
-                     fused: bool = True):
-    """Two AdamW parameter groups, (backbone, rest), sharing one step-decay schedule shape.
+                     fused: bool = True,
+                     schedule: Optional[Callable[..., tf_keras.optimizers.schedules.
+                                                 LearningRateSchedule]] = None):
+    """Two AdamW parameter groups, (backbone, rest), sharing one schedule shape.
 
     PyTorch's AdamW (the reference) and tf_keras's AdamW both decay weights decoupled from the
     gradient as w -= lr * wd * w, and the reference decays every parameter, so nothing is
@@ -72,19 +121,24 @@ def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
 
     Args:
       steps_per_epoch: optimizer steps per epoch, to place the epoch-based rate drops.
+      total_steps: the run's optimizer steps (given by the trainer), for `schedule`.
       learning_rate: transformer, input projection, queries and heads.
       backbone_learning_rate: the backbone's trainable variables, and those that
         `split_variables.slow_patterns` names (detr_tf/training/step.py).
       weight_decay: decoupled weight decay for both groups.
-      lr_drop_epochs: epochs at which both rates are multiplied by lr_drop_factor.
+      lr_drop_epochs: epochs at which both rates are multiplied by lr_drop_factor (the
+        default schedule, DETR's step decay).
       lr_drop_factor: multiplier per drop.
-      warmup_steps: linear warmup steps for both groups.
+      warmup_steps: linear warmup steps for both groups (the default schedule).
       beta_1, beta_2, epsilon: Adam constants (PyTorch defaults).
       jit_compile: compile the update with XLA (fused: one program for all variables, else
         ResourceApplyAdam kernels; tf_keras: one program per variable shape, which tf_keras
         itself turns off without a GPU); None: True with a GPU or TPU, else False.
       fused: True: fused_adamw.AdamWGroups (torch.optim.AdamW's math, one update for both
         groups); False: two tf_keras AdamW optimizers.
+      schedule: instead of the step decay, a schedule class called as
+        schedule(base_lr=rate, total_steps=total_steps), e.g. `@FlatCosineSchedule`, whose
+        other arguments are its own Gin bindings.
 
     Returns:
       (backbone_group, main_group): AdamWGroups, or tf_keras AdamW optimizers.
@@ -95,13 +149,14 @@ def build_optimizers(steps_per_epoch: int, learning_rate: float = 1e-4,
                            or tf.config.list_physical_devices("TPU"))
 
     def make(lr, name):
-        schedule = StepDecaySchedule(lr, drops, lr_drop_factor, warmup_steps)
+        rate = (StepDecaySchedule(lr, drops, lr_drop_factor, warmup_steps) if schedule is None
+                else schedule(base_lr=lr, total_steps=total_steps))
         if fused:
-            return fused_adamw.AdamWGroup(schedule, weight_decay=weight_decay, beta_1=beta_1,
+            return fused_adamw.AdamWGroup(rate, weight_decay=weight_decay, beta_1=beta_1,
                                           beta_2=beta_2, epsilon=epsilon,
                                           jit_compile=jit_compile, name=name)
         return tf_keras.optimizers.AdamW(
-            learning_rate=schedule, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
+            learning_rate=rate, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
             epsilon=epsilon, jit_compile=jit_compile, name=name)
 
     return make(backbone_learning_rate, "backbone_adamw"), make(learning_rate, "adamw")

@@ -99,11 +99,12 @@ class TrainState:
 
 
 def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Tuple[int, int],
-                 steps_per_epoch: int, precision: str,
-                 ema_decay: Optional[float]) -> TrainState:
+                 steps_per_epoch: int, precision: str, ema_decay: Optional[float],
+                 total_steps: Optional[int] = None) -> TrainState:
     """Builds the model and the optimizer state (call inside the engine's scope)."""
     model = build_model(model_fn, build_size)
-    optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch)
+    optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch,
+                                               total_steps=total_steps)
     for opt, vars_ in zip(optimizers, split_variables(model)):
         opt.build(vars_)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",

@@ -202,8 +202,8 @@ def train(model_dir: str,
               f"jit={chosen['jit']} precision={chosen['precision']} steps={num_steps} "
               f"steps_per_loop={steps_per_loop} model_dir={model_dir}", flush=True)
 
-    state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, precision,
-                            ema_decay, jit, clip_norm, grad_accum_steps)
+    state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps,
+                            precision, ema_decay, jit, clip_norm, grad_accum_steps)
     ckpt = state.checkpoint()
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
@@ -224,14 +224,14 @@ def train(model_dir: str,
     return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
 
 
-def _build(engine, model_fn, criterion, info, steps_per_epoch, precision, ema_decay, jit,
-           clip_norm, grad_accum_steps):
+def _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps, precision, ema_decay,
+           jit, clip_norm, grad_accum_steps):
     """The run's state (model, optimizers, step, loss scale, EMA) and its step, in the engine's
     scope; fails before any compile when the classes disagree."""
     with engine.scope():
         state = state_lib.create_state(
             model_fn, state_lib.smallest_canvas(getattr(info, "buckets", None)),
-            steps_per_epoch or 1, precision, ema_decay)
+            steps_per_epoch or 1, precision, ema_decay, num_steps)
         check_classes(state.model, criterion, info)
         builder = StepBuilder(engine, state.model, criterion, state.optimizers, jit, clip_norm,
                               grad_accum_steps, state.loss_scale, state.ema, state.global_step)
