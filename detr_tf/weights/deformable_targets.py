@@ -9,13 +9,15 @@ model keeps in several places map to one variable here:
 A file whose copies differ is not a Deformable DETR of this shape; the importer's shape checks
 do not see that, so `check_copies` does.
 """
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from detr_tf.modeling.backbone import torchvision_variables
+from detr_tf.weights import ties
 from detr_tf.weights.targets import Target, _dense, _mlp, _norm
+from detr_tf.weights.ties import TieRule
 
 
 def _msda(prefix: str, attn) -> Dict[str, Target]:
@@ -104,6 +106,14 @@ def head_groups(model) -> Dict[str, List[tf.Variable]]:
     if not model.two_stage:
         groups["query embedding"] = list(model.query_embed.variables)
     return groups
+
+
+def tie_rules(model) -> Tuple[TieRule, ...]:
+    """The Deformable DETR tie rules (weights/ties.py) of the model's variant."""
+    table = ties.TIE_RULES["Deformable DETR"]
+    # Two-stage first: its decoder head N is the model's head N, whatever layer 0's is.
+    return ((table["two_stage"] if model.two_stage else ())
+            + table["with_box_refine" if model.with_box_refine else "plain"])
 
 
 def check_copies(canonical: Dict[str, tuple], table: Dict[str, Target]) -> List[str]:
