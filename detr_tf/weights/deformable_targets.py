@@ -110,10 +110,11 @@ def head_groups(model) -> Dict[str, List[tf.Variable]]:
 
 def tie_rules(model) -> Tuple[TieRule, ...]:
     """The Deformable DETR tie rules (weights/ties.py) of the model's variant."""
-    table = ties.TIE_RULES["Deformable DETR"]
-    # Two-stage first: its decoder head N is the model's head N, whatever layer 0's is.
-    return ((table["two_stage"] if model.two_stage else ())
-            + table["with_box_refine" if model.with_box_refine else "plain"])
+    if model.two_stage:
+        variant = "two_stage" if model.with_box_refine else "two_stage without refine"
+    else:
+        variant = "refine" if model.with_box_refine else "plain"
+    return ties.TIE_RULES["Deformable DETR"][variant]
 
 
 def check_copies(canonical: Dict[str, tuple], table: Dict[str, Target]) -> List[str]:

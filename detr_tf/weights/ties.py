@@ -2,15 +2,16 @@
 
 A torch model that reuses a module (one head for every decoder layer; the decoder's box heads
 being the model's) has several state-dict names for one tensor, and files keep only one:
-- safetensors' `save_model` (and the Hub's conversion to safetensors) keeps one name per group
-  and maps every dropped name to the kept one in the file's metadata, next to
-  `"format": "pt"`; `files.read_aliases` reads that map;
-- transformers' `save_pretrained` drops the names its tie declarations list and says nothing
-  in the file; which name survives depends on the version (4.x keeps the decoder's
-  `model.decoder.bbox_embed.N` for N >= 1, 5.x the top-level `bbox_embed.N`).
+- safetensors' `save_model` (and the Hub's conversion of a `.bin` to safetensors) keeps the
+  first name of each group in sorted order and maps every dropped name to it in the file's
+  metadata, next to `"format": "pt"`; `files.read_aliases` reads that map;
+- transformers' `save_pretrained` keeps the names its tie declarations make the source and
+  says nothing in the file: 5.x keeps `model.decoder.bbox_embed.N` (refine) and
+  `model.decoder.class_embed.N` (two-stage), not the top-level heads, as RT-DETR's and
+  D-FINE's files do.
 Without metadata only the architecture knows which names are one tensor. `TIE_RULES` holds
 that knowledge, one small table per architecture and variant, in the canonical names of its
-targets module; `resolve` fills in what the file left out from it.
+targets module; `resolve` fills in, from a tied name, only what the file lacks.
 """
 import dataclasses
 import re
@@ -49,18 +50,25 @@ _SHARED_BOX = _heads_shared_across_layers("bbox_embed")
 _DECODER_BOX = _decoder_head_is_models("bbox_embed", "box refinement")
 _DECODER_CLASS = _decoder_head_is_models("class_embed", "two-stage")
 
-# {architecture: {part: rules}}, in the names of the architecture's targets module
-# (transformers 5.x keys for Deformable DETR); a model's rules are those of the parts it has,
-# tried in this order. Deformable DETR: without box refinement one class head and one box head
-# serve every decoder layer; with it the decoder's box heads are the model's, and transformers
-# 5.x also ties every class head to layer 0's (4.x and the reference keep one per layer, so
-# their files hold every name and that rule never fires on them); two-stage makes the decoder's
-# class heads the model's, the encoder proposals' extra head included.
+# {architecture: {variant: rules, in the order they are tried}}, in the names of the
+# architecture's targets module (transformers 5.x keys for Deformable DETR). Deformable DETR:
+# - plain: one class head and one box head serve every decoder layer;
+# - refine (with_box_refine): the decoder's box heads are the model's; transformers 5.x also
+#   ties every class head to layer 0's (4.x and the reference keep one per layer, so their
+#   files hold every name and that rule never fires on them);
+# - two-stage (with_box_refine too, as the Hub's file): the decoder's class heads are the
+#   model's as well, the encoder proposals' extra head included; class heads are not shared;
+# - two-stage alone (detr_tf allows it; transformers 4.57 and 5.x refuse it, so no Hub file
+#   has it): the plain variant's sharing, as in the reference code, plus the decoder's class
+#   heads.
+# The per-index decoder rules come first: a two-stage file may hold both
+# `model.decoder.class_embed.N` and `class_embed.0`, and only the first is head N.
 TIE_RULES: Dict[str, Dict[str, Tuple[TieRule, ...]]] = {
     "Deformable DETR": {
         "plain": (_SHARED_CLASS, _SHARED_BOX),
-        "with_box_refine": (_DECODER_BOX, _SHARED_CLASS),
-        "two_stage": (_DECODER_CLASS,),
+        "refine": (_DECODER_BOX, _SHARED_CLASS),
+        "two_stage": (_DECODER_CLASS, _DECODER_BOX),
+        "two_stage without refine": (_DECODER_CLASS, _SHARED_CLASS, _SHARED_BOX),
     },
 }
 
