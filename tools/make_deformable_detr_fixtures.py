@@ -20,7 +20,7 @@ widths 4..32, 64-channel stem; C3-C5 and one extra level), d_model 32, 2+2 layer
 - {variant}_hf5_save_model / _save_pretrained.safetensors and
   two_stage_hf4_save_model.safetensors: the same weights with each shared tensor stored once,
   as safetensors' save_model (aliases in the metadata) and transformers' save_pretrained (none)
-  write them (`save_layouts`);
+  write them (`save_layouts`; 5.x's save_pretrained writes 4.x key names);
 - {variant}_outputs.npz: final logits / boxes (plain's file also holds the input, NCHW, two
   unpadded 64x96 images),
   aux logits / boxes (decoder layers before the last, from transformers' own

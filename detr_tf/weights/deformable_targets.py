@@ -7,7 +7,8 @@ model keeps in several places map to one variable here:
 - with box refinement, the decoder's `model.decoder.bbox_embed.i` (and, two-stage,
   `model.decoder.class_embed.i`) are the same modules as the top-level `bbox_embed.i`.
 A file whose copies differ is not a Deformable DETR of this shape; the importer's shape checks
-do not see that, so `check_copies` does.
+do not see that, so `check_copies` does. A file that stores such a tensor once (the Hub's) is
+completed by its metadata or by the variant's tie rules (`tie_rules`, weights/ties.py).
 """
 from typing import Dict, List, Tuple
 

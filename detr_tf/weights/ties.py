@@ -8,7 +8,7 @@ being the model's) has several state-dict names for one tensor, and files keep o
 - transformers' `save_pretrained` keeps the names its tie declarations make the source and
   says nothing in the file: 5.x keeps `model.decoder.bbox_embed.N` (refine) and
   `model.decoder.class_embed.N` (two-stage), not the top-level heads, as RT-DETR's and
-  D-FINE's files do.
+  D-FINE's files do (and writes 4.x key names).
 Without metadata only the architecture knows which names are one tensor. `TIE_RULES` holds
 that knowledge, one small table per architecture and variant, in the canonical names of its
 targets module; `resolve` fills in, from a tied name, only what the file lacks.
@@ -104,8 +104,7 @@ def resolve(source: Source, wanted: Sequence[str], rules: Sequence[TieRule]) -> 
 
     A name filled in can itself serve another (a two-stage decoder head read through the
     model's head), so the passes go on until one adds nothing. Among several tied names in
-    the file the first rule's first name (sorted) wins; the importer's copy check then sees
-    that all of them agree, as they must when the file wrote them from one tensor.
+    the file, the first rule's first name (sorted) wins: they hold one tensor.
     """
     out = Resolution()
     missing = [n for n in wanted if n not in source]
