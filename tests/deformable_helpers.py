@@ -15,6 +15,18 @@ VARIANTS = {"plain": dict(), "refine": dict(with_box_refine=True),
             "two_stage": dict(with_box_refine=True, two_stage=True)}
 WEIGHTS = {"plain": "plain_hf5.safetensors", "refine": "refine_hf5.safetensors",
            "two_stage": "two_stage_hf4.safetensors"}
+# Each variant's weights in every layout (the all-names file first): with each shared tensor
+# stored once, as safetensors' save_model (aliases in the metadata) and transformers'
+# save_pretrained (none) wrote them.
+LAYOUT_FILES = {
+    "plain": [WEIGHTS["plain"], "plain_hf5_save_model.safetensors",
+              "plain_hf5_save_pretrained.safetensors"],
+    "refine": [WEIGHTS["refine"], "refine_hf5_save_model.safetensors",
+               "refine_hf5_save_pretrained.safetensors"],
+    "two_stage": [WEIGHTS["two_stage"], "two_stage_hf4_save_model.safetensors",
+                  "two_stage_hf5_save_model.safetensors",
+                  "two_stage_hf5_save_pretrained.safetensors"],
+}
 
 
 def narrow_model(variant: str, num_classes: int = 7, num_queries: int = 6):

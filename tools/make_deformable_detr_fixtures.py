@@ -4,7 +4,7 @@ transformers (test oracles, never runtime dependencies).
 
     python tools/make_deformable_detr_fixtures.py    # with transformers 5.x: weights + outputs
     PYTHONPATH=<transformers 4.x> python tools/make_deformable_detr_fixtures.py
-                                                     # checks 4.x agrees, writes the 4.x file
+                                                     # checks 4.x agrees, writes the 4.x files
 
 Each variant's weights are drawn per tensor, seeded by its 5.x name, so both versions draw
 the same weights. Under 5.x the outputs are stored; under 4.x they are checked against the
@@ -15,7 +15,12 @@ Fixtures (float32), one set per variant `plain`, `refine` (with_box_refine) and 
 widths 4..32, 64-channel stem; C3-C5 and one extra level), d_model 32, 2+2 layers, 4 heads,
 4 levels, 4 points, FFN 64, 6 queries, 7 classes:
 - plain_hf5.safetensors, refine_hf5.safetensors, two_stage_hf4.safetensors: the state dicts
-  under transformers 5.x names, and 4.x names for two-stage (the Hub's files carry those);
+  with all their names, under transformers 5.x names, and 4.x names for two-stage (the Hub's
+  files carry those);
+- {variant}_hf5_save_model / _save_pretrained.safetensors and
+  two_stage_hf4_save_model.safetensors: the same weights with each shared tensor stored once,
+  as safetensors' save_model (aliases in the metadata) and transformers' save_pretrained (none)
+  write them (`save_layouts`; 5.x's save_pretrained writes 4.x key names);
 - {variant}_outputs.npz: final logits / boxes (plain's file also holds the input, NCHW, two
   unpadded 64x96 images),
   aux logits / boxes (decoder layers before the last, from transformers' own
@@ -25,7 +30,9 @@ The module doubles as the torch-side oracle of tests/test_deformable_detr_torch.
 """
 import os
 import re
+import shutil
 import sys
+import tempfile
 from typing import Dict
 
 import numpy as np
@@ -42,6 +49,9 @@ VARIANTS = {"plain": dict(), "refine": dict(with_box_refine=True),
             "two_stage": dict(with_box_refine=True, two_stage=True)}
 SEEDS = {"plain": 1, "refine": 2, "two_stage": 3}
 IMAGE_SHAPE = (2, 3, 64, 96)  # levels 8x12, 4x6, 2x3, 1x2: 128 cells
+# The file name suffix of each layout a Hub file comes in (see `save_layouts`).
+LAYOUTS = {"all names": ".safetensors", "save_model": "_save_model.safetensors",
+           "save_pretrained": "_save_pretrained.safetensors"}
 
 
 def hf_deformable_detr(backbone: str = "resnet50", narrow: bool = False, **config):
@@ -112,9 +122,54 @@ def _topk_margin(model, pixel_values) -> float:
     return float(np.min(scores[:, q - 1] - scores[:, q]))
 
 
+def save_layouts(model, stem: str, layouts=LAYOUTS) -> Dict[str, str]:
+    """Writes a transformers model's weights as `stem` + each layout's suffix, the ways a Hub
+    file comes (detr_tf/weights/ties.py says how each treats shared tensors):
+    - "all names": every state-dict key (batch-norm step counters left out);
+    - "save_model": safetensors' `save_model` (as the Hub converts `.bin` files): one name per
+      shared tensor, every other name of it in the metadata beside `"format": "pt"`;
+    - "save_pretrained": the model.safetensors of transformers' `save_pretrained`: one name per
+      shared tensor, chosen by its tie declarations, no aliases in the metadata.
+
+    Returns:
+      {layout: path}.
+    """
+    import safetensors.torch
+    from safetensors.numpy import save_file
+
+    paths = {layout: stem + LAYOUTS[layout] for layout in layouts}
+    if "all names" in paths:
+        save_file({k: v for k, v in numpy_state(model).items()
+                   if not k.endswith("num_batches_tracked")}, paths["all names"])
+    if "save_model" in paths:
+        safetensors.torch.save_model(model, paths["save_model"], metadata={"format": "pt"})
+    if "save_pretrained" in paths:
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            shutil.copyfile(os.path.join(tmp, "model.safetensors"), paths["save_pretrained"])
+    return paths
+
+
+def _weight_files(model, variant: str, major: int) -> None:
+    """The CI fixtures' layouts. transformers 5.x: every variant as save_model and
+    save_pretrained write it, and plain / refine with all names. 4.x (the Hub's names):
+    two-stage with all names and as save_model (4.57.6's save_pretrained refuses this variant:
+    its layer-0 box head is shared with the decoder's without a tie declaration)."""
+    if major >= 5:
+        layouts = ["save_model", "save_pretrained"]
+        if variant != "two_stage":  # two-stage's all-names file is the 4.x one
+            layouts.append("all names")
+    elif variant == "two_stage":
+        layouts = ["all names", "save_model"]
+    else:
+        return
+    for layout, path in save_layouts(model, os.path.join(FIXTURES, f"{variant}_hf{major}"),
+                                     layouts).items():
+        print(f"  {layout}: {os.path.basename(path)}")
+
+
 def main() -> None:
     import transformers
-    from safetensors.numpy import save_file
 
     major = int(transformers.__version__.split(".")[0])
     os.makedirs(FIXTURES, exist_ok=True)
@@ -128,8 +183,6 @@ def main() -> None:
         model = hf_deformable_detr("resnet18", narrow=True, **NARROW_ARGS, **extra)
         # Weights are drawn per 5.x name, so both versions draw the same ones.
         randomize_(model, seed=SEEDS[variant], name_of=_hf5_name)
-        state = {k: v for k, v in numpy_state(model).items()
-                 if not k.endswith("num_batches_tracked")}
         res = outputs(model, x)
         path = os.path.join(FIXTURES, f"{variant}_outputs.npz")
         version = f"transformers {transformers.__version__}"
@@ -138,17 +191,14 @@ def main() -> None:
                 res["images"] = x  # stored once; every variant runs on it
             np.savez(path, **res)
             gap = _topk_margin(model, x) if "two_stage" in extra else float("nan")
-            print(f"{variant} ({version}): {len(state)} tensors, logits std "
-                  f"{res['logits'].std():.3f}, two-stage selection margin {gap:.2e}")
+            print(f"{variant} ({version}): logits std {res['logits'].std():.3f}, two-stage "
+                  f"selection margin {gap:.2e}")
         else:
             ref = np.load(path)
             for k, v in res.items():
                 np.testing.assert_allclose(v, ref[k], atol=1e-5, err_msg=f"{variant} {k}")
             print(f"{variant} ({version}): outputs equal the 5.x ones")
-        # Two layouts in CI at the least size: the two-stage weights as 4.x writes them (the
-        # Hub's files carry 4.x names), the others as 5.x does.
-        if (variant == "two_stage") == (major < 5):
-            save_file(state, os.path.join(FIXTURES, f"{variant}_hf{major}.safetensors"))
+        _weight_files(model, variant, major)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,18 @@ model keeps in several places map to one variable here:
 - with box refinement, the decoder's `model.decoder.bbox_embed.i` (and, two-stage,
   `model.decoder.class_embed.i`) are the same modules as the top-level `bbox_embed.i`.
 A file whose copies differ is not a Deformable DETR of this shape; the importer's shape checks
-do not see that, so `check_copies` does.
+do not see that, so `check_copies` does. A file that stores such a tensor once (the Hub's) is
+completed by its metadata or by the variant's tie rules (`tie_rules`, weights/ties.py).
 """
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from detr_tf.modeling.backbone import torchvision_variables
+from detr_tf.weights import ties
 from detr_tf.weights.targets import Target, _dense, _mlp, _norm
+from detr_tf.weights.ties import TieRule
 
 
 def _msda(prefix: str, attn) -> Dict[str, Target]:
@@ -104,6 +107,15 @@ def head_groups(model) -> Dict[str, List[tf.Variable]]:
     if not model.two_stage:
         groups["query embedding"] = list(model.query_embed.variables)
     return groups
+
+
+def tie_rules(model) -> Tuple[TieRule, ...]:
+    """The Deformable DETR tie rules (weights/ties.py) of the model's variant."""
+    if model.two_stage:
+        variant = "two_stage" if model.with_box_refine else "two_stage without refine"
+    else:
+        variant = "refine" if model.with_box_refine else "plain"
+    return ties.TIE_RULES["Deformable DETR"][variant]
 
 
 def check_copies(canonical: Dict[str, tuple], table: Dict[str, Target]) -> List[str]:

@@ -64,6 +64,23 @@ def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
             if np.issubdtype(np.asarray(v).dtype, np.number)}
 
 
+def read_aliases(path: str, keys) -> Dict[str, str]:
+    """{dropped key: kept key} from a safetensors file's metadata (see weights/ties.py).
+
+    safetensors' `save_model` writes each shared tensor once and records every other name of
+    it in the metadata, beside entries such as `"format": "pt"`. Only entries that map a key
+    the file lacks to one it holds are aliases; the rest (and torch files) give none.
+    """
+    with open(path, "rb") as f:
+        if not _is_safetensors(f.read(16)):
+            return {}
+    from safetensors import safe_open
+
+    with safe_open(path, framework="np") as f:
+        metadata = f.metadata() or {}
+    return {k: v for k, v in metadata.items() if k not in keys and v in keys}
+
+
 def _read_torch(path: str) -> Dict[str, np.ndarray]:
     try:
         import torch

@@ -10,13 +10,14 @@ head or the query embedding (`allow_head_reinit`), and a backbone-only file leav
 transformer and heads at their initial values.
 """
 import fnmatch
-from typing import Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import gin
 import numpy as np
 import tf_keras
 
 from detr_tf.weights import deformable_targets, files, layouts, targets as targets_lib
+from detr_tf.weights import ties as ties_lib
 from detr_tf.weights.files import WeightImportError
 from detr_tf.weights.report import ImportReport
 
@@ -27,23 +28,42 @@ def _matches(names: Iterable[str], patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
 
 
-def _read(model: tf_keras.Model, path: str):
-    """(format name, {name: (file key, array)}, {name: Target}, layout's skips, backbone_only)."""
+class _Source(NamedTuple):
+    format: str
+    tensors: Dict[str, Tuple[str, np.ndarray]]  # {name: (file key, array)}
+    table: Dict[str, targets_lib.Target]
+    default_skip: Tuple[str, ...] = ()
+    backbone_only: bool = False
+    ties: Optional[ties_lib.Resolution] = None
+
+
+def _read(model: tf_keras.Model, path: str) -> _Source:
+    """The file's tensors under the model's names, shared tensors resolved (weights/ties.py)."""
     prefix = files.find_tf_checkpoint(path)
     if prefix is not None:
         source = {k: (k, v) for k, v in files.read_tf_checkpoint(prefix).items()}
-        return (f"{CHECKPOINT_FORMAT} ({prefix})", source, targets_lib.checkpoint_targets(model),
-                (), False)
+        return _Source(f"{CHECKPOINT_FORMAT} ({prefix})", source,
+                       targets_lib.checkpoint_targets(model))
     tensors = files.read_tensor_file(path)
+    by_metadata = files.read_aliases(path, tensors)
+    tensors.update({dropped: tensors[kept] for dropped, kept in by_metadata.items()})
     try:
         layout = layouts.detect(tensors)
     except ValueError as e:
         raise WeightImportError(f"{path!r}: {e}") from None
     canonical, table = layout.to_canonical(tensors), targets_lib.torch_targets(model)
+    resolution = ties_lib.resolve(canonical, list(table), targets_lib.tie_rules(model))
+    for name, (key, _) in canonical.items():  # name the key the file holds
+        if name in resolution.aliases:
+            key, why = resolution.aliases[name]
+            resolution.aliases[name] = (by_metadata.get(key, key), why)
+        elif key in by_metadata:
+            resolution.aliases[name] = (by_metadata[key], "the file's metadata")
     copies = deformable_targets.check_copies(canonical, table)
     if copies:  # one variable, several differing file tensors (shared heads)
         raise WeightImportError(f"{path!r}: " + "; ".join(copies[:5]))
-    return layout.name, canonical, table, layout.default_skip, layout.backbone_only
+    return _Source(layout.name, canonical, table, layout.default_skip, layout.backbone_only,
+                   resolution)
 
 
 def _count_only(a: Tuple[int, ...], b: Tuple[int, ...]) -> bool:
@@ -84,20 +104,29 @@ def _plan(source, table, groups, skip, allow_head_reinit, path):
     return plan, unused, skipped, reinit
 
 
-def _left_at_init(model, table, plan, reinit_refs) -> List[str]:
-    """Model variables no tensor is assigned to (torch names where they have one)."""
-    named = {t.variable.ref(): n for n, t in table.items()}
-    out = []
+def _left_at_init(model, table, plan, reinit_refs) -> Tuple[List[str], List[str]]:
+    """(model variables no tensor is assigned to, each by its first torch name or its TF
+    name; every name of a model variable that no file tensor took), in the model's order.
+
+    A variable shared by several torch names (one head for all decoder layers) is loaded
+    when any of them is, but each name must still come from the file or a tie rule."""
+    names = {}
+    for name, target in table.items():
+        names.setdefault(target.variable.ref(), []).append(name)
+    at_init, absent = [], []
     for var in model.variables:
         if var.ref() in reinit_refs:
             continue
-        name = named.get(var.ref(), var.name.split(":")[0])
-        if name not in plan:
-            out.append(name)
-    return out
+        own = names.get(var.ref(), [var.name.split(":")[0]])
+        lacking = [n for n in own if n not in plan]
+        absent += lacking
+        if len(lacking) == len(own):
+            at_init.append(own[0])
+    return at_init, absent
 
 
-def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[str]) -> str:
+def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[str],
+                    ties: Optional[ties_lib.Resolution]) -> str:
     def some(names):
         return ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
 
@@ -106,7 +135,8 @@ def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[st
         parts.append(f"{len(unexpected)} tensor(s) in the file have no place in the model: "
                      f"{some(unexpected)}")
     if missing:
-        parts.append(f"{len(missing)} model variable(s) are not in the file: {some(missing)}")
+        parts.append(f"{len(missing)} model variable(s) are not in the file: {some(missing)}"
+                     + (ties.explain(missing) if ties else ""))
     return (f"{path!r} ({fmt}) does not fit the model: {'; '.join(parts)}; pass skip patterns "
             "(--skip / load_pretrained.skip) for what is left out on purpose")
 
@@ -138,19 +168,23 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     """
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
-    fmt, source, table, default_skip, backbone_only = _read(model, path)
-    skip = list(skip) + [p for p in default_skip if p not in skip]
+    src = _read(model, path)
+    skip = list(skip) + [p for p in src.default_skip if p not in skip]
     groups = targets_lib.head_groups(model)
-    plan, unused, skipped, reinit = _plan(source, table, groups, skip, allow_head_reinit, path)
+    plan, unused, skipped, reinit = _plan(src.tensors, src.table, groups, skip,
+                                          allow_head_reinit, path)
     reinit_refs = {v.ref() for g in reinit for v in groups[g]}
-    not_loaded = _left_at_init(model, table, plan, reinit_refs)
+    not_loaded, absent = _left_at_init(model, src.table, plan, reinit_refs)
     unexpected = [k for k in unused if k not in skipped and not _matches([k], skip)]
-    missing = [n for n in not_loaded if n not in skipped and not _matches([n], skip)
-               and not (backbone_only and not n.startswith("backbone."))]
+    missing = [n for n in absent if n not in skipped and not _matches([n], skip)
+               and not (src.backbone_only and not n.startswith("backbone."))]
     if unexpected or missing:
-        raise WeightImportError(_misfit_message(path, fmt, unexpected, missing))
+        raise WeightImportError(_misfit_message(path, src.format, unexpected, missing,
+                                                src.ties))
     for name, value in plan.items():
-        var = table[name].variable
+        var = src.table[name].variable
         var.assign(np.asarray(value, dtype=var.dtype.as_numpy_dtype))
-    return ImportReport(path=path, format=fmt, loaded=sorted(plan), unused=unused,
-                        not_loaded=not_loaded, reinitialized=reinit, skip=skip)
+    aliases = {n: a for n, a in (src.ties.aliases if src.ties else {}).items() if n in plan}
+    return ImportReport(path=path, format=src.format, loaded=sorted(plan), unused=unused,
+                        not_loaded=not_loaded, reinitialized=reinit, skip=skip,
+                        aliases=dict(sorted(aliases.items())))

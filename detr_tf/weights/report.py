@@ -2,7 +2,7 @@
 import dataclasses
 import fnmatch
 import textwrap
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 
 def _listing(title: str, names: List[str], limit: int = 0) -> List[str]:
@@ -29,6 +29,8 @@ class ImportReport:
       not_loaded: model variables left at their initial values.
       reinitialized: {group: why}, e.g. the class head when the class counts differ.
       skip: the skip patterns in force (the user's and the layout's own).
+      aliases: {loaded name the file does not hold under that name: (the file key read
+        instead, why: "the file's metadata" or a tie rule)}; see detr_tf/weights/ties.py.
     """
     path: str
     format: str
@@ -37,10 +39,13 @@ class ImportReport:
     not_loaded: List[str] = dataclasses.field(default_factory=list)
     reinitialized: Dict[str, str] = dataclasses.field(default_factory=dict)
     skip: List[str] = dataclasses.field(default_factory=list)
+    aliases: Dict[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"weights: imported {self.path}", f"  format: {self.format}",
-                 f"  loaded: {len(self.loaded)} tensors",
+                 f"  loaded: {len(self.loaded)} tensors"
+                 + (f", {len(self.aliases)} of them under another name in the file"
+                    if self.aliases else ""),
                  f"  skip patterns: {', '.join(self.skip) or 'none'}"]
         for group, why in self.reinitialized.items():
             lines.append(f"  re-initialised {group}: {why}")
@@ -53,5 +58,10 @@ class ImportReport:
         for pattern, keys in by_pattern.items():
             why = f"skipped by {pattern!r}" if pattern else "skipped by a model-name pattern"
             lines += _listing(f"in the file, not used, {why}", keys, limit=8)
+        by_reason = {}
+        for name, (key, why) in self.aliases.items():
+            by_reason.setdefault(why, []).append(f"{name} <- {key}")
+        for why, pairs in by_reason.items():
+            lines += _listing(f"read as aliases, by {why}", pairs, limit=8)
         lines += _listing("left at their initial values", self.not_loaded)
         return "\n".join(lines)

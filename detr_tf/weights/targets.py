@@ -5,7 +5,7 @@ and [kh, kw, in, out] here; Dense kernels [out, in] against [in, out]; vectors a
 tables are the same. Each `Target` converts one way and gives the shape a file must hold.
 """
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -13,6 +13,7 @@ import tf_keras
 
 from detr_tf.modeling.backbone import ResNet, torchvision_variables
 from detr_tf.modeling.deformable_detr import DeformableDETR
+from detr_tf.weights.ties import TieRule
 
 _TO_TF = {"conv": (2, 3, 1, 0), "dense": (1, 0)}
 _TO_TORCH = {"conv": (3, 2, 0, 1), "dense": (1, 0)}
@@ -122,6 +123,15 @@ def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
     if model.query_embed is not None:
         groups["query embedding"] = list(model.query_embed.variables)
     return groups
+
+
+def tie_rules(model: tf_keras.Model) -> Tuple[TieRule, ...]:
+    """The rules saying which of the model's torch names a file may store as one tensor
+    (detr_tf.weights.ties); DETR shares no module, so it has none."""
+    if _is_deformable(model):
+        from detr_tf.weights import deformable_targets
+        return deformable_targets.tie_rules(model)
+    return ()
 
 
 def _is_deformable(model: tf_keras.Model) -> bool:
