@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from detr_tf.losses import SetCriterion
-from detr_tf.losses_denoising import denoising_losses
+from detr_tf.losses.denoising import denoising_losses
 from detr_tf.modeling.denoising import (DenoisingQueries, contrastive_noise_boxes,
                                         noise_boxes)
 from detr_tf.modeling.transformer import AnchorTransformer, Transformer

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 from scipy.optimize import linear_sum_assignment
 
-from detr_tf.focal_criterion import FocalSetCriterion, focal_match_cost, sigmoid_focal_loss
+from detr_tf.losses.focal import FocalSetCriterion, focal_match_cost, sigmoid_focal_loss
 
 ALPHA, GAMMA = 0.25, 2.0
 

@@ -2,7 +2,8 @@
 import numpy as np
 import tensorflow as tf
 
-from detr_tf.modeling.transformer import AnchorTransformer, Transformer, inverse_sigmoid
+from detr_tf.modeling.layers import inverse_sigmoid
+from detr_tf.modeling.transformer import AnchorTransformer, Transformer
 
 D, HEADS, FFN, Q = 16, 4, 24, 5
 

@@ -13,7 +13,7 @@ Three variants, all Gin options of `build_deformable_detr`:
 
 Classification is per-class sigmoid (focal loss): 'pred_logits' has num_classes entries and no
 no-object class. Post-processing is `postprocess.sigmoid_topk_postprocess` (bound by the model
-files), training `FocalSetCriterion` (detr_tf/focal_criterion.py).
+files), training `FocalSetCriterion` (detr_tf/losses/focal.py).
 """
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,7 +26,7 @@ from detr_tf.modeling import deformable_transformer as dt
 from detr_tf.modeling import multiscale
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.transformer import MLP, _layer_norm
+from detr_tf.modeling.layers import MLP, inverse_sigmoid, layer_norm
 
 _PRIOR_PROB = 0.01  # initial foreground probability of every class (focal-loss practice)
 
@@ -97,9 +97,9 @@ class DeformableDETR(tf_keras.Model):
                                      f"bbox_embed.{i}") for i in range(num_heads)]
         if two_stage:
             self.enc_output = tf_keras.layers.Dense(d, name="enc_output")
-            self.enc_output_norm = _layer_norm("enc_output_norm")
+            self.enc_output_norm = layer_norm("enc_output_norm")
             self.pos_trans = tf_keras.layers.Dense(2 * d, name="pos_trans")
-            self.pos_trans_norm = _layer_norm("pos_trans_norm")
+            self.pos_trans_norm = layer_norm("pos_trans_norm")
         else:
             self.query_embed = tf_keras.layers.Embedding(
                 num_queries, 2 * d, dtype="float32", name="query_embed",
@@ -213,7 +213,7 @@ class DeformableDETR(tf_keras.Model):
         for i, ref in enumerate(refs):
             logits.append(tf.cast(self._head(self.class_embed, i)(hs[i]), tf.float32))
             delta = tf.cast(self._head(self.bbox_embed, i)(hs[i]), tf.float32)  # [B, Q, 4]
-            inv = dt.inverse_sigmoid(ref)
+            inv = inverse_sigmoid(ref)
             if ref.shape[-1] == 2:
                 inv = tf.concat([inv, tf.zeros_like(inv)], -1)
             boxes.append(tf.sigmoid(delta + inv))

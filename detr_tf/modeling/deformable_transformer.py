@@ -24,13 +24,8 @@ import tf_keras
 from detr_tf.modeling.deformable_attention import MultiScaleDeformableAttention
 from detr_tf.modeling.dropout import Dropout
 from detr_tf.modeling.position_encoding import sine_features
-from detr_tf.modeling.transformer import MultiHeadAttention, _FeedForward, _layer_norm
-
-
-def inverse_sigmoid(x: tf.Tensor, eps: float = 1e-5) -> tf.Tensor:
-    """log(x / (1 - x)) with x clipped to [0, 1] and both terms to at least eps."""
-    x = tf.clip_by_value(x, 0.0, 1.0)
-    return tf.math.log(tf.maximum(x, eps) / tf.maximum(1.0 - x, eps))
+from detr_tf.modeling.layers import FeedForward, inverse_sigmoid, layer_norm
+from detr_tf.modeling.transformer import MultiHeadAttention
 
 
 def encoder_reference_points(shapes: Sequence[Tuple[int, int]],
@@ -64,9 +59,9 @@ class DeformableEncoderLayer(tf_keras.layers.Layer):
         self.self_attn = MultiScaleDeformableAttention(
             d_model=d_model, num_heads=num_heads, num_levels=num_levels, num_points=num_points,
             name="self_attn")
-        self.ffn = _FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
-        self.norm1 = _layer_norm("norm1")
-        self.norm2 = _layer_norm("norm2")
+        self.ffn = FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
+        self.norm1 = layer_norm("norm1")
+        self.norm2 = layer_norm("norm2")
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
 
@@ -89,10 +84,10 @@ class DeformableDecoderLayer(tf_keras.layers.Layer):
         self.cross_attn = MultiScaleDeformableAttention(
             d_model=d_model, num_heads=num_heads, num_levels=num_levels, num_points=num_points,
             name="cross_attn")
-        self.ffn = _FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
-        self.norm1 = _layer_norm("norm1")
-        self.norm2 = _layer_norm("norm2")
-        self.norm3 = _layer_norm("norm3")
+        self.ffn = FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
+        self.norm1 = layer_norm("norm1")
+        self.norm2 = layer_norm("norm2")
+        self.norm3 = layer_norm("norm3")
         self.dropouts = [Dropout(dropout) for _ in range(3)]
 
     def call(self, tgt, query_pos, reference_points, memory, shapes, padding_mask,

@@ -28,7 +28,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.transformer import inverse_sigmoid
+from detr_tf.modeling.layers import inverse_sigmoid
 from detr_tf.ops import box_ops
 
 

@@ -10,7 +10,8 @@ from detr_tf.modeling import proposals as proposals_lib
 from detr_tf.modeling import query_groups
 from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.transformer import MLP, Transformer
+from detr_tf.modeling.layers import MLP
+from detr_tf.modeling.transformer import Transformer
 
 
 class DETR(tf_keras.Model):

@@ -13,31 +13,8 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.dropout import Dropout
+from detr_tf.modeling.layers import MLP, FeedForward, inverse_sigmoid, layer_norm
 from detr_tf.modeling.position_encoding import sine_features
-
-
-def _layer_norm(name: str) -> tf_keras.layers.LayerNormalization:
-    return tf_keras.layers.LayerNormalization(epsilon=1e-5, name=name)
-
-
-class MLP(tf_keras.layers.Layer):
-    """num_layers Dense layers with ReLU between them (none after the last)."""
-
-    def __init__(self, hidden_dim: int, output_dim: int, num_layers: int,
-                 last_initializer: str = "glorot_uniform", **kwargs):
-        super().__init__(**kwargs)
-        self.layers = [
-            tf_keras.layers.Dense(
-                hidden_dim if i < num_layers - 1 else output_dim, name=f"layers.{i}",
-                kernel_initializer="glorot_uniform" if i < num_layers - 1 else last_initializer)
-            for i in range(num_layers)]
-
-    def call(self, x: tf.Tensor) -> tf.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = tf.nn.relu(x)
-        return x
 
 
 class MultiHeadAttention(tf_keras.layers.Layer):
@@ -85,29 +62,15 @@ class MultiHeadAttention(tf_keras.layers.Layer):
         return self.out_proj(tf.reshape(out, [b, n, self.num_heads * self.head_dim]))
 
 
-class _FeedForward(tf_keras.layers.Layer):
-    """linear1 -> activation -> dropout -> linear2."""
-
-    def __init__(self, d_model, dim_feedforward, dropout, activation, **kwargs):
-        super().__init__(**kwargs)
-        self.linear1 = tf_keras.layers.Dense(dim_feedforward, name="linear1")
-        self.linear2 = tf_keras.layers.Dense(d_model, name="linear2")
-        self.dropout = Dropout(dropout)
-        self.activation = activation
-
-    def call(self, x, training=None):
-        return self.linear2(self.dropout(self.activation(self.linear1(x)), training=training))
-
-
 class EncoderLayer(tf_keras.layers.Layer):
     """Post-norm: x = norm1(x + SA(x + pos, x + pos, x)); x = norm2(x + FFN(x))."""
 
     def __init__(self, d_model, num_heads, dim_feedforward, dropout, activation, **kwargs):
         super().__init__(**kwargs)
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
-        self.ffn = _FeedForward(d_model, dim_feedforward, dropout, activation, name="ffn")
-        self.norm1 = _layer_norm("norm1")
-        self.norm2 = _layer_norm("norm2")
+        self.ffn = FeedForward(d_model, dim_feedforward, dropout, activation, name="ffn")
+        self.norm1 = layer_norm("norm1")
+        self.norm2 = layer_norm("norm2")
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
 
@@ -127,10 +90,10 @@ class DecoderLayer(tf_keras.layers.Layer):
         super().__init__(**kwargs)
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
         self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout, name="cross_attn")
-        self.ffn = _FeedForward(d_model, dim_feedforward, dropout, activation, name="ffn")
-        self.norm1 = _layer_norm("norm1")
-        self.norm2 = _layer_norm("norm2")
-        self.norm3 = _layer_norm("norm3")
+        self.ffn = FeedForward(d_model, dim_feedforward, dropout, activation, name="ffn")
+        self.norm1 = layer_norm("norm1")
+        self.norm2 = layer_norm("norm2")
+        self.norm3 = layer_norm("norm3")
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
         self.dropout3 = Dropout(dropout)
@@ -178,7 +141,7 @@ class Transformer(tf_keras.layers.Layer):
                                for i in range(num_encoder_layers)]
         self.decoder_layers = [DecoderLayer(*args, name=f"decoder.layers.{i}")
                                for i in range(num_decoder_layers)]
-        self.decoder_norm = _layer_norm("decoder.norm")
+        self.decoder_norm = layer_norm("decoder.norm")
 
     @property
     def query_dim(self) -> int:
@@ -227,12 +190,6 @@ class Transformer(tf_keras.layers.Layer):
                         self_attn_mask=self_attn_mask)
             hs.append(self.decoder_norm(tgt))
         return tf.stack(hs), tf.reshape(memory, tf.shape(src))
-
-
-def inverse_sigmoid(x: tf.Tensor, eps: float = 1e-5) -> tf.Tensor:
-    """logit(x) with x clipped to [eps, 1 - eps] so that 0 and 1 stay finite."""
-    x = tf.clip_by_value(x, eps, 1.0 - eps)
-    return tf.math.log(x / (1.0 - x))
 
 
 @gin.configurable

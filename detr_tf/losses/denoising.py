@@ -17,7 +17,7 @@ from typing import Dict, Tuple
 
 import tensorflow as tf
 
-from detr_tf.ops import box_ops
+from detr_tf.losses import boxes as box_losses
 
 
 def denoising_losses(dn: Dict[str, object], n_box: tf.Tensor, weight_ce: float,
@@ -49,19 +49,10 @@ def denoising_losses(dn: Dict[str, object], n_box: tf.Tensor, weight_ce: float,
     per_box = n_box * float(dn["num_groups"])
     nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)  # [L, B, N]
     loss_ce = tf.reduce_sum(nll * valid, [1, 2]) / (per_box * float(dn["parts"]))
-    l1 = tf.reduce_sum(tf.abs(boxes - target), -1)  # [L, B, N]
-    loss_bbox = tf.reduce_sum(l1 * positive, [1, 2]) / per_box
-    giou = box_ops.generalized_box_iou(
-        box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
-        box_ops.box_cxcywh_to_xyxy(tf.broadcast_to(target, tf.shape(boxes)))[..., None, :]
-    )[..., 0, 0]  # [L, B, N]
-    loss_giou = tf.reduce_sum((1.0 - giou) * positive, [1, 2]) / per_box
-    out = {"loss_dn_ce": loss_ce[-1], "loss_dn_bbox": loss_bbox[-1],
-           "loss_dn_giou": loss_giou[-1]}
-    for i in range(num_layers - 1):
-        out[f"loss_dn_ce_{i}"] = loss_ce[i]
-        out[f"loss_dn_bbox_{i}"] = loss_bbox[i]
-        out[f"loss_dn_giou_{i}"] = loss_giou[i]
+    loss_bbox, loss_giou = box_losses.matched_box_losses(
+        boxes, tf.broadcast_to(target, tf.shape(boxes)), positive, per_box, [1, 2])  # [L]
+    out = box_losses.per_layer({"loss_dn_ce": loss_ce, "loss_dn_bbox": loss_bbox,
+                                "loss_dn_giou": loss_giou})
     total = tf.reduce_sum(weight_ce * loss_ce + weight_bbox * loss_bbox
                           + weight_giou * loss_giou)
     return out, total

@@ -18,26 +18,14 @@ as anchor-free dense detectors do), every other real cell is no-object, and the 
 losses apply (loss_enc_ce, loss_enc_bbox, loss_enc_giou; the class term is normalized by the box
 count like the box terms, which keeps it independent of how many cells a bucket pads to).
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import gin
 import tensorflow as tf
 
-from detr_tf import losses_denoising
-from detr_tf.ops import box_ops
+from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import dense, denoising
 from detr_tf.ops import matching
-
-
-def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
-    """The loss normalizer: `num_boxes` if given, else the real boxes of `tgt_mask` averaged over
-    the replicas in sync (the reference's all-reduced num_boxes / world size); at least 1."""
-    if num_boxes is None:
-        num_boxes = tf.reduce_sum(tf.cast(tgt_mask, tf.float32))
-        ctx = tf.distribute.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1:
-            num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
-            num_boxes = num_boxes / ctx.num_replicas_in_sync
-    return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
 
 
 @gin.configurable
@@ -56,7 +44,7 @@ class SetCriterion:
         the default when None) or `@SinkhornMatcher()` (approximate, detr_tf/ops/sinkhorn.py).
       num_groups: Group DETR's K query groups (build_model.num_groups): each group is matched
         one-to-one on its own and the loss is the mean of the K groups' DETR losses.
-      weight_dn: weight of the denoising queries' reconstruction losses (losses_denoising.py).
+      weight_dn: weight of the denoising queries' reconstruction losses (losses/denoising.py).
     """
 
     def __init__(self, num_classes: int, eos_coef: float = 0.1, cost_class: float = 1.0,
@@ -146,7 +134,7 @@ class SetCriterion:
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
                  ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
-        """Computes the losses.
+        """Computes the losses: match -> class -> boxes -> metrics, then the extra queries.
 
         Args:
           outputs: the model's dict: 'pred_logits' [B, Q, C+1], 'pred_boxes' [B, Q, 4]
@@ -165,28 +153,32 @@ class SetCriterion:
           'class_error', 'cardinality_error' (of group 0 with query groups); with denoising
           queries ('dn_outputs') also 'loss_dn_ce', 'loss_dn_bbox', 'loss_dn_giou' (and '_{i}').
         """
-        layers: List[Dict[str, tf.Tensor]] = list(
-            outputs.get("aux_outputs", []) if self.aux_loss else [])
-        layers.append(outputs)
-        logits = tf.stack([tf.cast(o["pred_logits"], tf.float32) for o in layers])  # [L,B,Q,C+1]
-        boxes = tf.stack([tf.cast(o["pred_boxes"], tf.float32) for o in layers])  # [L, B, Q, 4]
+        logits, boxes = box_losses.stack_layers(outputs, self.aux_loss)  # [L, B, Q, *]
+        targets = box_losses.padded_targets(targets)
+        groups = self._groups(outputs, logits)
+        n_box = box_losses.box_normalizer(targets["mask"], num_boxes)
+        idx = self.match(logits, boxes, targets, groups)  # [L, B, Q]
+        loss_ce = self._class_loss(logits, targets, idx, ce_weight)  # [L]
+        # Boxes: summed over matched pairs, normalized by the (global) box count (times the
+        # group count: the mean over groups).
+        loss_bbox, loss_giou = box_losses.matched_box_losses(
+            boxes, box_losses.gather_matched(targets["boxes"], idx),
+            tf.cast(idx >= 0, tf.float32), n_box * groups if groups > 1 else n_box, [1, 2])
+        out = box_losses.per_layer({"loss_ce": loss_ce, "loss_bbox": loss_bbox,
+                                    "loss_giou": loss_giou})
+        out["loss"] = tf.reduce_sum(self.weight_ce * loss_ce + self.weight_bbox * loss_bbox
+                                    + self.weight_giou * loss_giou)
+        out.update(self._metrics(logits[-1], targets, idx[-1], groups))
+        self._add_extra_queries(outputs, targets, n_box, out)
+        return out
+
+    def _groups(self, outputs: Dict[str, object], logits: tf.Tensor) -> int:
+        """The model's query-group count, checked against this criterion's."""
+        groups = outputs.get("num_groups", 1)
         if logits.shape[-1] is not None and logits.shape[-1] != self.num_classes + 1:
             raise ValueError(f"SetCriterion: pred_logits has {logits.shape[-1]} classes but "
                              f"SetCriterion.num_classes={self.num_classes} expects "
                              f"{self.num_classes + 1} (no-object last)")
-        labels = tf.cast(targets["labels"], tf.int32)
-        tgt_boxes = tf.cast(targets["boxes"], tf.float32)
-        tgt_mask = tf.cast(targets["mask"], tf.bool)
-        if labels.shape[1] == 0:
-            # One padded dummy target keeps the gathers below in range.
-            bsz = tf.shape(labels)[0]
-            labels = tf.zeros([bsz, 1], tf.int32)
-            tgt_boxes = tf.zeros([bsz, 1, 4], tf.float32)
-            tgt_mask = tf.zeros([bsz, 1], tf.bool)
-        targets = {"labels": labels, "boxes": tgt_boxes, "mask": tgt_mask}
-        num_layers = len(layers)
-        n_box = box_normalizer(tgt_mask, num_boxes)
-        groups = outputs.get("num_groups", 1)
         if groups != 1 and groups != self.num_groups:
             raise ValueError(f"SetCriterion: the model returns {groups} query groups but "
                              f"SetCriterion.num_groups={self.num_groups}; bind both to the same "
@@ -194,133 +186,51 @@ class SetCriterion:
         if groups > 1 and logits.shape[2] % groups:
             raise ValueError(f"SetCriterion: {logits.shape[2]} queries do not split into "
                              f"{groups} groups")
+        return groups
 
-        idx = self.match(logits, boxes, targets, groups)  # [L, B, Q]
-        matched = idx >= 0
-        safe_idx = tf.maximum(idx, 0)
-
-        def per_layer_gather(x):  # [B, T, ...] -> [L, B, Q, ...], the target of each query
-            x = tf.tile(x[None], [num_layers] + [1] * len(x.shape))
-            return tf.gather(x, safe_idx, batch_dims=2)
-
-        matched_labels = per_layer_gather(labels)  # [L, B, Q]
-        matched_boxes = per_layer_gather(tgt_boxes)  # [L, B, Q, 4]
-        target_classes = tf.where(matched, matched_labels, self.num_classes)  # [L, B, Q]
-        matched_f = tf.cast(matched, tf.float32)
-
-        # Classification: class-weighted mean NLL over all B*Q queries of each layer.
+    def _class_loss(self, logits: tf.Tensor, targets: Dict[str, tf.Tensor], idx: tf.Tensor,
+                    ce_weight: Optional[tf.Tensor]) -> tf.Tensor:
+        """Class-weighted mean NLL over all B*Q queries of each layer -> [L]; unmatched queries
+        are no-object, weighted eos_coef."""
+        matched_labels = box_losses.gather_matched(targets["labels"], idx)  # [L, B, Q]
+        target_classes = tf.where(idx >= 0, matched_labels, self.num_classes)
         class_weight = tf.concat([tf.ones([self.num_classes]), [self.eos_coef]], 0)
         w = tf.gather(class_weight, target_classes)  # [L, B, Q]
         nll = tf.nn.sparse_softmax_cross_entropy_with_logits(target_classes, logits)
         w_sum = (tf.reduce_sum(w, [1, 2]) if ce_weight is None
                  else tf.cast(ce_weight, tf.float32))  # [L] or scalar
-        loss_ce = tf.reduce_sum(w * nll, [1, 2]) / w_sum  # [L]
+        return tf.reduce_sum(w * nll, [1, 2]) / w_sum
 
-        # Boxes: summed over matched pairs, normalized by the (global) box count (times the
-        # group count: the mean over groups).
-        box_norm = n_box * groups if groups > 1 else n_box
-        l1 = tf.reduce_sum(tf.abs(boxes - matched_boxes), -1)  # [L, B, Q]
-        loss_bbox = tf.reduce_sum(l1 * matched_f, [1, 2]) / box_norm
-        giou = box_ops.generalized_box_iou(
-            box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
-            box_ops.box_cxcywh_to_xyxy(matched_boxes)[..., None, :])[..., 0, 0]  # [L, B, Q]
-        loss_giou = tf.reduce_sum((1.0 - giou) * matched_f, [1, 2]) / box_norm
-
-        # Logging metrics of the final layer, as the reference; of group 0 (the inference
-        # queries) when there are groups.
-        final_logits = logits[-1]
+    def _metrics(self, final_logits: tf.Tensor, targets: Dict[str, tf.Tensor], idx: tf.Tensor,
+                 groups: int) -> Dict[str, tf.Tensor]:
+        """class_error and cardinality_error of the final layer [B, Q, *], as the reference;
+        of group 0 (the inference queries) when there are groups."""
         if groups > 1:
-            qg = logits.shape[2] // groups
-            final_logits = final_logits[:, :qg]
-            matched_labels, matched_f = matched_labels[..., :qg], matched_f[..., :qg]
+            qg = final_logits.shape[1] // groups
+            final_logits, idx = final_logits[:, :qg], idx[:, :qg]
+        matched_labels = tf.gather(targets["labels"], tf.maximum(idx, 0), batch_dims=1)
+        matched_f = tf.cast(idx >= 0, tf.float32)  # [B, Q]
         pred_class = tf.argmax(final_logits, axis=-1, output_type=tf.int32)  # [B, Q]
-        n_matched = tf.reduce_sum(matched_f[-1])
-        n_correct = tf.reduce_sum(
-            tf.cast(pred_class == matched_labels[-1], tf.float32) * matched_f[-1])
-        class_error = 100.0 - 100.0 * tf.math.divide_no_nan(n_correct, n_matched)
+        n_correct = tf.reduce_sum(tf.cast(pred_class == matched_labels, tf.float32) * matched_f)
         card_pred = tf.reduce_sum(tf.cast(pred_class != self.num_classes, tf.float32), -1)  # [B]
-        card_tgt = tf.reduce_sum(tf.cast(tgt_mask, tf.float32), -1)  # [B]
-        cardinality_error = tf.reduce_mean(tf.abs(card_pred - card_tgt))
+        card_tgt = tf.reduce_sum(tf.cast(targets["mask"], tf.float32), -1)  # [B]
+        return {"class_error": 100.0 - 100.0 * tf.math.divide_no_nan(
+                    n_correct, tf.reduce_sum(matched_f)),
+                "cardinality_error": tf.reduce_mean(tf.abs(card_pred - card_tgt))}
 
-        per_layer = (self.weight_ce * loss_ce + self.weight_bbox * loss_bbox
-                     + self.weight_giou * loss_giou)  # [L]
-        out = {"loss": tf.reduce_sum(per_layer), "loss_ce": loss_ce[-1],
-               "loss_bbox": loss_bbox[-1], "loss_giou": loss_giou[-1],
-               "class_error": class_error, "cardinality_error": cardinality_error}
-        for i in range(num_layers - 1):
-            out[f"loss_ce_{i}"] = loss_ce[i]
-            out[f"loss_bbox_{i}"] = loss_bbox[i]
-            out[f"loss_giou_{i}"] = loss_giou[i]
+    def _add_extra_queries(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
+                           n_box: tf.Tensor, out: Dict[str, tf.Tensor]) -> None:
+        """The denoising queries' and the encoder proposals' losses, added to `out`."""
         if "dn_outputs" in outputs:
-            dn, dn_total = losses_denoising.denoising_losses(
+            dn, dn_total = denoising.denoising_losses(
                 outputs["dn_outputs"], n_box, self.weight_ce, self.weight_bbox,
                 self.weight_giou, aux_loss=self.aux_loss)
             out.update(dn)
             out["loss"] += self.weight_dn * dn_total
         if "enc_outputs" in outputs:
-            enc = self.dense_losses(outputs["enc_outputs"], targets, n_box)
+            enc = dense.dense_losses(outputs["enc_outputs"], targets, n_box, self.num_classes,
+                                     self.eos_coef)
             out.update(enc)
             out["loss"] += self.weight_enc * (self.weight_ce * enc["loss_enc_ce"]
                                               + self.weight_bbox * enc["loss_enc_bbox"]
                                               + self.weight_giou * enc["loss_enc_giou"])
-        return out
-
-    def dense_losses(self, enc: Dict[str, tf.Tensor], targets: Dict[str, tf.Tensor],
-                     n_box: tf.Tensor) -> Dict[str, tf.Tensor]:
-        """The encoder proposals' losses under the centre-cell assignment.
-
-        Args:
-          enc: 'pred_logits' [B, S, C+1], 'pred_boxes' [B, S, 4], 'cell_mask' [B, h, w].
-          targets: as `__call__` (already padded to T >= 1).
-          n_box: the box-count normalizer.
-        """
-        logits = tf.cast(enc["pred_logits"], tf.float32)
-        boxes = tf.cast(enc["pred_boxes"], tf.float32)
-        cell_mask = enc["cell_mask"]
-        real = tf.cast(tf.reshape(cell_mask, tf.shape(logits)[:2]), tf.float32)  # [B, S]
-        assigned = center_assignment(cell_mask, targets["boxes"], targets["mask"])  # [B, S]
-        positive = assigned >= 0
-        safe = tf.maximum(assigned, 0)
-        cls = tf.where(positive, tf.gather(targets["labels"], safe, batch_dims=1),
-                       self.num_classes)  # [B, S]
-        w = tf.where(positive, 1.0, self.eos_coef) * real
-        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(cls, logits)
-        pos_f = tf.cast(positive, tf.float32)
-        tgt = tf.gather(targets["boxes"], safe, batch_dims=1)  # [B, S, 4]
-        l1 = tf.reduce_sum(tf.abs(boxes - tgt), -1)
-        giou = box_ops.generalized_box_iou(
-            box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
-            box_ops.box_cxcywh_to_xyxy(tgt)[..., None, :])[..., 0, 0]  # [B, S]
-        return {"loss_enc_ce": tf.reduce_sum(w * nll) / n_box,
-                "loss_enc_bbox": tf.reduce_sum(l1 * pos_f) / n_box,
-                "loss_enc_giou": tf.reduce_sum((1.0 - giou) * pos_f) / n_box}
-
-
-def center_assignment(cell_mask: tf.Tensor, boxes: tf.Tensor, box_mask: tf.Tensor) -> tf.Tensor:
-    """Assigns every target to the feature cell that holds its centre.
-
-    Args:
-      cell_mask: [B, h, w] bool, True on real cells (a top-left block per image).
-      boxes: [B, T, 4] normalized cxcywh, relative to the image's real extent.
-      box_mask: [B, T] bool, True on real targets.
-
-    Returns:
-      [B, h * w] int32: the target index assigned to each cell, -1 for none. When several
-      centres share a cell the highest target index wins (deterministic on every device).
-    """
-    h_real, w_real = box_ops.mask_extent(cell_mask)  # [B]
-    i = tf.clip_by_value(tf.floor(boxes[..., 1] * h_real[:, None]), 0.0,
-                         tf.maximum(h_real - 1.0, 0.0)[:, None])  # [B, T]
-    j = tf.clip_by_value(tf.floor(boxes[..., 0] * w_real[:, None]), 0.0,
-                         tf.maximum(w_real - 1.0, 0.0)[:, None])
-    h, w = tf.shape(cell_mask)[1], tf.shape(cell_mask)[2]
-    num_cells = h * w
-    cell = tf.cast(i, tf.int32) * w + tf.cast(j, tf.int32)
-    cell = tf.where(box_mask, cell, num_cells)  # padded targets go to a spare slot
-    b, t = tf.shape(boxes)[0], tf.shape(boxes)[1]
-    priority = tf.where(box_mask, tf.range(1, t + 1)[None, :], 0)  # [B, T]
-    batch = tf.tile(tf.range(b)[:, None], [1, t])
-    slots = tf.tensor_scatter_nd_max(
-        tf.zeros([b, num_cells + 1], tf.int32),
-        tf.reshape(tf.stack([batch, cell], -1), [-1, 2]), tf.reshape(priority, [-1]))
-    return slots[:, :num_cells] - 1

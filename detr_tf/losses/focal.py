@@ -14,12 +14,12 @@ Semantics are Deformable DETR's SetCriterion:
 All decoder layers are matched in one call of the batched matcher (detr_tf/ops/matching.py),
 the encoder proposals in a second one; everything runs in float32.
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import gin
 import tensorflow as tf
 
-from detr_tf import losses
+from detr_tf.losses import boxes as box_losses
 from detr_tf.ops import box_ops
 from detr_tf.ops import matching
 
@@ -114,25 +114,14 @@ class FocalSetCriterion:
     def _losses(self, logits, boxes, labels, tgt_boxes, mask, n_box):
         """Per-layer losses of [N, B, Q, *] predictions: (loss_ce, loss_bbox, loss_giou, idx),
         each [N] (idx [N, B, Q])."""
-        num_layers = logits.shape[0]
         idx = self.match(logits, boxes, labels, tgt_boxes, mask)  # [N, B, Q]
         matched = tf.cast(idx >= 0, tf.float32)
-        safe = tf.maximum(idx, 0)
-
-        def gather(x):  # [B, T, ...] -> [N, B, Q, ...], each query's target
-            return tf.gather(tf.tile(x[None], [num_layers] + [1] * len(x.shape)), safe,
-                             batch_dims=2)
-
-        onehot = tf.one_hot(gather(labels), logits.shape[-1]) * matched[..., None]
+        onehot = tf.one_hot(box_losses.gather_matched(labels, idx),
+                            logits.shape[-1]) * matched[..., None]
         focal = sigmoid_focal_loss(logits, onehot, self.alpha, self.gamma)  # [N, B, Q, C]
         loss_ce = tf.reduce_sum(focal, [1, 2, 3]) / n_box
-        matched_boxes = gather(tgt_boxes)  # [N, B, Q, 4]
-        l1 = tf.reduce_sum(tf.abs(boxes - matched_boxes), -1)
-        giou = box_ops.generalized_box_iou(
-            box_ops.box_cxcywh_to_xyxy(boxes)[..., None, :],
-            box_ops.box_cxcywh_to_xyxy(matched_boxes)[..., None, :])[..., 0, 0]  # [N, B, Q]
-        loss_bbox = tf.reduce_sum(l1 * matched, [1, 2]) / n_box
-        loss_giou = tf.reduce_sum((1.0 - giou) * matched, [1, 2]) / n_box
+        loss_bbox, loss_giou = box_losses.matched_box_losses(
+            boxes, box_losses.gather_matched(tgt_boxes, idx), matched, n_box, [1, 2])
         return loss_ce, loss_bbox, loss_giou, idx
 
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
@@ -154,28 +143,17 @@ class FocalSetCriterion:
           and for the proposals with '_enc', and 'class_error' (final layer, %).
         """
         del ce_weight
-        layers: List[Dict] = list(outputs.get("aux_outputs", []) if self.aux_loss else [])
-        layers.append(outputs)
-        logits = tf.stack([tf.cast(o["pred_logits"], tf.float32) for o in layers])
-        boxes = tf.stack([tf.cast(o["pred_boxes"], tf.float32) for o in layers])
+        logits, boxes = box_losses.stack_layers(outputs, self.aux_loss)
         if logits.shape[-1] != self.num_classes:
             raise ValueError(f"FocalSetCriterion: pred_logits has {logits.shape[-1]} classes "
                              f"but FocalSetCriterion.num_classes={self.num_classes}")
-        labels = tf.cast(targets["labels"], tf.int32)
-        tgt_boxes = tf.cast(targets["boxes"], tf.float32)
-        mask = tf.cast(targets["mask"], tf.bool)
-        if labels.shape[1] == 0:  # one padded dummy target keeps the gathers in range
-            b = tf.shape(labels)[0]
-            labels, tgt_boxes = tf.zeros([b, 1], tf.int32), tf.zeros([b, 1, 4])
-            mask = tf.zeros([b, 1], tf.bool)
-        n_box = losses.box_normalizer(mask, num_boxes)
+        targets = box_losses.padded_targets(targets)
+        labels, tgt_boxes, mask = targets["labels"], targets["boxes"], targets["mask"]
+        n_box = box_losses.box_normalizer(mask, num_boxes)
         ce, bbox, giou, idx = self._losses(logits, boxes, labels, tgt_boxes, mask, n_box)
         w_ce, w_bbox, w_giou = self.weights
-        out = {"loss": tf.reduce_sum(w_ce * ce + w_bbox * bbox + w_giou * giou),
-               "loss_ce": ce[-1], "loss_bbox": bbox[-1], "loss_giou": giou[-1]}
-        for i in range(len(layers) - 1):
-            out.update({f"loss_ce_{i}": ce[i], f"loss_bbox_{i}": bbox[i],
-                        f"loss_giou_{i}": giou[i]})
+        out = box_losses.per_layer({"loss_ce": ce, "loss_bbox": bbox, "loss_giou": giou})
+        out["loss"] = tf.reduce_sum(w_ce * ce + w_bbox * bbox + w_giou * giou)
         if "enc_outputs" in outputs:
             enc = outputs["enc_outputs"]
             ce, bbox, giou, _ = self._losses(

@@ -1,0 +1,17 @@
+"""The set criteria of the DETR family and the pieces they share.
+
+    set_criterion.py  SetCriterion: DETR's softmax classification, Hungarian matching of every
+                      decoder layer in one call, query groups, denoising and two-stage extras
+    focal.py          FocalSetCriterion: sigmoid focal classification (Deformable DETR)
+    denoising.py      the denoising queries' reconstruction losses (DN-DETR, DINO)
+    dense.py          two-stage encoder proposals under the centre-cell assignment
+    boxes.py          what they share: stacked layers, the box-count normalizer, the targets
+                      of a matching, the L1 and GIoU losses of matched pairs
+
+A criterion is called as `criterion(outputs, targets, num_boxes=None, ce_weight=None)` and
+has `local_normalizers(targets, num_queries)` for the trainer to all-reduce.
+"""
+from detr_tf.losses.boxes import box_normalizer  # noqa: F401
+from detr_tf.losses.dense import center_assignment  # noqa: F401
+from detr_tf.losses.focal import FocalSetCriterion, focal_match_cost, sigmoid_focal_loss  # noqa: F401
+from detr_tf.losses.set_criterion import SetCriterion  # noqa: F401

@@ -1,0 +1,85 @@
+"""What every set criterion shares: the stacked decoder layers, the box-count normalizer, the
+per-query targets of a matching, and the box losses of matched pairs.
+
+    loss_bbox = sum over matched pairs of |pred - target|_1 (cx, cy, w, h) / normalizer
+    loss_giou = sum over matched pairs of (1 - GIoU(pred, target)) / normalizer
+
+as the reference DETR and Deformable DETR compute them, for the decoder layers, the encoder
+proposals and the denoising queries alike.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import tensorflow as tf
+
+from detr_tf.ops import box_ops
+
+
+def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
+    """The loss normalizer: `num_boxes` if given, else the real boxes of `tgt_mask` averaged over
+    the replicas in sync (the reference's all-reduced num_boxes / world size); at least 1."""
+    if num_boxes is None:
+        num_boxes = tf.reduce_sum(tf.cast(tgt_mask, tf.float32))
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
+            num_boxes = num_boxes / ctx.num_replicas_in_sync
+    return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
+
+
+def stack_layers(outputs: Dict[str, object], aux_loss: bool) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The decoder layers' predictions, earliest first and the final layer last, in float32:
+    (logits [L, B, Q, C'], boxes [L, B, Q, 4]); only the final layer without aux_loss."""
+    layers: List[Dict] = list(outputs.get("aux_outputs", []) if aux_loss else [])
+    layers.append(outputs)
+    logits = tf.stack([tf.cast(o["pred_logits"], tf.float32) for o in layers])
+    boxes = tf.stack([tf.cast(o["pred_boxes"], tf.float32) for o in layers])
+    return logits, boxes
+
+
+def padded_targets(targets: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+    """'labels' int32 [B, T], 'boxes' float32 [B, T, 4], 'mask' bool [B, T]; a batch padded to
+    T = 0 gets one masked dummy target, which keeps every gather in range."""
+    labels = tf.cast(targets["labels"], tf.int32)
+    boxes = tf.cast(targets["boxes"], tf.float32)
+    mask = tf.cast(targets["mask"], tf.bool)
+    if labels.shape[1] == 0:
+        b = tf.shape(labels)[0]
+        labels, boxes, mask = tf.zeros([b, 1], tf.int32), tf.zeros([b, 1, 4]), tf.zeros(
+            [b, 1], tf.bool)
+    return {"labels": labels, "boxes": boxes, "mask": mask}
+
+
+def gather_matched(x: tf.Tensor, idx: tf.Tensor) -> tf.Tensor:
+    """Each query's target: x [B, T, ...] and idx [L, B, Q] (-1 unmatched, read as 0) ->
+    [L, B, Q, ...]."""
+    num_layers = idx.shape[0]
+    tiled = tf.tile(x[None], [num_layers] + [1] * len(x.shape))  # [L, B, T, ...]
+    return tf.gather(tiled, tf.maximum(idx, 0), batch_dims=2)
+
+
+def matched_box_losses(pred: tf.Tensor, target: tf.Tensor, weight: tf.Tensor,
+                       normalizer: tf.Tensor, axes) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(L1, 1 - GIoU) of prediction/target pairs, weighted and summed over `axes`, divided by
+    `normalizer`.
+
+    Args:
+      pred, target: [..., 4] normalized cx, cy, w, h, the same shape.
+      weight: [...] float, 1 on the pairs that count (matched, positive), 0 elsewhere.
+      normalizer: float scalar (the box count).
+      axes: the axes of `weight` to sum over; the others are kept (e.g. the layer axis).
+    """
+    l1 = tf.reduce_sum(tf.abs(pred - target), -1)
+    giou = box_ops.generalized_box_iou(
+        box_ops.box_cxcywh_to_xyxy(pred)[..., None, :],
+        box_ops.box_cxcywh_to_xyxy(target)[..., None, :])[..., 0, 0]
+    return (tf.reduce_sum(l1 * weight, axes) / normalizer,
+            tf.reduce_sum((1.0 - giou) * weight, axes) / normalizer)
+
+
+def per_layer(values: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+    """The reference's logged names from [L] vectors: 'name' for the final layer and 'name_{i}'
+    for layer i < L-1."""
+    out = {k: v[-1] for k, v in values.items()}
+    for k, v in values.items():
+        out.update({f"{k}_{i}": v[i] for i in range(v.shape[0] - 1)})
+    return out

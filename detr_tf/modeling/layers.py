@@ -1,0 +1,52 @@
+"""Layers the DETR family shares: the box MLP, the transformer's feed-forward block, its layer
+norm, and the inverse sigmoid that box refinement works in."""
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.modeling.dropout import Dropout
+
+
+def layer_norm(name: str) -> tf_keras.layers.LayerNormalization:
+    """torch.nn.LayerNorm's epsilon (1e-5), which the reference models use."""
+    return tf_keras.layers.LayerNormalization(epsilon=1e-5, name=name)
+
+
+def inverse_sigmoid(x: tf.Tensor, eps: float = 1e-5) -> tf.Tensor:
+    """log(x / (1 - x)) with x clipped to [0, 1] and both terms to at least eps (the reference
+    Deformable DETR's and transformers' formula), so 0 and 1 stay finite."""
+    x = tf.clip_by_value(x, 0.0, 1.0)
+    return tf.math.log(tf.maximum(x, eps) / tf.maximum(1.0 - x, eps))
+
+
+class MLP(tf_keras.layers.Layer):
+    """num_layers Dense layers with ReLU between them (none after the last)."""
+
+    def __init__(self, hidden_dim: int, output_dim: int, num_layers: int,
+                 last_initializer: str = "glorot_uniform", **kwargs):
+        super().__init__(**kwargs)
+        self.layers = [
+            tf_keras.layers.Dense(
+                hidden_dim if i < num_layers - 1 else output_dim, name=f"layers.{i}",
+                kernel_initializer="glorot_uniform" if i < num_layers - 1 else last_initializer)
+            for i in range(num_layers)]
+
+    def call(self, x: tf.Tensor) -> tf.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = tf.nn.relu(x)
+        return x
+
+
+class FeedForward(tf_keras.layers.Layer):
+    """The transformer layers' FFN: linear1 -> activation -> dropout -> linear2."""
+
+    def __init__(self, d_model, dim_feedforward, dropout, activation=tf.nn.relu, **kwargs):
+        super().__init__(**kwargs)
+        self.linear1 = tf_keras.layers.Dense(dim_feedforward, name="linear1")
+        self.linear2 = tf_keras.layers.Dense(d_model, name="linear2")
+        self.dropout = Dropout(dropout)
+        self.activation = activation
+
+    def call(self, x, training=None):
+        return self.linear2(self.dropout(self.activation(self.linear1(x)), training=training))
