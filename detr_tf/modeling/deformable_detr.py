@@ -26,6 +26,7 @@ from detr_tf.modeling import deformable_transformer as dt
 from detr_tf.modeling import multiscale
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
+from detr_tf.modeling.detector import Detector
 from detr_tf.modeling.layers import MLP, inverse_sigmoid, layer_norm
 
 _PRIOR_PROB = 0.01  # initial foreground probability of every class (focal-loss practice)
@@ -46,7 +47,7 @@ def _box_head(d_model: int, wh_bias: float, name: str) -> MLP:
     return head
 
 
-class DeformableDETR(tf_keras.Model):
+class DeformableDETR(Detector):
     """Deformable DETR.
 
     Call `model(images, pixel_mask, training=...)` (the DETR contract):
@@ -71,15 +72,10 @@ class DeformableDETR(tf_keras.Model):
                  two_stage: bool = False, canvas_sizes: Sequence[Tuple[int, int]] = (),
                  **kwargs):
         kwargs.setdefault("name", "deformable_detr")
-        super().__init__(**kwargs)
+        super().__init__(backbone, position_embedding, transformer, num_classes, num_queries,
+                         aux_loss, **kwargs)
         d = transformer.d_model
-        self.backbone = backbone
-        self.position_embedding = position_embedding
-        self.transformer = transformer
-        self.num_classes = num_classes
-        self.num_queries = num_queries
         self.backbone_levels = backbone_levels
-        self.aux_loss = aux_loss
         self.with_box_refine = with_box_refine
         self.two_stage = two_stage
         self.canvas_sizes = [(int(h), int(w)) for h, w in canvas_sizes]
@@ -217,12 +213,7 @@ class DeformableDETR(tf_keras.Model):
             if ref.shape[-1] == 2:
                 inv = tf.concat([inv, tf.zeros_like(inv)], -1)
             boxes.append(tf.sigmoid(delta + inv))
-        aux = []
-        if self.aux_loss:
-            aux = [{"pred_logits": l, "pred_boxes": bx}
-                   for l, bx in zip(logits[:-1], boxes[:-1])]
-        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux,
-                **extra}
+        return {**self.layer_outputs(logits, boxes), **extra}
 
 
 @gin.configurable

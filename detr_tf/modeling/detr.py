@@ -9,12 +9,13 @@ from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling import proposals as proposals_lib
 from detr_tf.modeling import query_groups
 from detr_tf.modeling.denoising import DenoisingQueries
+from detr_tf.modeling.detector import Detector
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 from detr_tf.modeling.layers import MLP
 from detr_tf.modeling.transformer import Transformer
 
 
-class DETR(tf_keras.Model):
+class DETR(Detector):
     """DETR (Carion et al. 2020).
 
     Call `model(images, pixel_mask, training=...)`:
@@ -52,14 +53,9 @@ class DETR(tf_keras.Model):
                  proposals: Optional[tf_keras.layers.Layer] = None, num_groups: int = 1,
                  denoising: Optional[DenoisingQueries] = None, **kwargs):
         kwargs.setdefault("name", "detr")
-        super().__init__(**kwargs)
+        super().__init__(backbone, position_embedding, transformer, num_classes, num_queries,
+                         aux_loss, **kwargs)
         d = transformer.d_model
-        self.backbone = backbone
-        self.position_embedding = position_embedding
-        self.transformer = transformer
-        self.num_classes = num_classes
-        self.num_queries = num_queries
-        self.aux_loss = aux_loss
         self.input_proj = tf_keras.layers.Conv2D(d, 1, name="input_proj")
         if proposals is not None and not transformer.predicts_boxes:
             raise ValueError("DETR: two-stage proposals need a transformer that decodes anchor "
@@ -155,12 +151,7 @@ class DETR(tf_keras.Model):
             logits, boxes = logits[:, :, :kq], boxes[:, :, :kq]
         if groups > 1:
             extra["num_groups"] = groups
-        num_layers = self.transformer.num_decoder_layers
-        aux = []
-        if self.aux_loss:
-            aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
-                   for i in range(num_layers - 1)]
-        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux, **extra}
+        return {**self.layer_outputs(logits, boxes), **extra}
 
     def _decode(self, src, mask, pos, groups, dn, extra, training):
         """The transformer on the projected features -> (hs [L, B, N, d], boxes [L, B, N, 4]),

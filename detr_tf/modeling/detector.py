@@ -1,0 +1,49 @@
+"""What every detector of the DETR family is to the rest of detr_tf.
+
+The trainer, the weight importer, evaluation and export call a detector as
+`model(images, pixel_mask, training=...)` and read a few attributes; `Detector` holds them, so a
+new family member (a file of its own) writes only its architecture:
+
+  backbone            its trainable variables take the backbone learning rate;
+  num_classes         checked against the criterion and the data before anything compiles;
+  num_queries         the queries per image at inference (the trainer's loss normalizers);
+  aux_loss            whether the decoder layers before the last are returned;
+  trains_on_targets   the train step passes the targets to a model that asks for them
+                      (training-only queries built from them, e.g. denoising);
+  build_size          the smallest canvas the model can be built on (weights never depend on it).
+"""
+from typing import Dict, Sequence, Tuple
+
+import tensorflow as tf
+import tf_keras
+
+
+class Detector(tf_keras.Model):
+    """Base of the family's detectors (see the module docstring)."""
+
+    trains_on_targets = False
+
+    def __init__(self, backbone: tf_keras.layers.Layer,
+                 position_embedding: tf_keras.layers.Layer, transformer: tf_keras.layers.Layer,
+                 num_classes: int, num_queries: int, aux_loss: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = backbone
+        self.position_embedding = position_embedding
+        self.transformer = transformer
+        self.num_classes = num_classes
+        self.num_queries = num_queries
+        self.aux_loss = aux_loss
+
+    @property
+    def build_size(self) -> Tuple[int, int]:
+        return 64, 64
+
+    def layer_outputs(self, logits: Sequence[tf.Tensor],
+                      boxes: Sequence[tf.Tensor]) -> Dict[str, object]:
+        """The outputs dict from per-decoder-layer predictions (a list, or a stacked [L, ...]):
+        the last layer's 'pred_logits' and 'pred_boxes', the earlier ones as 'aux_outputs'
+        (empty without aux_loss)."""
+        num_layers = len(logits) if isinstance(logits, (list, tuple)) else logits.shape[0]
+        aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
+               for i in range(num_layers - 1)] if self.aux_loss else []
+        return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux}
