@@ -212,16 +212,16 @@ def test_benchmark_train_and_infer_reports_on_the_tiny_model():
     import gin
 
     from detr_tf import config
-    from detr_tf.benchmarks import run
+    from detr_tf.benchmarks import step_benchmark
 
     gin.clear_config()
     config.parse_gin_config(["models/detr_tiny.gin"], ["NUM_CLASSES=3"], finalize=False)
     from detr_tf.losses import SetCriterion
     from detr_tf.modeling.detr import build_model
 
-    batches = run.synthetic_batches(2, (64, 96), 3, 10, 3)
-    r = run.benchmark_train(build_model, SetCriterion(), batches, steps=3, warmup=1,
-                            jit="none", precision="float32", peak_tflops=1.0,
+    batches = step_benchmark.synthetic_batches(2, (64, 96), 3, 10, 3)
+    r = step_benchmark.benchmark_train(build_model, SetCriterion(), batches, steps=3, warmup=1,
+                                       jit="none", precision="float32", peak_tflops=1.0,
                             log=lambda s: None)
     for key in ("images_per_sec", "step_time_ms", "compile_time_s", "flops_per_step", "mfu",
                 "input_wait_share", "matching_share", "peak_host_memory_mb"):
@@ -230,8 +230,8 @@ def test_benchmark_train_and_infer_reports_on_the_tiny_model():
     assert r["input_wait_share"] < 0.05  # synthetic input never waits
     assert r["flops_hlo_over_analytic"] == pytest.approx(1.0, rel=5e-3)
     assert r["mfu"] == pytest.approx(r["flops_per_step"] / (r["step_time_ms"] / 1e3) / 1e12)
-    inf = run.benchmark_infer(build_model, [1, 2], (64, 64), steps=3, warmup=1, jit=False,
-                              precision="float32", log=lambda s: None)
+    inf = step_benchmark.benchmark_infer(build_model, [1, 2], (64, 64), steps=3, warmup=1,
+                                         jit=False, precision="float32", log=lambda s: None)
     assert [row["batch_size"] for row in inf["results"]] == [1, 2]
     for row in inf["results"]:
         assert row["p50_ms"] <= row["p90_ms"] <= row["p95_ms"] <= row["p99_ms"]

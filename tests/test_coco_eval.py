@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.evaluation import coco_eval
-from detr_tf.evaluation.coco_evaluator import METRIC_NAMES, CocoEvaluator
+from detr_tf.evaluation import evaluate
+from detr_tf.evaluation.coco_metrics import METRIC_NAMES, CocoEvaluator
 
 # Every image holds the same two objects (normalized cx, cy, w, h), so an input-independent
 # model that predicts exactly them is a perfect detector for this data set.
@@ -49,7 +49,7 @@ def _dataset(num_images=5, batch_size=2):
 
 def test_oracle_scores_one_and_files_are_written(tmp_path, capsys):
     evaluator = CocoEvaluator(None)
-    metrics = coco_eval.evaluate_model(OracleModel(), _dataset(), evaluator,
+    metrics = evaluate.evaluate_model(OracleModel(), _dataset(), evaluator,
                                        output_dir=tmp_path / "eval", log_every=1)
     assert evaluator.num_images == 5  # the padding image (id -1) is not evaluated
     for name in ("AP", "AP50", "AP75", "APl"):
@@ -69,13 +69,13 @@ def test_oracle_scores_one_and_files_are_written(tmp_path, capsys):
 def test_max_batches_and_feature_dict_layout():
     dataset = _dataset().map(lambda im, m, t: ({"images": im, "pixel_mask": m}, t))
     evaluator = CocoEvaluator(None)
-    coco_eval.evaluate_model(OracleModel(), dataset, evaluator, max_batches=1, log_every=0)
+    evaluate.evaluate_model(OracleModel(), dataset, evaluator, max_batches=1, log_every=0)
     assert evaluator.num_images == 2
 
 
 def test_unknown_layout_is_explained():
     with pytest.raises(ValueError, match="pass unpack="):
-        coco_eval.unpack_batch({"images": 1})
+        evaluate.unpack_batch({"images": 1})
 
 
 def test_an_undecodable_image_is_skipped_and_named(tmp_path, capsys):
@@ -114,6 +114,6 @@ def test_an_undecodable_image_is_skipped_and_named(tmp_path, capsys):
         eval_transform=functools.partial(augment.detr_eval_transform, short_side=48,
                                          max_size=64), buckets=[(64, 64)], max_boxes=4)
     evaluator = CocoEvaluator(str(ann), label_map=[1])
-    coco_eval.evaluate_model(OracleModel(), dataset, evaluator, log_every=0)
+    evaluate.evaluate_model(OracleModel(), dataset, evaluator, log_every=0)
     assert evaluator.num_images == 2 and evaluator.not_evaluated == [2]
     assert "skipped 1 annotated image(s)" in capsys.readouterr().out

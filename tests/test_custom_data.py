@@ -181,7 +181,7 @@ def test_size_plan_gives_the_detr_recipe_on_coco_sized_images():
     sizes = [(800, 1066), (800, 1200), (1000, 800), (800, 1333), (800, 800)] * 4
     plan = custom_plan.size_plan(sizes, max_short_side=800)
     assert plan["eval_short_side"] == 800 and plan["max_size"] == 1333
-    assert plan["train_scales"] == tuple(range(480, 801, 32))  # data/detr_recipe.gin
+    assert plan["train_scales"] == tuple(range(480, 801, 32))  # data/coco_sizes.gin
     assert plan["crop_scales"] == (400, 500, 600)
     assert (plan["crop_min_size"], plan["crop_max_size"]) == (384, 600)
 

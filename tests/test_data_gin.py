@@ -16,7 +16,7 @@ REQUIRED = {
     "data/shapes.gin": ["SHAPES_CACHE_DIR = '/nonexistent'"],
     "data/custom.gin": ["DATA_DIR = '/nonexistent'"],
     "data/shapes_sizes.gin": [],
-    "data/detr_recipe.gin": [],
+    "data/coco_sizes.gin": [],
 }
 
 

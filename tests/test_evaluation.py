@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from pycocotools.coco import COCO
 
-from detr_tf.evaluation import coco_evaluator
-from detr_tf.evaluation.coco_evaluator import METRIC_NAMES, CocoEvaluator
+from detr_tf.evaluation import coco_metrics
+from detr_tf.evaluation.coco_metrics import METRIC_NAMES, CocoEvaluator
 from detr_tf.evaluation.postprocess import postprocess
 
 
@@ -216,14 +216,14 @@ def test_writes_results_and_metrics_json(tmp_path):
     _perfect_predictions(evaluator)
     metrics = evaluator.evaluate()
     evaluator.write_detections(tmp_path / "eval" / "detections.json")
-    coco_evaluator.write_metrics(tmp_path / "eval" / "metrics.json", metrics)
+    coco_metrics.write_metrics(tmp_path / "eval" / "metrics.json", metrics)
     written = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert list(written) == list(METRIC_NAMES)
     assert all(0.0 <= v <= 1.0 for v in written.values())
     # The results file is in COCO results format: pycocotools loads it against the GT.
     results = COCO(path).loadRes(str(tmp_path / "eval" / "detections.json"))
     assert len(results.anns) == 3 * 4
-    table = coco_evaluator.format_metrics_table(metrics, ["APs"])
+    table = coco_metrics.format_metrics_table(metrics, ["APs"])
     assert "AP50" in table and "100.00" in table and "n/a" in table
 
 

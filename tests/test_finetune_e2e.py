@@ -14,7 +14,7 @@ import tensorflow as tf
 from PIL import Image
 
 from detr_tf import cli
-from detr_tf.evaluation import coco_eval, export, predict
+from detr_tf.evaluation import evaluate, export, predict
 from tests import custom_data_helpers
 from tests.test_tools_e2e import METRIC_KEYS, _ok, _run
 from tests.test_weights_cli import FIXTURES, NARROW
@@ -41,7 +41,7 @@ def test_finetune_from_pretrained_weights_then_eval_predict_export(tmp_path):
     try:
         # What tools/eval.py, predict.py and export.py do with only --model_dir.
         cli.parse_tool_config("eval.py", [], [], str(model_dir))
-        metrics = coco_eval.evaluate_run(str(model_dir))
+        metrics = evaluate.evaluate_run(str(model_dir))
         assert set(metrics) == METRIC_KEYS
         image = tmp_path / "photo.jpg"
         Image.fromarray(np.full((48, 64, 3), 90, np.uint8)).save(image)

@@ -54,7 +54,7 @@ def _bound(name: str, default):
 def main(argv):
     cli.reject_positional("benchmark.py", argv, "; use --gin_file/--gin_param")
     cli.parse_gin_or_exit("benchmark.py", FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.benchmarks import run
+    from detr_tf.benchmarks import step_benchmark
     from detr_tf.losses import SetCriterion
     from detr_tf.modeling.detr import build_model
 
@@ -63,26 +63,25 @@ def main(argv):
     size = (FLAGS.image_size, FLAGS.image_size)
     if FLAGS.mode == "infer":
         from detr_tf.training import trainer
-        report = run.benchmark_infer(build_model, [int(b) for b in FLAGS.batch_sizes], size,
-                                     FLAGS.steps, FLAGS.warmup,
-                                     trainer.resolve_jit(jit) == "step", precision,
-                                     FLAGS.peak_tflops)
-        table = run.infer_table(report)
+        report = step_benchmark.benchmark_infer(
+            build_model, [int(b) for b in FLAGS.batch_sizes], size, FLAGS.steps, FLAGS.warmup,
+            trainer.resolve_jit(jit) == "step", precision, FLAGS.peak_tflops)
+        table = step_benchmark.infer_table(report)
     else:
         criterion = SetCriterion()
         if FLAGS.input == "synthetic":
-            batches = run.synthetic_batches(FLAGS.batch_size, size, FLAGS.num_boxes,
-                                            FLAGS.max_boxes, criterion.num_classes)
+            batches = step_benchmark.synthetic_batches(FLAGS.batch_size, size, FLAGS.num_boxes,
+                                                       FLAGS.max_boxes, criterion.num_classes)
         else:
             from detr_tf.data import pipeline
             # The Gin-configured pipeline, as train.dataset_fn (= build_dataset) feeds training.
             dataset = pipeline.build_dataset(True, FLAGS.batch_size, seed=0)
-            batches = run.pipeline_batches(dataset)
-        report = run.benchmark_train(build_model, criterion, batches, FLAGS.steps,
-                                     FLAGS.warmup, jit, precision, FLAGS.peak_tflops,
-                                     FLAGS.count_flops)
+            batches = step_benchmark.pipeline_batches(dataset)
+        report = step_benchmark.benchmark_train(build_model, criterion, batches, FLAGS.steps,
+                                                FLAGS.warmup, jit, precision, FLAGS.peak_tflops,
+                                                FLAGS.count_flops)
         report["input"] = FLAGS.input
-        table = run.train_table(report)
+        table = step_benchmark.train_table(report)
     report["command"] = " ".join(sys.argv)
     report["gin_files"], report["gin_params"] = FLAGS.gin_file, FLAGS.gin_param
     print(table)

@@ -48,7 +48,7 @@ def _run(config: str, threads):
     gin.add_config_file_search_path(gin_dir)
     # Only the recipe sizes and buckets are used; the source is the generated data.
     gin.parse_config_files_and_bindings(
-        ["data/detr_recipe.gin" if config == "coco" else "data/shapes_sizes.gin"], [])
+        ["data/coco_sizes.gin" if config == "coco" else "data/shapes_sizes.gin"], [])
     src = sources.TFRecordSource(_data(config))
     ds = pipeline.build_dataset(True, FLAGS.batch_size, train_source=src, eval_source=src,
                                 seed=0)

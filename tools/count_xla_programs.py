@@ -61,10 +61,10 @@ def main(argv):
     cli.parse_gin_or_exit("count_xla_programs.py", FLAGS.gin_file, FLAGS.gin_param)
     engines = _engines()
     import gin
-    from detr_tf.benchmarks import run
+    from detr_tf.benchmarks import step_benchmark
 
-    batch = next(run.synthetic_batches(FLAGS.batch_size, (FLAGS.image_size,) * 2, 3, 10,
-                                       gin.query_parameter("%NUM_CLASSES")))
+    batch = next(step_benchmark.synthetic_batches(FLAGS.batch_size, (FLAGS.image_size,) * 2, 3,
+                                                  10, gin.query_parameter("%NUM_CLASSES")))
     chief = all(e.is_chief for e in engines.values())
     rows = []
     for opt in FLAGS.optimizers:

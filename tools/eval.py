@@ -21,10 +21,10 @@ FLAGS = flags.FLAGS
 def main(argv):
     logging.set_verbosity(logging.WARNING)
     cli.reject_positional("eval.py", argv)
-    from detr_tf.evaluation import coco_eval
+    from detr_tf.evaluation import evaluate
 
     cli.parse_tool_config("eval.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
-    cli.run_tool("eval.py", lambda: coco_eval.evaluate_run(
+    cli.run_tool("eval.py", lambda: evaluate.evaluate_run(
         FLAGS.model_dir, FLAGS.checkpoint, FLAGS.use_ema))
 
 

@@ -35,8 +35,9 @@ def run_bindings() -> RunBindings:
                                                         "dataset_info_fn")}
     missing = [k for k, v in bound.items() if v is None]
     if missing:
-        raise ValueError(f"the Gin configuration binds no {', '.join('train.' + k for k in missing)}"
-                         "; evaluation uses the run's own model and data bindings")
+        names = ", ".join("train." + k for k in missing)
+        raise ValueError(f"the Gin configuration binds no {names}; evaluation uses the run's "
+                         "own model and data bindings")
     return RunBindings(**bound)
 
 

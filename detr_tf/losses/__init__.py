@@ -13,5 +13,6 @@ has `local_normalizers(targets, num_queries)` for the trainer to all-reduce.
 """
 from detr_tf.losses.boxes import box_normalizer  # noqa: F401
 from detr_tf.losses.dense import center_assignment  # noqa: F401
-from detr_tf.losses.focal import FocalSetCriterion, focal_match_cost, sigmoid_focal_loss  # noqa: F401
+from detr_tf.losses.focal import (  # noqa: F401
+    FocalSetCriterion, focal_match_cost, sigmoid_focal_loss)
 from detr_tf.losses.set_criterion import SetCriterion  # noqa: F401

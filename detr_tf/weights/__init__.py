@@ -2,6 +2,6 @@
 and detr_tf checkpoints (docs/WEIGHTS.md)."""
 from detr_tf.weights.files import WeightImportError
 from detr_tf.weights.importer import load_pretrained
-from detr_tf.weights.report import ImportReport
+from detr_tf.weights.import_report import ImportReport
 
 __all__ = ["ImportReport", "WeightImportError", "load_pretrained"]

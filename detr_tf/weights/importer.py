@@ -19,7 +19,7 @@ import tf_keras
 from detr_tf.weights import deformable_targets, files, layouts, targets as targets_lib
 from detr_tf.weights import ties as ties_lib
 from detr_tf.weights.files import WeightImportError
-from detr_tf.weights.report import ImportReport
+from detr_tf.weights.import_report import ImportReport
 
 CHECKPOINT_FORMAT = "detr_tf checkpoint"
 

@@ -21,7 +21,7 @@ import tf_keras
 from detr_tf import config
 from detr_tf.training import checkpointing
 from detr_tf.weights.importer import load_pretrained
-from detr_tf.weights.report import ImportReport
+from detr_tf.weights.import_report import ImportReport
 
 _BUILD_SIZE = (64, 64)
 

@@ -17,7 +17,7 @@ import gin
 import tf_keras
 
 from detr_tf import config
-from detr_tf.evaluation import coco_eval, coco_evaluator, restore
+from detr_tf.evaluation import evaluate, coco_metrics, restore
 
 TRAIN_EVAL_SUBDIR = "train_eval"
 
@@ -34,10 +34,10 @@ def evaluate_source(model: tf_keras.Model, source: Any, output_dir: str, batch_s
                                   deterministic=True, seed=0, eval_source=source)
     names = dict(zip(info.category_ids, info.class_names))
     config.check_given(info.annotations_file, "the COCO evaluation (its annotations file)")
-    evaluator = coco_evaluator.CocoEvaluator(annotations=info.annotations_file,
+    evaluator = coco_metrics.CocoEvaluator(annotations=info.annotations_file,
                                              category_names=names,
                                              label_map=list(info.category_ids))
-    return coco_eval.evaluate_model(model, dataset, evaluator, output_dir=output_dir,
+    return evaluate.evaluate_model(model, dataset, evaluator, output_dir=output_dir,
                                     max_batches=max_batches, log_every=0)
 
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import config
-from detr_tf.evaluation import coco_evaluator, restore
+from detr_tf.evaluation import coco_metrics, restore
 from detr_tf.evaluation import postprocess as pp
 
 EVAL_SUBDIR = "eval"
@@ -52,7 +52,7 @@ def unpack_batch(element: Any) -> Batch:
 
 def evaluate_model(model: Any,
                    dataset: tf.data.Dataset,
-                   evaluator: coco_evaluator.CocoEvaluator,
+                   evaluator: coco_metrics.CocoEvaluator,
                    output_dir: Union[str, os.PathLike, None] = None,
                    unpack: Callable[[Any], Batch] = unpack_batch,
                    max_batches: Optional[int] = None,
@@ -102,17 +102,17 @@ def evaluate_model(model: Any,
     print(evaluator.table(metrics), flush=True)
     if output_dir is not None:
         output_dir = os.fspath(output_dir)
-        coco_evaluator.write_metrics(os.path.join(output_dir, METRICS_FILENAME), metrics)
+        coco_metrics.write_metrics(os.path.join(output_dir, METRICS_FILENAME), metrics)
         evaluator.write_detections(os.path.join(output_dir, DETECTIONS_FILENAME))
         print(f"eval: wrote {os.path.join(output_dir, METRICS_FILENAME)} and "
               f"{DETECTIONS_FILENAME}")
     return metrics
 
 
-def _evaluator(info: Any) -> coco_evaluator.CocoEvaluator:
+def _evaluator(info: Any) -> coco_metrics.CocoEvaluator:
     config.check_given(info.annotations_file, "the COCO evaluation (its annotations file)")
     names = {cid: name for cid, name in zip(info.category_ids, info.class_names)}
-    return coco_evaluator.CocoEvaluator(annotations=info.annotations_file, category_names=names,
+    return coco_metrics.CocoEvaluator(annotations=info.annotations_file, category_names=names,
                                         label_map=list(info.category_ids))
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 import gin
 import tf_keras
 
-from detr_tf.evaluation import coco_eval, predict as predict_lib
+from detr_tf.evaluation import evaluate, predict as predict_lib
 
 
 def next_steps(model_dir: str, gin_file: Optional[str] = None) -> str:
@@ -23,8 +23,8 @@ def next_steps(model_dir: str, gin_file: Optional[str] = None) -> str:
     """
     q = shlex.quote
     gin_file = gin_file or os.path.join(model_dir, "config.gin")
-    metrics = os.path.join(model_dir, coco_eval.EVAL_SUBDIR, coco_eval.METRICS_FILENAME)
-    detections = os.path.join(model_dir, coco_eval.EVAL_SUBDIR, coco_eval.DETECTIONS_FILENAME)
+    metrics = os.path.join(model_dir, evaluate.EVAL_SUBDIR, evaluate.METRICS_FILENAME)
+    detections = os.path.join(model_dir, evaluate.EVAL_SUBDIR, evaluate.DETECTIONS_FILENAME)
     predictions = os.path.join(model_dir, predict_lib.PREDICTIONS_SUBDIR)
     common = f"--gin_file={q(gin_file)} --model_dir={q(model_dir)}"
     lines = ["", "detr_tf: next steps"]
