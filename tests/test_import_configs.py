@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from detr_tf import config
-from detr_tf.weights import run_dir
+from detr_tf import run as run_lib
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
@@ -32,7 +32,7 @@ def _model_weights(gin_file, params=()):
     gin.clear_config()
     try:
         config.parse_gin_config([gin_file], list(params), defer_required=True)
-        model = run_dir.build_model()
+        model = run_lib.assemble().build_model()
         return type(model).__name__, {v.name: v.numpy() for v in model.variables}
     finally:
         gin.clear_config()
@@ -50,7 +50,7 @@ def test_custom_data_files_name_what_the_model_needs_from_the_data():
     config.parse_gin_config(["custom_cpu.gin"], defer_required=True)
     with pytest.raises(config.ConfigError, match=r"DATA_DIR is required for the custom dataset"
                                                  r".*give NUM_CLASSES"):
-        run_dir.build_model()
+        run_lib.assemble().build_model()
     gin.clear_config()
 
 
@@ -75,7 +75,7 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
     # Weights: the model file's model, saved as a checkpoint (a format the importer reads).
     gin.clear_config()
     config.parse_gin_config([model_file], same, defer_required=True)
-    source = run_dir.build_model()
+    source = run_lib.assemble().build_model()
     prefix = tf.train.Checkpoint(model=source).write(str(tmp_path / "source" / "ckpt"))
     gin.clear_config()
 

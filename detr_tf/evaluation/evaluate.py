@@ -8,7 +8,7 @@
 It writes output_dir/metrics.json (exactly AP, AP50, AP75, APs, APm, APl as fractions) and
 output_dir/detections.json (COCO results format) and prints the metrics table.
 `coco_evaluate` (the trainer's `eval_fn`) and `evaluate_run` (tools/eval.py) run it on the run's
-own eval data (`train.dataset_fn`, see restore.py).
+own eval data (`train.dataset_fn`, see detr_tf/run.py).
 """
 import os
 import time
@@ -18,7 +18,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import config
+from detr_tf import config, run as run_lib
 from detr_tf.evaluation import coco_metrics, restore
 from detr_tf.evaluation import postprocess as pp
 
@@ -133,9 +133,9 @@ def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = N
       max_batches: evaluate only this many batches (a quick look during training).
       jit_compile: XLA-compile the forward pass and post-processing.
     """
-    bindings = restore.run_bindings()
-    info = bindings.dataset_info_fn(is_training=False)
-    dataset = bindings.dataset_fn(is_training=False, global_batch_size=batch_size,
+    run = run_lib.assemble()
+    info = run.dataset_info_fn(is_training=False)
+    dataset = run.dataset_fn(is_training=False, global_batch_size=batch_size,
                                   deterministic=True, seed=0)
     if step is not None:
         print(f"eval: step {step}", flush=True)

@@ -28,6 +28,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.evaluation import postprocess as pp
+from detr_tf import run as run_lib
 from detr_tf.evaluation import preprocess, restore
 
 PreprocessFn = Callable[[tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
@@ -239,7 +240,7 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     """
     model, path = restore.load_trained_model(model_dir, checkpoint)
     print(f"export: restored {path}", flush=True)
-    info = restore.run_bindings().dataset_info_fn(is_training=False)
+    info = run_lib.assemble().eval_info()
     out = export_saved_model(model, export_dir,
                              preprocess_fn=preprocess.eval_preprocess_fn(info.buckets))
     print(f"export: wrote SavedModel to {out} (signatures: {SERVING_DEFAULT}, "

@@ -26,7 +26,7 @@ import tensorflow as tf
 import tf_keras
 from PIL import Image
 
-from detr_tf import config
+from detr_tf import config, run as run_lib
 from detr_tf.evaluation import export, preprocess, restore, visualize
 
 PREDICTIONS_SUBDIR = "predictions"
@@ -216,7 +216,7 @@ def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int =
     Returns:
       The output directory, or None when the eval split has no image files to draw on.
     """
-    info = restore.run_bindings().dataset_info_fn(is_training=False)
+    info = run_lib.assemble().eval_info()
     if not info.annotations_file:
         return None
     paths = _annotated_image_paths(info.annotations_file, num_images)
@@ -248,7 +248,7 @@ def predict_run(model_dir: str, images: str, output_dir: str, score_threshold: f
         print(f"predict: skipped {skipped[-1][0]}: {skipped[-1][1]}", flush=True)
     model, path = restore.load_trained_model(model_dir, checkpoint)
     print(f"predict: restored {path}", flush=True)
-    info = restore.run_bindings().dataset_info_fn(is_training=False)
+    info = run_lib.assemble().eval_info()
     records = predict_images(_run_detector(model, info), paths, output_dir,
                              class_names=list(info.class_names),
                              category_ids=list(info.category_ids),

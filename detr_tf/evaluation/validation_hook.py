@@ -16,8 +16,8 @@ from typing import Any, Callable, Dict, Optional
 import gin
 import tf_keras
 
-from detr_tf import config
-from detr_tf.evaluation import evaluate, coco_metrics, restore
+from detr_tf import config, run as run_lib
+from detr_tf.evaluation import coco_metrics, evaluate
 
 TRAIN_EVAL_SUBDIR = "train_eval"
 
@@ -28,9 +28,9 @@ def evaluate_source(model: tf_keras.Model, source: Any, output_dir: str, batch_s
     data functions (`train.dataset_fn`, `train.dataset_info_fn`, which must take an
     `eval_source` argument as `build_dataset` and `dataset_info` do) with the eval transform
     and buckets. Writes output_dir/metrics.json and detections.json."""
-    bindings = restore.run_bindings()
-    info = bindings.dataset_info_fn(is_training=False, eval_source=source)
-    dataset = bindings.dataset_fn(is_training=False, global_batch_size=batch_size,
+    run = run_lib.assemble()
+    info = run.dataset_info_fn(is_training=False, eval_source=source)
+    dataset = run.dataset_fn(is_training=False, global_batch_size=batch_size,
                                   deterministic=True, seed=0, eval_source=source)
     names = dict(zip(info.category_ids, info.class_names))
     config.check_given(info.annotations_file, "the COCO evaluation (its annotations file)")

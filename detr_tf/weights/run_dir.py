@@ -16,36 +16,11 @@ import shlex
 from typing import Tuple
 
 import tensorflow as tf
-import tf_keras
 
-from detr_tf import config
+from detr_tf import config, run as run_lib
 from detr_tf.training import checkpointing
 from detr_tf.weights.importer import load_pretrained
 from detr_tf.weights.import_report import ImportReport
-
-_BUILD_SIZE = (64, 64)
-
-
-def has_data_bindings() -> bool:
-    """Whether the Gin configuration binds the run's data (`train.dataset_fn`)."""
-    return config.bound_value("train", "dataset_fn") is not None
-
-
-def build_model() -> tf_keras.Model:
-    """The configured model (`train.model_fn`), float32, built.
-
-    Raises:
-      ValueError: the configuration binds no `train.model_fn`.
-    """
-    tf_keras.mixed_precision.set_global_policy("float32")
-    model_fn = config.bound_value("train", "model_fn")
-    if model_fn is None:
-        raise ValueError("the Gin configuration binds no train.model_fn: give a model file "
-                         "(gin_configs/models/*.gin) or an experiment file")
-    model = model_fn()
-    h, w = getattr(model, "build_size", _BUILD_SIZE)  # a two-stage model needs enough cells
-    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=False)
-    return model
 
 
 def import_to_run_dir(weights: str, output_dir: str,
@@ -69,7 +44,7 @@ def import_to_run_dir(weights: str, output_dir: str,
     if existing:
         raise ValueError(f"output_dir {output_dir!r} already holds a checkpoint ({existing}); "
                          "choose a new directory")
-    model = build_model()
+    model = run_lib.assemble().build_model()
     report = load_pretrained(model, weights, **load_args)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "config.gin"), "w") as f:
@@ -82,7 +57,7 @@ def import_to_run_dir(weights: str, output_dir: str,
 def next_steps(output_dir: str) -> str:
     """What to run on the imported run directory (the tool's last words)."""
     d = shlex.quote(output_dir)
-    note = [] if has_data_bindings() else [
+    note = [] if run_lib.assemble().has_data else [
         "  (the config binds no data: give the tools an experiment file, "
         "e.g. --gin_file=gin_configs/detr_r50.gin with its required --gin_param values)"]
     return "\n".join([
