@@ -407,7 +407,6 @@ class HungarianMatcher:
                                   self.jv_min_fill)
 
 
-@gin.configurable
 def match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: tf.Tensor,
                tgt_boxes: tf.Tensor, cost_class: float = 1., cost_bbox: float = 5.,
                cost_giou: float = 2.) -> tf.Tensor:

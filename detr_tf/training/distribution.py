@@ -19,9 +19,8 @@ Engines:
 """
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-import gin
 import tensorflow as tf
 
 ENGINES = ("default", "mirrored", "multi_worker_mirrored", "horovod")
@@ -248,7 +247,6 @@ class HorovodEngine(Engine):
                                         op=self.hvd.Sum).numpy()) > 0
 
 
-@gin.configurable
 def make_engine(distribution: str = "default", cpu_devices: int = 0) -> Engine:
     """Builds the engine named by `distribution` (one of ENGINES).
 
@@ -268,8 +266,3 @@ def make_engine(distribution: str = "default", cpu_devices: int = 0) -> Engine:
     if distribution == "multi_worker_mirrored":
         return MultiWorkerEngine()
     return HorovodEngine()
-
-
-def maybe_value(engine: Engine, value: Any) -> Optional[Any]:
-    """The first local replica's copy of a (possibly per-replica) value."""
-    return engine.local_results(value)[0]
