@@ -343,23 +343,37 @@ def test_match_cost_against_float64_reference_with_layer_broadcast():
             np.testing.assert_allclose(cost[layer, b], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_match_cost_weights_bind_through_gin_and_feed_the_matcher():
+def test_cost_weights_bind_through_gin_on_the_criterion_and_feed_the_matcher():
+    # The weights are SetCriterion's: it is what the model files bind, and it passes them to
+    # match_cost on every call, so the binding must reach the cost the matcher solves.
+    from detr_tf.losses import SetCriterion
     rng = np.random.default_rng(10)
     logits, pboxes, labels, tboxes = _random_detr(rng, (4,), (4,), 10, 6, 5)
     args = [a.astype(np.float32) if a.dtype == np.float64 else a
             for a in (logits, pboxes, labels, tboxes)]
     with gin.unlock_config():
-        gin.parse_config(["match_cost.cost_class = 2.0", "match_cost.cost_bbox = 0.0",
-                          "match_cost.cost_giou = 1.0"])
+        gin.parse_config(["SetCriterion.cost_class = 2.0", "SetCriterion.cost_bbox = 0.0",
+                          "SetCriterion.cost_giou = 1.0"])
     try:
-        cost = matching.match_cost(*args).numpy()
+        criterion = SetCriterion(num_classes=4)
     finally:
         gin.clear_config()
+    targets = {"labels": tf.constant(args[2]), "boxes": tf.constant(args[3]),
+               "mask": tf.ones((4, 6), tf.bool)}
+    idx = criterion.match(tf.constant(args[0])[None], tf.constant(args[1])[None],
+                          targets).numpy()[0]  # [B, Q]
+    cost = matching.match_cost(*args, 2.0, 0.0, 1.0).numpy()
+    default_gaps = []
     for b in range(4):
         ref = _reference_cost(logits[b], pboxes[b], labels[b], tboxes[b], 2.0, 0.0, 1.0)
         np.testing.assert_allclose(cost[b], ref, rtol=1e-5, atol=1e-5)
-    out = _JIT(tf.constant(cost)).numpy()
-    _assert_optimal(cost, np.ones((4, 6), bool), out)
+        best = ref[scipy.optimize.linear_sum_assignment(ref)].sum()
+        ours = ref[np.nonzero(idx[b] >= 0)[0], idx[b][idx[b] >= 0]].sum()
+        np.testing.assert_allclose(ours, best, rtol=1e-5)
+        # The default weights' optimum is worse under the bound cost, so an ignored binding fails.
+        dflt = _reference_cost(logits[b], pboxes[b], labels[b], tboxes[b], 1.0, 5.0, 2.0)
+        default_gaps.append(ref[scipy.optimize.linear_sum_assignment(dflt)].sum() - best)
+    assert max(default_gaps) > 1e-3
 
 
 def test_detr_like_costs_at_training_shape():
