@@ -10,8 +10,8 @@ update per variable, and tf_keras's eps-hat form of the update).
 The fused update's form follows the device (`jit_compile=None`). With a GPU or TPU it is one XLA
 program: one launch per step instead of one per variable (307 for R50), and it joins the step's
 XLA program under jit='step'. On a CPU it is TensorFlow's ResourceApplyAdam kernel per variable,
-under one guard: measured on R50 there (docs/PERFORMANCE.md), it updates 1.8x faster than
-tf_keras's AdamW and 2.2x faster than the XLA form, with the shortest first call of the three.
+under one guard: on R50 there it is the fastest update of the three and has the shortest first
+call (docs/PERFORMANCE.md, "The optimizer update for DETR-R50", has the figures).
 Both forms keep the same state, so a checkpoint moves between devices; it resumes only with the
 optimizer kind (fused or tf_keras) that wrote it.
 """
