@@ -17,3 +17,10 @@ import tensorflow as tf  # noqa: E402
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+
+
+def pytest_configure(config):
+    # The slowest tests at the end of every run, CI's included, so that a suite that grows past
+    # its time budget shows where the time went (`pytest --durations=N` still overrides it).
+    if config.option.durations is None:
+        config.option.durations = 25
