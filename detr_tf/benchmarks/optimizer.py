@@ -60,7 +60,7 @@ def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 1
                          log: Callable[[str], None] = print) -> Dict[str, object]:
     """{name: {first_call_s, apply_ms (median), apply_ms_all}, num_variables, num_parameters}
     for each of `variants` (names in VARIANTS)."""
-    model = state.build_model(model_fn)
+    model = state.create_model(model_fn)
     groups = step_lib.split_variables(model)
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.normal(size=v.shape).astype(np.float32) * 1e-3)

@@ -133,7 +133,7 @@ def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequenc
     previous = tf_keras.mixed_precision.global_policy().name
     state.set_precision(precision)
     try:
-        model = state.build_model(model_fn)
+        model = state.create_model(model_fn)
     finally:
         tf_keras.mixed_precision.set_global_policy(previous)
     infer = ours.build_infer_step(model, jit)

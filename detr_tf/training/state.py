@@ -19,6 +19,7 @@ import tf_keras
 from detr_tf.training import checkpointing, fused_adamw, hardware, optimization
 from detr_tf.training.step import split_variables
 
+
 def set_precision(precision: str) -> str:
     """Sets the Keras policy; 'auto' is resolved on this machine (hardware.resolve_precision).
     Returns the policy set."""
@@ -27,23 +28,32 @@ def set_precision(precision: str) -> str:
     return precision
 
 
-def build_model(model_fn: Callable[[], tf_keras.Model],
-                image_size: Tuple[int, int] = (64, 64)) -> tf_keras.Model:
+# What a model is built on when nothing says otherwise: weights never depend on the size.
+DEFAULT_CANVAS = (64, 64)
+
+
+def create_model(model_fn: Callable[[], tf_keras.Model],
+                 canvas: Optional[Tuple[int, int]] = None,
+                 training: bool = True) -> tf_keras.Model:
     """Creates the model and its variables with one small eager call (never inside XLA).
 
-    The call is in training mode so that dropout layers create their random generators now,
-    outside any compiled function, and `dropout_generators` can put them in the checkpoint.
+    The one place a model is built: the trainer (`create_state`), every tool through
+    `detr_tf.run.Run.build_model`, and the benchmarks.
 
     Args:
       model_fn: builds the model.
-      image_size: (height, width) of the build call; a canvas the data really has (see
+      canvas: (height, width) of the build call; a canvas the data really has (see
         `smallest_canvas`), because some models need enough feature cells (two-stage selects
         num_queries of them) and should fail here, naming the canvas, if a canvas is too small.
+        None: the model's own `build_size` (DEFAULT_CANVAS if it has none).
+      training: call in training mode, so that dropout layers create their random generators
+        now, outside any compiled function, and `dropout_generators` can put them in the
+        checkpoint.
     """
     model = model_fn()
-    h, w = image_size
+    h, w = canvas or getattr(model, "build_size", DEFAULT_CANVAS)
     try:
-        model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
+        model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=training)
     except ValueError as e:
         raise ValueError(f"the model does not fit the data's smallest canvas, {h}x{w} px "
                          f"(height x width; the smallest of the input's canvas buckets): {e}"
@@ -55,9 +65,9 @@ def build_model(model_fn: Callable[[], tf_keras.Model],
 
 
 def smallest_canvas(buckets: Optional[Sequence[Tuple[int, int]]]) -> Tuple[int, int]:
-    """The smallest (by area) canvas bucket, or 64x64 when the data names none."""
+    """The smallest (by area) canvas bucket, or DEFAULT_CANVAS when the data names none."""
     if not buckets:
-        return (64, 64)
+        return DEFAULT_CANVAS
     h, w = min(buckets, key=lambda b: (b[0] * b[1], b))
     return int(h), int(w)
 
@@ -98,11 +108,15 @@ class TrainState:
         return tf.train.Checkpoint(**items)
 
 
-def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Tuple[int, int],
+def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tuple[int, int]],
                  steps_per_epoch: int, precision: str, ema_decay: Optional[float],
                  total_steps: Optional[int] = None) -> TrainState:
-    """Builds the model and the optimizer state (call inside the engine's scope)."""
-    model = build_model(model_fn, build_size)
+    """Builds the model and the optimizer state (call inside the engine's scope).
+
+    The trainer's state, and the benchmarks' (detr_tf/benchmarks/ours.py), so that what is
+    timed is what trains.
+    """
+    model = create_model(model_fn, build_size)
     optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch,
                                                total_steps=total_steps)
     for opt, vars_ in zip(optimizers, split_variables(model)):
