@@ -40,7 +40,7 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
                     log: Callable[[str], None] = print) -> Dict[str, object]:
     """Times `steps` train steps after `warmup` ones; returns the report dict (see keys below).
 
-    Keys: images_per_sec, step_time_ms (median compute + wait), compute_time_ms, compile_time_s
+    Keys: model (the class timed), images_per_sec, step_time_ms (median compute + wait), compute_time_ms, compile_time_s
     (first call minus a median step: tracing and compilation), first_call_s, input_wait_share,
     matching_ms, matching_share, matching_first_call_s, flops_per_step (XLA HLO count),
     flops_per_step_analytic (both at the first batch's shape), achieved_tflops, peak_tflops,
@@ -78,7 +78,7 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
     totals = [w + c for w, c in zip(waits, computes)]
     step_s = statistics.median(totals)
     report = {
-        "mode": "train", "jit": ts.jit, "precision": precision, "batch_size": batch_size,
+        "mode": "train", "model": type(ts.model).__name__, "jit": ts.jit, "precision": precision, "batch_size": batch_size,
         "steps": steps, "warmup": warmup, "image_shapes": sorted(list(s) for s in shapes),
         "new_shape_steps": new_shape_steps,
         "images_per_sec": batch_size * len(totals) / sum(totals),
@@ -157,7 +157,7 @@ def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequenc
         log(f"  batch {bs}: mean {summary['mean_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms, "
             f"{row['images_per_sec']:.2f} images/s")
         rows.append(row)
-    return {"mode": "infer", "jit": jit, "precision": precision, "image_size": list(image_size),
+    return {"mode": "infer", "model": type(model).__name__, "jit": jit, "precision": precision, "image_size": list(image_size),
             "device": device, "peak_tflops": peak, "results": rows,
             "peak_host_memory_mb": timing.peak_host_memory_mb()}
 
