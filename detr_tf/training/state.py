@@ -5,8 +5,9 @@ A run's state is the model, the two optimizers, the step counter, the dynamic lo
 one of three ways, in this order of precedence:
   1. model_dir holds checkpoints: resume from the latest (`train.init_weights` is ignored, and
      the run says so: a restart must never overwrite trained weights with pretrained ones);
-  2. `train.init_weights` names a file: pretrained weights (any format detr_tf.weights reads,
-     or another run's checkpoint) initialise the model, with an import report;
+  2. `train.init_weights` names a file: pretrained weights initialise the model through the
+     injected `train.weights_loader` (the recipe binds `@load_pretrained`: any format
+     detr_tf.weights reads, or another run's checkpoint), which returns an import report;
   3. neither: the initialisers' random weights, identical on every replica.
 """
 import dataclasses
@@ -182,12 +183,17 @@ def check_optimizer_kind(path: str, optimizer) -> None:
 
 
 def start(state: TrainState, checkpoint: tf.train.Checkpoint,
-          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str]) -> int:
+          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str],
+          weights_loader: Optional[Callable[[tf_keras.Model, str], Any]] = None) -> int:
     """Resumes, or initialises a new run (see the module docstring); returns the start step.
+
+    Args:
+      weights_loader: fn(model, path) -> import report, reads `init_weights` into the model.
 
     Raises:
       FileNotFoundError / ValueError: init_weights cannot be read or does not fit the model;
-        the message names the file and the tensor.
+        the message names the file and the tensor. ValueError: init_weights is given but no
+        weights_loader.
     """
     say = (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
     step = resume(state, checkpoint, saver, engine)
@@ -200,10 +206,12 @@ def start(state: TrainState, checkpoint: tf.train.Checkpoint,
                 "its own checkpoint (init_weights only initialises a new run)")
         return step
     if init_weights:
-        from detr_tf import weights  # imported on use: most runs start from scratch
-
-        # What to leave out is load_pretrained's own Gin binding (`load_pretrained.skip`).
-        report = weights.load_pretrained(state.model, os.path.expanduser(init_weights))
+        if weights_loader is None:
+            raise ValueError(f"train.init_weights={init_weights!r} but no train.weights_loader "
+                             "reads it: bind train.weights_loader = @load_pretrained (as "
+                             "train/detr_recipe.gin does)")
+        # What to leave out is the loader's own Gin binding (`load_pretrained.skip`).
+        report = weights_loader(state.model, os.path.expanduser(init_weights))
         say(f"detr_tf: initialised from {init_weights}\n{report}")
     engine.broadcast_variables(state.model.variables)
     if state.ema is not None:

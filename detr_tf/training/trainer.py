@@ -97,6 +97,7 @@ def train(model_dir: str,
           train_examples: Optional[int] = None,
           dataset_info_fn: Optional[Callable[..., Any]] = None,
           init_weights: Optional[str] = None,
+          weights_loader: Optional[Callable[[tf_keras.Model, str], Any]] = None,
           distribution: str = "default",
           cpu_devices: int = 0,
           precision: str = "auto",
@@ -136,6 +137,8 @@ def train(model_dir: str,
         model_dir / checkpoint. Ignored, with a message, when model_dir already holds
         checkpoints (that is a resume). A class head or query count that differs from the
         file's is re-initialised and reported; `load_pretrained.skip` leaves tensors out.
+      weights_loader: fn(model, path) -> import report, what reads init_weights, injected so
+        that training imports no weight formats (e.g. `@load_pretrained`, passed uncalled).
       distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod' (automatic under
         horovodrun).
       cpu_devices: with 'mirrored' on a CPU-only machine, logical CPU devices to mirror over.
@@ -208,7 +211,7 @@ def train(model_dir: str,
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
         participates=engine.name != "horovod")
-    start_step = state_lib.start(state, ckpt, saver, engine, init_weights)
+    start_step = state_lib.start(state, ckpt, saver, engine, init_weights, weights_loader)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
