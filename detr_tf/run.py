@@ -10,8 +10,8 @@ the `train` bindings name:
     train.dataset_fn       the input pipeline, e.g. @build_dataset (experiment files)
     train.dataset_info_fn  the data's classes, size and canvases, e.g. @dataset_info
 
-and the post-processor is `postprocess_outputs`, whose method the model files bind. So a new
-architecture or dataset needs a Gin file, never a change here or in a tool:
+and evaluation's post-processor, `postprocess_outputs`, takes its method from the model files.
+So a new architecture or dataset needs a Gin file, never a change here or in a tool:
 
     run = assemble()
     model = run.build_model(state_lib.smallest_canvas(run.eval_info().buckets))
@@ -60,12 +60,6 @@ class Run:
     @property
     def has_data(self) -> bool:
         return config.bound_value("train", "dataset_fn") is not None
-
-    @property
-    def postprocess(self) -> Callable[..., Any]:
-        from detr_tf.evaluation import postprocess  # a leaf module: no model, no data
-
-        return postprocess.postprocess_outputs
 
     def eval_info(self) -> Any:
         return self.dataset_info_fn(is_training=False)
