@@ -32,8 +32,8 @@ def main(argv):
     variants = FLAGS.variant or list(optimizer.VARIANTS)
     report = optimizer.benchmark_optimizers(run_lib.assemble().model_fn, FLAGS.rounds,
                                             variants=variants)
-    print(f"{report['model']}: {report['num_variables']} variables, {report['num_parameters']:,} parameters; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{report['model']}: {report['num_variables']} variables, "
+          f"{report['num_parameters']:,} parameters; load average {os.getloadavg()[0]:.1f}")
     print("| optimizer | first call (s) | update, median (ms) |")
     print("|---|---|---|")
     for name in variants:
