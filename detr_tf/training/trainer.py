@@ -19,7 +19,6 @@ A step, per replica:
 """
 import math
 import os
-import re
 import tempfile
 import time
 from typing import Any, Callable, Dict, Optional
@@ -313,30 +312,3 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, t
     engine.barrier()
     return {"step": result.step, **result.last_train,
             **{f"eval/{k}": v for k, v in eval_metrics.items()}}
-
-
-def run_from_command_line(model_dir: str) -> None:
-    """tools/train.py's call: runs `train` and turns expected failures into one-line errors."""
-    import sys
-
-    try:
-        train(model_dir)
-    except (TrainingError, FileNotFoundError, ValueError) as e:
-        if os.environ.get("DETR_TF_TRACEBACK"):
-            raise
-        sys.exit(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
-    except tf.errors.InvalidArgumentError as e:
-        # The input pipeline's annotation checks (data/pipeline.py) fail inside tf.data; their
-        # message, not TensorFlow's op trace, is what the user needs.
-        bad_input = [line for line in e.message.splitlines() if "input data: image_id" in line]
-        if not bad_input or os.environ.get("DETR_TF_TRACEBACK"):
-            raise
-        # "... assertion failed: [input data: image_id] [42] [has ...]" -> "image_id 42 has ..."
-        what = bad_input[0].split("input data: ", 1)[1]
-        what = re.sub(r"\]\s*\[", " ", what).rstrip("] ")
-        sys.exit(f"train.py: bad input data: {what}\n(checkpoints already in "
-                 f"{model_dir} are untouched; set DETR_TF_TRACEBACK=1 for the traceback)")
-    except RuntimeError as e:
-        if "Required bindings" in str(e):
-            sys.exit(f"train.py: gin configuration incomplete: {e}")
-        raise
