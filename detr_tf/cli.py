@@ -140,7 +140,7 @@ def run_training(model_dir: str) -> None:
     import tensorflow as tf
 
     from detr_tf.training import trainer
-    from detr_tf.training.loop import TrainingError
+    from detr_tf.training.host_loop import TrainingError
 
     try:
         trainer.train(model_dir)

@@ -1,4 +1,4 @@
-"""The training loop: one step function for every engine, precision and XLA choice.
+"""The trainer, `train`: one step function for every engine, precision and XLA choice.
 
 A step, per replica:
   1. count real boxes and class weights and all-reduce them (outside XLA) -> the loss
@@ -30,7 +30,7 @@ import tf_keras
 from detr_tf.training import checkpointing, hardware, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
-from detr_tf.training.loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
+from detr_tf.training.host_loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
 from detr_tf.training.metrics_writer import MetricsWriter, format_elapsed
 from detr_tf.training.step import (  # noqa: F401
     StepBuilder, resolve_jit, resolve_jit_why, split_variables)
