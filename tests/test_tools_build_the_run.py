@@ -14,7 +14,7 @@ import gin
 import pytest
 from absl import flags
 
-from detr_tf.benchmarks import compare, model_garden, optimizer, ours, step_benchmark, timing
+from detr_tf.benchmarks import compare, model_garden, ours, step_benchmark, timing
 from detr_tf.benchmarks import xla_launches
 from detr_tf.training import state as state_lib
 
