@@ -128,3 +128,38 @@ def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
         if "Required bindings" not in str(e):
             raise
         sys.exit(f"{tool}: gin configuration incomplete: {e}")
+
+
+def run_training(model_dir: str) -> None:
+    """tools/train.py's call: runs the trainer (`train`, its Gin bindings parsed) and turns the
+    failures a user can fix into one line and exit status 1 (set DETR_TF_TRACEBACK=1 for the
+    traceback): a bad value or path, an unwritable model_dir, an incomplete configuration, and
+    bad input data found by the pipeline's checks, named by image_id."""
+    import re
+
+    import tensorflow as tf
+
+    from detr_tf.training import trainer
+    from detr_tf.training.host_loop import TrainingError
+
+    try:
+        trainer.train(model_dir)
+    except (TrainingError, FileNotFoundError, ValueError) as e:
+        if os.environ.get("DETR_TF_TRACEBACK"):
+            raise
+        sys.exit(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
+    except tf.errors.InvalidArgumentError as e:
+        # The input pipeline's annotation checks (data/pipeline.py) fail inside tf.data; their
+        # message, not TensorFlow's op trace, is what the user needs.
+        bad_input = [line for line in e.message.splitlines() if "input data: image_id" in line]
+        if not bad_input or os.environ.get("DETR_TF_TRACEBACK"):
+            raise
+        # "... assertion failed: [input data: image_id] [42] [has ...]" -> "image_id 42 has ..."
+        what = bad_input[0].split("input data: ", 1)[1]
+        what = re.sub(r"\]\s*\[", " ", what).rstrip("] ")
+        sys.exit(f"train.py: bad input data: {what}\n(checkpoints already in "
+                 f"{model_dir} are untouched; set DETR_TF_TRACEBACK=1 for the traceback)")
+    except RuntimeError as e:
+        if "Required bindings" in str(e):
+            sys.exit(f"train.py: gin configuration incomplete: {e}")
+        raise

@@ -1,67 +1,33 @@
 """One way to assemble a run from its Gin bindings.
 
-Every tool that builds a model works here: the trainer, evaluation, prediction and export, the
-weight importer and every benchmark. A run is what the `train` bindings name:
+Every tool that builds a model works here: evaluation, prediction and export, the weight
+importer and every benchmark; the trainer is `train` itself, called with these same bindings,
+and builds its model with the same `detr_tf.training.state.create_model`. A run is what
+the `train` bindings name:
 
     train.model_fn         the detector, e.g. @build_model (model files bind it)
     train.criterion        its set criterion, e.g. @SetCriterion() (model files bind it)
     train.dataset_fn       the input pipeline, e.g. @build_dataset (experiment files)
     train.dataset_info_fn  the data's classes, size and canvases, e.g. @dataset_info
 
-and the post-processor is `postprocess_outputs`, whose method the model files bind. So a new
-architecture or dataset needs a Gin file, never a change here or in a tool:
+and evaluation's post-processor, `postprocess_outputs`, takes its method from the model files.
+So a new architecture or dataset needs a Gin file, never a change here or in a tool:
 
     run = assemble()
-    model = run.build_model(smallest_canvas(run.eval_info().buckets))
+    model = run.build_model(state_lib.smallest_canvas(run.eval_info().buckets))
     losses = run.criterion(model(images, pixel_mask, training=True), targets)
 
 Each binding is read when first asked for, so a tool that needs only the model (the weight
 importer) works on a file that binds no data.
 """
 import functools
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import tensorflow as tf
 import tf_keras
 
 from detr_tf import config
-
-# What the model is built on when nothing says otherwise: weights never depend on the size.
-DEFAULT_CANVAS = (64, 64)
-
-
-def smallest_canvas(buckets: Optional[Sequence[Tuple[int, int]]]) -> Tuple[int, int]:
-    """The smallest (by area) canvas bucket, or DEFAULT_CANVAS when the data names none."""
-    if not buckets:
-        return DEFAULT_CANVAS
-    h, w = min(buckets, key=lambda b: (b[0] * b[1], b))
-    return int(h), int(w)
-
-
-def build(model_fn: Callable[[], tf_keras.Model], canvas: Optional[Tuple[int, int]] = None,
-          training: bool = False) -> tf_keras.Model:
-    """Creates the model and its variables with one small eager call (never inside XLA).
-
-    Args:
-      model_fn: builds the model.
-      canvas: (height, width) of the build call; a canvas the data really has, because some
-        models need enough feature cells (two-stage selects num_queries of them) and should
-        fail here, naming the canvas. None: the model's own `build_size`.
-      training: call in training mode, so that dropout layers create their random generators
-        now, outside any compiled function, and a checkpoint can hold them.
-    """
-    model = model_fn()
-    h, w = canvas or getattr(model, "build_size", DEFAULT_CANVAS)
-    try:
-        model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=training)
-    except ValueError as e:
-        raise ValueError(f"the model does not fit the data's smallest canvas, {h}x{w} px "
-                         f"(height x width; the smallest of the input's canvas buckets): {e}"
-                         ) from e
-    if not hasattr(model, "backbone"):
-        raise TypeError(f"{type(model).__name__} has no `backbone` attribute; the trainer needs it "
-                        "to give the backbone its own learning rate")
-    return model
+from detr_tf.training import state as state_lib
 
 
 class Run:
@@ -95,23 +61,18 @@ class Run:
     def has_data(self) -> bool:
         return config.bound_value("train", "dataset_fn") is not None
 
-    @property
-    def postprocess(self) -> Callable[..., Any]:
-        from detr_tf.evaluation import postprocess  # a leaf module: no model, no data
-
-        return postprocess.postprocess_outputs
-
     def eval_info(self) -> Any:
         return self.dataset_info_fn(is_training=False)
 
     def build_model(self, canvas: Optional[Tuple[int, int]] = None, training: bool = False,
                     precision: Optional[str] = "float32") -> tf_keras.Model:
-        """The run's model, built (see `build`) under the Keras policy `precision` (None: the
-        current one). float32 is what evaluation, prediction, export and import use: the
-        variables are float32 whatever precision training used."""
+        """The run's model, built (see `detr_tf.training.state.create_model`; canvas None: the
+        model's own `build_size`) under the Keras policy `precision` (None: the current one).
+        float32 is what evaluation, prediction, export and import use: the variables are
+        float32 whatever precision training used."""
         if precision is not None:
             tf_keras.mixed_precision.set_global_policy(precision)
-        return build(self.model_fn, canvas, training)
+        return state_lib.create_model(self.model_fn, canvas, training)
 
 
 def assemble() -> Run:

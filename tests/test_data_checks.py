@@ -75,6 +75,7 @@ def test_an_unknown_class_on_a_crowd_box_is_no_error():
 def test_train_py_reports_a_pipeline_check_in_one_line(monkeypatch, tmp_path):
     """The check fails inside tf.data, so it reaches the trainer as an InvalidArgumentError;
     tools/train.py prints its message alone, not TensorFlow's op trace."""
+    from detr_tf import cli
     from detr_tf.training import trainer
 
     raw = _raw([[0.1, 0.1, 0.5, 0.5]], [99])
@@ -88,7 +89,7 @@ def test_train_py_reports_a_pipeline_check_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(trainer, "train", failing_train)
     monkeypatch.delenv("DETR_TF_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_:
-        trainer.run_from_command_line(str(tmp_path))
+        cli.run_training(str(tmp_path))
     message = str(exit_.value.code)
     assert message.startswith("train.py: bad input data:") and "category ids" in message
     assert "99" in message and "node" not in message and str(tmp_path) in message

@@ -7,7 +7,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from detr_tf.ops import matching
+from detr_tf.ops import matching, matching_cost
 
 _JIT = tf.function(matching.hungarian_matching, jit_compile=True)
 _PLAIN = tf.function(matching.hungarian_matching)
@@ -332,7 +332,7 @@ def test_match_cost_against_float64_reference_with_layer_broadcast():
     rng = np.random.default_rng(9)
     num_layers, batch, q, t, k = 3, 2, 7, 5, 6
     logits, pboxes, labels, tboxes = _random_detr(rng, (num_layers, batch), (batch,), q, t, k)
-    cost = matching.match_cost(logits.astype(np.float32), pboxes.astype(np.float32), labels,
+    cost = matching_cost.match_cost(logits.astype(np.float32), pboxes.astype(np.float32), labels,
                                tboxes.astype(np.float32), cost_class=1.5, cost_bbox=4.,
                                cost_giou=2.5).numpy()
     assert cost.shape == (num_layers, batch, q, t)
@@ -362,7 +362,7 @@ def test_cost_weights_bind_through_gin_on_the_criterion_and_feed_the_matcher():
                "mask": tf.ones((4, 6), tf.bool)}
     idx = criterion.match(tf.constant(args[0])[None], tf.constant(args[1])[None],
                           targets).numpy()[0]  # [B, Q]
-    cost = matching.match_cost(*args, 2.0, 0.0, 1.0).numpy()
+    cost = matching_cost.match_cost(*args, 2.0, 0.0, 1.0).numpy()
     default_gaps = []
     for b in range(4):
         ref = _reference_cost(logits[b], pboxes[b], labels[b], tboxes[b], 2.0, 0.0, 1.0)
@@ -379,7 +379,7 @@ def test_cost_weights_bind_through_gin_on_the_criterion_and_feed_the_matcher():
 def test_detr_like_costs_at_training_shape():
     rng = np.random.default_rng(12)
     args = _random_detr(rng, (16,), (16,), 100, 20, 92)
-    cost = matching.match_cost(*[a.astype(np.float32) if a.dtype == np.float64 else a
+    cost = matching_cost.match_cost(*[a.astype(np.float32) if a.dtype == np.float64 else a
                                  for a in args]).numpy()
     mask = np.arange(20)[None, :] < rng.integers(0, 21, (16, 1))
     out = _JIT(tf.constant(cost), tf.constant(mask)).numpy()
@@ -391,7 +391,7 @@ def test_detr_like_costs_at_training_shape():
 def test_detr_like_costs_full_batch(num_targets):
     rng = np.random.default_rng(num_targets)
     args = _random_detr(rng, (384,), (384,), 100, num_targets, 92)
-    cost = matching.match_cost(*[a.astype(np.float32) if a.dtype == np.float64 else a
+    cost = matching_cost.match_cost(*[a.astype(np.float32) if a.dtype == np.float64 else a
                                  for a in args]).numpy()
     mask = np.arange(num_targets)[None, :] < rng.integers(0, num_targets + 1, (384, 1))
     out = _JIT(tf.constant(cost), tf.constant(mask)).numpy()

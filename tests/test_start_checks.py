@@ -58,7 +58,7 @@ def quickstart():
         gin.clear_config()
         config.parse_gin_config(["quickstart.gin"], list(params), finalize=False)
         canvas = state_lib.smallest_canvas(buckets_lib.canvas_buckets())
-        return canvas, state_lib.build_model(detr.build_model, canvas)
+        return canvas, state_lib.create_model(detr.build_model, canvas)
 
     yield build
     gin.clear_config()

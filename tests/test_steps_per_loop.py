@@ -19,7 +19,7 @@ import tf_keras
 from detr_tf.training import trainer
 from detr_tf.training import distribution
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
-from detr_tf.training.loop import LoopConfig
+from detr_tf.training.host_loop import LoopConfig
 
 GLOBAL_BATCH, NUM_BATCHES = 4, 16
 _RNG = np.random.RandomState(1)

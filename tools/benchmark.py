@@ -3,17 +3,18 @@
     # train step on synthetic tensors (model speed alone)
     PYTHONPATH=. python tools/benchmark.py --gin_file models/detr_r50.gin --mode train \
         --input synthetic --image_size 256 --batch_size 2 --steps 5 --json_out /tmp/train.json
-    # the same step fed by the real input pipeline (shapes data here; any data gin file works)
-    PYTHONPATH=. python tools/benchmark.py --gin_file models/detr_tiny.gin \
-        --gin_file data/shapes.gin --gin_param "SHAPES_CACHE_DIR='/tmp/shapes'" \
-        --gin_param NUM_CLASSES=4 --mode train --input pipeline --steps 20 --json_out /tmp/p.json
+    # the same step fed by the run's input pipeline (an experiment file binds train.dataset_fn)
+    PYTHONPATH=. python tools/benchmark.py --gin_file tiny.gin \
+        --gin_param "SHAPES_CACHE_DIR='/tmp/shapes'" --mode train --input pipeline --steps 20 \
+        --json_out /tmp/p.json
     # inference latency and throughput at batch sizes 1, 2, 4, 8
     PYTHONPATH=. python tools/benchmark.py --gin_file models/detr_r50.gin --mode infer \
         --image_size 256 --batch_sizes 1,2,4,8 --steps 10 --json_out /tmp/infer.json
 
-The model is Gin's `build_model`, the criterion `SetCriterion()`. jit and precision default to
-the `train.jit` / `train.precision` bindings when the Gin files set them, else 'auto' and
-'float32'. The pipeline is the Gin-configured `build_dataset(True, ...)`, as in training.
+The model and criterion are the run's (`train.model_fn`, `train.criterion`; detr_tf/run.py), so
+a deformable config times Deformable DETR. jit and precision default to the `train.jit` /
+`train.precision` bindings when the Gin files set them, else 'auto' and 'float32'. The pipeline
+is the run's `train.dataset_fn` called as training calls it (`is_training=True`).
 MFU needs a peak: --peak_tflops, or a known GPU/TPU (see detr_tf/benchmarks/flops.py); on a
 CPU it is null unless given.
 """
@@ -54,37 +55,36 @@ def _bound(name: str, default):
 def main(argv):
     cli.reject_positional("benchmark.py", argv, "; use --gin_file/--gin_param")
     cli.parse_gin_or_exit("benchmark.py", FLAGS.gin_file, FLAGS.gin_param)
+    from detr_tf import run as run_lib
     from detr_tf.benchmarks import step_benchmark
-    from detr_tf.losses import SetCriterion
-    from detr_tf.modeling.detr import build_model
 
+    run = run_lib.assemble()
     precision = FLAGS.precision or _bound("train.precision", "float32")
     jit = FLAGS.jit or _bound("train.jit", "auto")
     size = (FLAGS.image_size, FLAGS.image_size)
     if FLAGS.mode == "infer":
         from detr_tf.training import trainer
         report = step_benchmark.benchmark_infer(
-            build_model, [int(b) for b in FLAGS.batch_sizes], size, FLAGS.steps, FLAGS.warmup,
+            run.model_fn, [int(b) for b in FLAGS.batch_sizes], size, FLAGS.steps, FLAGS.warmup,
             trainer.resolve_jit(jit) == "step", precision, FLAGS.peak_tflops)
         table = step_benchmark.infer_table(report)
     else:
-        criterion = SetCriterion()
+        criterion = run.criterion
         if FLAGS.input == "synthetic":
             batches = step_benchmark.synthetic_batches(FLAGS.batch_size, size, FLAGS.num_boxes,
                                                        FLAGS.max_boxes, criterion.num_classes)
         else:
-            from detr_tf.data import pipeline
-            # The Gin-configured pipeline, as train.dataset_fn (= build_dataset) feeds training.
-            dataset = pipeline.build_dataset(True, FLAGS.batch_size, seed=0)
+            # The run's pipeline, as it feeds training.
+            dataset = run.dataset_fn(is_training=True, global_batch_size=FLAGS.batch_size, seed=0)
             batches = step_benchmark.pipeline_batches(dataset)
-        report = step_benchmark.benchmark_train(build_model, criterion, batches, FLAGS.steps,
+        report = step_benchmark.benchmark_train(run.model_fn, criterion, batches, FLAGS.steps,
                                                 FLAGS.warmup, jit, precision, FLAGS.peak_tflops,
                                                 FLAGS.count_flops)
         report["input"] = FLAGS.input
         table = step_benchmark.train_table(report)
     report["command"] = " ".join(sys.argv)
     report["gin_files"], report["gin_params"] = FLAGS.gin_file, FLAGS.gin_param
-    print(table)
+    print(f"model: {report['model']}\n{table}")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(report, f, indent=2)

@@ -28,7 +28,7 @@ import numpy as np
 import scipy.optimize
 import tensorflow as tf
 
-from detr_tf.ops import matching, sinkhorn
+from detr_tf.ops import matching, matching_cost, sinkhorn
 
 tf.get_logger().setLevel("ERROR")  # Model Garden's matcher logs deprecation warnings
 
@@ -62,7 +62,7 @@ def detr_like_problem(rng: np.random.Generator, n: int, q: int, t: int, full: bo
     labels = rng.integers(0, num_classes - 1, (n, t))
     tgt_boxes = np.concatenate([rng.uniform(0.1, 0.9, (n, t, 2)),
                                 rng.uniform(0.02, 0.5, (n, t, 2))], -1).astype(np.float32)
-    cost = matching.match_cost(logits, pred_boxes, labels, tgt_boxes).numpy()
+    cost = matching_cost.match_cost(logits, pred_boxes, labels, tgt_boxes).numpy()
     if full:
         mask = np.ones((n, t), bool)
     else:

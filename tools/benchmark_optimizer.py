@@ -4,7 +4,8 @@ update time); prints a table, writes JSON.
     PYTHONPATH=. python tools/benchmark_optimizer.py --gin_file models/detr_r50.gin \
         --rounds 10 --json_out /tmp/optimizer_r50.json
 
-The model is Gin's `build_model`; see detr_tf/benchmarks/optimizer.py for what is timed.
+The model is the run's (`train.model_fn`; detr_tf/run.py); see detr_tf/benchmarks/optimizer.py
+for what is timed.
 """
 import os
 import sys
@@ -25,13 +26,14 @@ FLAGS = flags.FLAGS
 def main(argv):
     cli.reject_positional("benchmark_optimizer.py", argv, "; use --gin_file/--gin_param")
     cli.parse_gin_or_exit("benchmark_optimizer.py", FLAGS.gin_file, FLAGS.gin_param)
+    from detr_tf import run as run_lib
     from detr_tf.benchmarks import optimizer, timing
-    from detr_tf.modeling.detr import build_model
 
     variants = FLAGS.variant or list(optimizer.VARIANTS)
-    report = optimizer.benchmark_optimizers(build_model, FLAGS.rounds, variants=variants)
-    print(f"{report['num_variables']} variables, {report['num_parameters']:,} parameters; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    report = optimizer.benchmark_optimizers(run_lib.assemble().model_fn, FLAGS.rounds,
+                                            variants=variants)
+    print(f"{report['model']}: {report['num_variables']} variables, "
+          f"{report['num_parameters']:,} parameters; load average {os.getloadavg()[0]:.1f}")
     print("| optimizer | first call (s) | update, median (ms) |")
     print("|---|---|---|")
     for name in variants:

@@ -6,7 +6,7 @@
 The trainer builds the run from the Gin files as `tools/train.py` would (model, data, precision,
 jit, engine); the variants then share its compiled step and input and are timed in interleaved
 rounds: 'per_step' (the loop before train.steps_per_loop: two host reads every step) and 'N=k'
-(detr_tf/training/device_loop.py). See detr_tf/benchmarks/host_loop.py.
+(detr_tf/training/device_loop.py). See detr_tf/benchmarks/steps_per_loop.py.
 """
 import sys
 
@@ -28,12 +28,12 @@ def main(argv):
         sys.exit(f"unexpected arguments {argv[1:]}")
     from detr_tf import config
     config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.benchmarks import host_loop, timing
+    from detr_tf.benchmarks import steps_per_loop as loop_benchmark, timing
 
-    report = host_loop.measure(FLAGS.steps_per_loop, FLAGS.steps, FLAGS.rounds,
+    report = loop_benchmark.measure(FLAGS.steps_per_loop, FLAGS.steps, FLAGS.rounds,
                                log=lambda s: print(s, flush=True))
     report["command"] = " ".join(sys.argv)
-    print(host_loop.table(report))
+    print(loop_benchmark.table(report))
     timing.write_json(report, FLAGS.json_out)
 
 

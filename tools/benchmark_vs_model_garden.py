@@ -30,12 +30,12 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"unexpected arguments {argv[1:]}")
     from detr_tf.benchmarks import flops, timing
-    variants, build_model, criterion = compare.setup(
+    variants, model_fn, criterion = compare.setup(
         "benchmark_vs_model_garden.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.variant)
     size = (FLAGS.image_size, FLAGS.image_size)
     shape = flops.DetrShape(image_size=size, batch_size=FLAGS.batch_size,
                             num_classes=criterion.num_classes)
-    report = compare.run(build_model, criterion, variants, size, FLAGS.batch_size,
+    report = compare.run(model_fn, criterion, variants, size, FLAGS.batch_size,
                          FLAGS.num_boxes, FLAGS.max_boxes, criterion.num_classes, FLAGS.rounds,
                          analytic_shape=shape, log=lambda s: print(s, flush=True))
     report["command"] = " ".join(sys.argv)

@@ -6,7 +6,8 @@
     PYTHONPATH=. horovodrun -np 2 python tools/count_xla_programs.py --gin_file tiny.gin \
         --engines horovod --json_out /tmp/xla_programs_horovod.json
 
-The step is the trainer's own (detr_tf/benchmarks/ours.py) on one synthetic batch; the counts
+The step is the trainer's own (detr_tf/benchmarks/ours.py) with the run's model and criterion
+(`train.model_fn`, `train.criterion`; detr_tf/run.py) on one synthetic batch; the counts
 come from TensorFlow's profiler trace (see detr_tf/benchmarks/xla_launches.py for how). The
 mirrored engine runs over 2 logical CPUs.
 """
@@ -40,37 +41,36 @@ def _engines():
     return made
 
 
-def _count(engine, jit, optimizer, batch):
+def _count(run, engine, jit, optimizer, batch):
     import gin
     from detr_tf.benchmarks import ours, xla_launches
-    from detr_tf.losses import SetCriterion
-    from detr_tf.modeling.detr import build_model
 
     with gin.unlock_config():
         gin.bind_parameter("build_optimizers.fused", optimizer.startswith("fused"))
         gin.bind_parameter("build_optimizers.jit_compile", optimizer == "fused")
     size = (FLAGS.image_size, FLAGS.image_size)
-    ts = ours.build_train_step(build_model, SetCriterion(), jit, image_size=size, engine=engine)
+    ts = ours.build_train_step(run.model_fn, run.criterion, jit, image_size=size, engine=engine)
     counts = xla_launches.count_per_step(lambda: ts.step(batch), FLAGS.steps)
     return {"engine": engine.name, "jit": jit, "optimizer": optimizer,
-            "replicas": engine.num_replicas, **counts}
+            "model": type(ts.model).__name__, "replicas": engine.num_replicas, **counts}
 
 
 def main(argv):
     cli.reject_positional("count_xla_programs.py", argv, "; use --gin_file/--gin_param")
     cli.parse_gin_or_exit("count_xla_programs.py", FLAGS.gin_file, FLAGS.gin_param)
     engines = _engines()
-    import gin
+    from detr_tf import run as run_lib
     from detr_tf.benchmarks import step_benchmark
 
+    run = run_lib.assemble()
     batch = next(step_benchmark.synthetic_batches(FLAGS.batch_size, (FLAGS.image_size,) * 2, 3,
-                                                  10, gin.query_parameter("%NUM_CLASSES")))
+                                                  10, run.criterion.num_classes))
     chief = all(e.is_chief for e in engines.values())
     rows = []
     for opt in FLAGS.optimizers:
         for engine in engines.values():
             for jit in FLAGS.jits:
-                rows.append(_count(engine, jit, opt, batch))
+                rows.append(_count(run, engine, jit, opt, batch))
                 if chief:
                     print(f"counted: {rows[-1]}", flush=True)
                     _write(rows)

@@ -57,11 +57,11 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"unexpected arguments {argv[1:]}")
     from detr_tf.benchmarks import synthetic, timing
-    variants, build_model, criterion = compare.setup(
+    variants, model_fn, criterion = compare.setup(
         "profile_step.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.variant)
     raw = synthetic.draw(FLAGS.batch_size, (FLAGS.image_size,) * 2, FLAGS.num_boxes,
                          FLAGS.max_boxes, criterion.num_classes)
-    rows = {v.name: _profile(v, build_model, criterion, raw) for v in variants}
+    rows = {v.name: _profile(v, model_fn, criterion, raw) for v in variants}
     print(table(rows))
     timing.write_json({"command": " ".join(sys.argv), "variants": rows}, FLAGS.json_out)
 

@@ -22,8 +22,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     cli.reject_positional("train.py", argv, "; use --gin_file/--gin_param")
     cli.parse_gin_or_exit("train.py", FLAGS.gin_file, FLAGS.gin_param)
-    from detr_tf.training import trainer
-    trainer.run_from_command_line(FLAGS.model_dir)
+    cli.run_training(FLAGS.model_dir)
 
 
 if __name__ == "__main__":

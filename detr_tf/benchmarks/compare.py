@@ -85,18 +85,18 @@ def setup(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
     (DEFAULT_VARIANTS if none). Exits naming `tool` on a bad variant.
 
     Returns:
-      (variants, build_model, criterion): our model function and a SetCriterion from the config.
+      (variants, model_fn, criterion): the run's `train.model_fn` and `train.criterion`
+      (detr_tf/run.py).
     """
-    from detr_tf import config
+    from detr_tf import config, run as run_lib
     model_garden.import_model_garden()
     config.parse_gin_config(gin_files, gin_params)
-    from detr_tf.losses import SetCriterion
-    from detr_tf.modeling.detr import build_model
     try:
         variants = parse_variants(variant_specs) if variant_specs else list(DEFAULT_VARIANTS)
     except ValueError as e:
         sys.exit(f"{tool}: {e}")
-    return variants, build_model, SetCriterion()
+    run = run_lib.assemble()
+    return variants, run.model_fn, run.criterion
 
 
 def build_call(variant: Variant, model_fn, criterion, image_size, raw) -> Callable[[], object]:

@@ -58,9 +58,9 @@ VARIANTS = {"tf_keras": (False, False, _tf_keras_apply),
 def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 10,
                          clip_norm: float = 0.1, variants: Sequence[str] = tuple(VARIANTS),
                          log: Callable[[str], None] = print) -> Dict[str, object]:
-    """{name: {first_call_s, apply_ms (median), apply_ms_all}, num_variables, num_parameters}
-    for each of `variants` (names in VARIANTS)."""
-    model = state.build_model(model_fn)
+    """{name: {first_call_s, apply_ms (median), apply_ms_all}, model (the class),
+    num_variables, num_parameters} for each of `variants` (names in VARIANTS)."""
+    model = state.create_model(model_fn)
     groups = step_lib.split_variables(model)
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.normal(size=v.shape).astype(np.float32) * 1e-3)
@@ -77,7 +77,7 @@ def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 1
                 # does on a GPU: one compiled update per variable.
                 opt.jit_compile = True
         applies[name] = make(optimizers, groups, clip_norm)
-    report = {"num_variables": len(grads),
+    report = {"model": type(model).__name__, "num_variables": len(grads),
               "num_parameters": int(sum(np.prod(g.shape) for g in grads))}
     for name, apply in applies.items():
         first = timing.timed_call(apply, grads)

@@ -14,7 +14,7 @@ import tf_keras
 
 from detr_tf.benchmarks import flops as flops_lib
 from detr_tf.training import distribution as dist
-from detr_tf.training import optimization, state, step as step_lib
+from detr_tf.training import state, step as step_lib
 
 
 @dataclasses.dataclass
@@ -29,16 +29,18 @@ class TrainStep:
 
 
 def build_train_step(model_fn: Callable[[], tf_keras.Model], criterion, jit: str,
-                     precision: str = "float32", image_size: Tuple[int, int] = (64, 64),
+                     precision: str = "float32", image_size: Optional[Tuple[int, int]] = None,
                      clip_norm: float = 0.1, engine=None) -> TrainStep:
-    """Builds model, optimizers and the trainer's step under `precision` (restored after).
+    """Builds the trainer's state (`state.create_state`: model, optimizers, step counter, loss
+    scale) and its step under `precision` (restored after).
 
     Args:
-      model_fn: builds the model (e.g. Gin's `build_model`).
-      criterion: the set criterion.
+      model_fn: builds the model (the run's `train.model_fn`, see detr_tf/run.py).
+      criterion: the set criterion (the run's `train.criterion`).
       jit: 'step', 'loss' or 'none' (see detr_tf/training/trainer.py).
       precision: Keras policy used while the model is built.
-      image_size: size of the one small eager call that creates the variables.
+      image_size: size of the one small eager call that creates the variables (None: the
+        model's own build size).
     """
     engine = engine or dist.make_engine("default")
     previous = tf_keras.mixed_precision.global_policy().name
@@ -48,16 +50,12 @@ def build_train_step(model_fn: Callable[[], tf_keras.Model], criterion, jit: str
     tf_keras.backend.experimental.enable_tf_random_generator()
     try:
         with engine.scope():
-            model = state.build_model(model_fn, image_size)
-            optimizers = optimization.build_optimizers(steps_per_epoch=1000)
-            for opt, vars_ in zip(optimizers, step_lib.split_variables(model)):
-                opt.build(vars_)
-            global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-            loss_scale = (optimization.DynamicLossScale() if precision == "mixed_float16"
-                          else None)
-            builder = step_lib.StepBuilder(engine, model, criterion, optimizers,
-                                           step_lib.resolve_jit(jit), clip_norm, 1, loss_scale,
-                                           None, global_step)
+            train_state = state.create_state(model_fn, image_size, steps_per_epoch=1000,
+                                             precision=precision, ema_decay=None)
+            builder = step_lib.StepBuilder(
+                engine, train_state.model, criterion, train_state.optimizers,
+                step_lib.resolve_jit(jit), clip_norm, 1, train_state.loss_scale, None,
+                train_state.global_step)
     finally:
         tf_keras.mixed_precision.set_global_policy(previous)
         if not generators_were_on:
@@ -67,7 +65,7 @@ def build_train_step(model_fn: Callable[[], tf_keras.Model], criterion, jit: str
     def step(batch):
         return engine.run(builder.replica_step, (batch,))
 
-    return TrainStep(step, builder, model, criterion, builder.jit, precision)
+    return TrainStep(step, builder, train_state.model, criterion, builder.jit, precision)
 
 
 def train_step_flops(ts: TrainStep, batch) -> Dict[str, int]:

@@ -40,12 +40,12 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
                     log: Callable[[str], None] = print) -> Dict[str, object]:
     """Times `steps` train steps after `warmup` ones; returns the report dict (see keys below).
 
-    Keys: images_per_sec, step_time_ms (median compute + wait), compute_time_ms, compile_time_s
-    (first call minus a median step: tracing and compilation), first_call_s, input_wait_share,
-    matching_ms, matching_share, matching_first_call_s, flops_per_step (XLA HLO count),
-    flops_per_step_analytic (both at the first batch's shape), achieved_tflops, peak_tflops,
-    mfu, peak_host_memory_mb, image_shapes, new_shape_steps (timed steps on a canvas not seen
-    before, which retrace the step).
+    Keys: model (the class timed), images_per_sec, step_time_ms (median compute + wait),
+    compute_time_ms, compile_time_s (first call minus a median step: tracing and compilation),
+    first_call_s, input_wait_share, matching_ms, matching_share, matching_first_call_s,
+    flops_per_step (XLA HLO count), flops_per_step_analytic (both at the first batch's shape),
+    achieved_tflops, peak_tflops, mfu, peak_host_memory_mb, image_shapes, new_shape_steps (timed
+    steps on a canvas not seen before, which retrace the step).
     """
     ts = ours.build_train_step(model_fn, criterion, jit, precision)
     t0 = time.perf_counter()
@@ -55,18 +55,34 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
     log(f"first call (trace + compile + step), jit={ts.jit} precision={precision} ...")
     first_call = timing.timed_call(ts.step, first)
     log(f"  {first_call:.1f} s")
+    report = {"mode": "train", "model": type(ts.model).__name__, "jit": ts.jit,
+              "precision": precision, "batch_size": batch_size, "steps": steps,
+              "warmup": warmup, "first_call_s": first_call, "first_batch_wait_s": first_wait,
+              **_time_steps(ts.step, first, batches, steps, warmup, batch_size)}
+    report["compile_time_s"] = max(first_call - report["compute_time_ms"] / 1e3, 0.0)
+    step_s = report["step_time_ms"] / 1e3
+    report.update(_time_matching(ts, first, max(steps, 3), step_s))
+    report.update(_count_flops(ts, first, count_flops, step_s, precision, peak_tflops, log))
+    report["peak_host_memory_mb"] = timing.peak_host_memory_mb()
+    return report
+
+
+def _time_steps(step: Callable, first, batches: Iterator, steps: int, warmup: int,
+                batch_size: int) -> Dict[str, object]:
+    """`warmup` untimed steps, then `steps` timed ones, each split into the wait for its batch
+    and the step itself."""
     shape_of = lambda b: tuple(b[0]["images"].shape[1:3])  # noqa: E731
     seen = {shape_of(first)}
     for _ in range(warmup):
         batch = next(batches)
         seen.add(shape_of(batch))
-        timing.timed_call(ts.step, batch)
+        timing.timed_call(step, batch)
     waits, computes, shapes, new_shape_steps = [], [], set(), 0
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = next(batches)
         t1 = time.perf_counter()
-        timing.sync(ts.step(batch))
+        timing.sync(step(batch))
         t2 = time.perf_counter()
         waits.append(t1 - t0)
         computes.append(t2 - t1)
@@ -77,36 +93,41 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
         seen.add(shape_of(batch))
     totals = [w + c for w, c in zip(waits, computes)]
     step_s = statistics.median(totals)
-    report = {
-        "mode": "train", "jit": ts.jit, "precision": precision, "batch_size": batch_size,
-        "steps": steps, "warmup": warmup, "image_shapes": sorted(list(s) for s in shapes),
-        "new_shape_steps": new_shape_steps,
+    return {
+        "image_shapes": sorted(list(s) for s in shapes), "new_shape_steps": new_shape_steps,
         "images_per_sec": batch_size * len(totals) / sum(totals),
         "images_per_sec_median_step": batch_size / step_s,
         "step_time_ms": step_s * 1e3, "compute_time_ms": statistics.median(computes) * 1e3,
         "step_times_ms": [t * 1e3 for t in totals],
-        "first_call_s": first_call, "first_batch_wait_s": first_wait,
-        "compile_time_s": max(first_call - statistics.median(computes), 0.0),
         "input_wait_share": sum(waits) / sum(totals),
     }
-    # Matching alone, compiled as the 'loss' mode compiles it, on this model's own outputs.
+
+
+def _time_matching(ts: ours.TrainStep, first, rounds: int, step_s: float) -> Dict[str, float]:
+    """Matching alone, compiled as the 'loss' mode compiles it, on this model's own outputs."""
     features, targets = first
     outputs = ts.model(features["images"], features["pixel_mask"], training=True)
     logits, boxes = ours.stacked_outputs(outputs)
-    match = ours.build_match_fn(criterion)
+    match = ours.build_match_fn(ts.criterion)
     # Its first call is tracing + XLA compilation of the matcher, part of the step's first call.
-    report["matching_first_call_s"] = timing.timed_call(match, logits, boxes, targets)
+    first_call = timing.timed_call(match, logits, boxes, targets)
     match_s = statistics.median(timing.timed_call(match, logits, boxes, targets)
-                                for _ in range(max(steps, 3)))
-    report["matching_ms"] = match_s * 1e3
-    report["matching_share"] = match_s / step_s
+                                for _ in range(rounds))
+    return {"matching_first_call_s": first_call, "matching_ms": match_s * 1e3,
+            "matching_share": match_s / step_s}
+
+
+def _count_flops(ts: ours.TrainStep, first, count_flops: bool, step_s: float, precision: str,
+                 peak_tflops: Optional[float], log: Callable[[str], None]) -> Dict[str, object]:
+    """The step's FLOPs, analytic and (count_flops) from its HLO, and what they give: achieved
+    TFLOP/s and MFU."""
+    features = first[0]
+    batch_size = int(features["images"].shape[0])
     hw = tuple(int(d) for d in features["images"].shape[1:3])
-    shape = flops_lib.shape_from_model(ts.model, hw, batch_size)
-    analytic = flops_lib.detr_flops(shape)
-    report["flops_per_step_analytic"] = analytic["train_step"]
-    report["flops_analytic_breakdown"] = analytic
-    report["flops_shape"] = list(hw)
-    report["flops_per_step"] = None
+    analytic = flops_lib.detr_flops(flops_lib.shape_from_model(ts.model, hw, batch_size))
+    report = {"flops_per_step_analytic": analytic["train_step"],
+              "flops_analytic_breakdown": analytic, "flops_shape": list(hw),
+              "flops_per_step": None}
     if count_flops:
         log("counting FLOPs in the step's HLO ...")
         hlo = ours.train_step_flops(ts, first)
@@ -115,11 +136,8 @@ def benchmark_train(model_fn: Callable[[], tf_keras.Model], criterion, batches: 
         report["flops_hlo_over_analytic"] = hlo["total"] / analytic["train_step"]
     used = report["flops_per_step"] or analytic["train_step"]
     peak, device = ours.peak_tflops_for_device(precision, peak_tflops)
-    report["device"] = device
-    report["achieved_tflops"] = used / step_s / 1e12
-    report["peak_tflops"] = peak
-    report["mfu"] = flops_lib.mfu(used, step_s, peak)
-    report["peak_host_memory_mb"] = timing.peak_host_memory_mb()
+    report.update(device=device, achieved_tflops=used / step_s / 1e12, peak_tflops=peak,
+                  mfu=flops_lib.mfu(used, step_s, peak))
     return report
 
 
@@ -133,7 +151,7 @@ def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequenc
     previous = tf_keras.mixed_precision.global_policy().name
     state.set_precision(precision)
     try:
-        model = state.build_model(model_fn)
+        model = state.create_model(model_fn)
     finally:
         tf_keras.mixed_precision.set_global_policy(previous)
     infer = ours.build_infer_step(model, jit)
@@ -157,7 +175,8 @@ def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequenc
         log(f"  batch {bs}: mean {summary['mean_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms, "
             f"{row['images_per_sec']:.2f} images/s")
         rows.append(row)
-    return {"mode": "infer", "jit": jit, "precision": precision, "image_size": list(image_size),
+    return {"mode": "infer", "model": type(model).__name__, "jit": jit, "precision": precision,
+            "image_size": list(image_size),
             "device": device, "peak_tflops": peak, "results": rows,
             "peak_host_memory_mb": timing.peak_host_memory_mb()}
 

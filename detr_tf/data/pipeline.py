@@ -161,7 +161,9 @@ def build_dataset(is_training: bool, global_batch_size: int,
                   eval_transform=augment.detr_eval_transform,
                   buckets: Sequence[Tuple[int, int]] = COCO_BUCKETS, max_boxes: int = 100,
                   shuffle_buffer: int = 1000, prefetch: int = AUTOTUNE) -> tf.data.Dataset:
-    """Builds the train or eval dataset of batches (see the module docstring for the layout).
+    """Builds the train or eval dataset of batches (see the module docstring for the layout):
+    `sharding` -> `read_source` -> `prepare_examples` (decode, check, augment, pad) ->
+    `batch_by_bucket`.
 
     Args:
       is_training: train (augment, shuffle, repeat forever, full batches only) or eval (resize,
@@ -186,15 +188,48 @@ def build_dataset(is_training: bool, global_batch_size: int,
     Returns:
       tf.data.Dataset of (features, targets) batches.
     """
+    shard = sharding(global_batch_size, input_context, num_shards, shard_index)
+    buckets = buckets_lib.validate_buckets(buckets)
+    source = train_source if is_training else eval_source
+    if seed is None:
+        seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
+    ds = read_source(source, shard, is_training, deterministic, seed, shuffle_buffer)
+    ds = prepare_examples(ds, source.label_map, train_transform if is_training else eval_transform,
+                          is_training, buckets, max_boxes, deterministic,
+                          seed=seed * 7919 + shard.shard_index)
+    ds = batch_by_bucket(ds, shard.batch_size, shard.replicas_per_pipeline, is_training)
+    options = tf.data.Options()
+    options.deterministic = deterministic
+    ds = ds.with_options(options)
+    return ds.prefetch(prefetch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """Which part of the data one input pipeline reads, and its batch."""
+
+    num_shards: int
+    shard_index: int
+    batch_size: int  # per replica
+    replicas_per_pipeline: int
+
+
+def sharding(global_batch_size: int, input_context: Optional[tf.distribute.InputContext] = None,
+             num_shards: Optional[int] = None, shard_index: Optional[int] = None) -> Sharding:
+    """The pipeline's shard and per-replica batch (see build_dataset's arguments).
+
+    Raises:
+      ValueError: both input_context and a shard given, a shard outside [0, num_shards), or a
+        global batch that does not split into per-replica batches of at least one image.
+    """
     if input_context is not None:
         if num_shards is not None or shard_index is not None:
             raise ValueError("build_dataset: give input_context or (num_shards, shard_index), "
                              f"not both (got num_shards={num_shards}, shard_index={shard_index}).")
-        num_shards = input_context.num_input_pipelines
-        shard_index = input_context.input_pipeline_id
         batch_size = input_context.get_per_replica_batch_size(global_batch_size)
-        replicas_per_pipeline = max(
-            1, input_context.num_replicas_in_sync // input_context.num_input_pipelines)
+        shard = Sharding(input_context.num_input_pipelines, input_context.input_pipeline_id,
+                         batch_size, max(1, input_context.num_replicas_in_sync
+                                         // input_context.num_input_pipelines))
     else:
         num_shards = 1 if num_shards is None else num_shards
         shard_index = 0 if shard_index is None else shard_index
@@ -204,34 +239,46 @@ def build_dataset(is_training: bool, global_batch_size: int,
         if global_batch_size % num_shards:
             raise ValueError(f"build_dataset: global_batch_size={global_batch_size} is not "
                              f"divisible by num_shards={num_shards}.")
-        batch_size = global_batch_size // num_shards
-        replicas_per_pipeline = 1  # one process per replica (Horovod): no grouping needed
-    if batch_size < 1:
-        raise ValueError(f"build_dataset: per-replica batch size is {batch_size} "
+        # One process per replica (Horovod): no grouping needed.
+        shard = Sharding(num_shards, shard_index, global_batch_size // num_shards, 1)
+    if shard.batch_size < 1:
+        raise ValueError(f"build_dataset: per-replica batch size is {shard.batch_size} "
                          f"(global_batch_size={global_batch_size}).")
-    buckets = buckets_lib.validate_buckets(buckets)
-    source = train_source if is_training else eval_source
-    label_map = source.label_map
-    if seed is None:
-        seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
+    return shard
 
-    spec = sources_lib.ReadSpec(num_shards, shard_index, shuffle=is_training,
+
+def read_source(source, shard: Sharding, is_training: bool, deterministic: bool, seed: int,
+                shuffle_buffer: int) -> tf.data.Dataset:
+    """The source's raw examples for this shard: shuffled and repeated for training."""
+    spec = sources_lib.ReadSpec(shard.num_shards, shard.shard_index, shuffle=is_training,
                                 deterministic=deterministic, seed=seed,
                                 shuffle_buffer=shuffle_buffer, repeat=is_training)
     ds = source.make(spec)
     if not is_training:
         # A record whose image cannot be decoded is left out of the evaluation instead of ending
         # it; the evaluator names the annotated images it never saw (CocoEvaluator.evaluate).
-        # Only reading and decoding are covered: the annotation checks below still fail loudly.
+        # Only reading and decoding are covered: the annotation checks still fail loudly.
         ds = ds.ignore_errors()
+    return ds
 
+
+def prepare_examples(ds: tf.data.Dataset, label_map, transform, is_training: bool,
+                     buckets: Sequence[Tuple[int, int]], max_boxes: int, deterministic: bool,
+                     seed: int) -> tf.data.Dataset:
+    """Raw examples -> one dict per image: decoded and checked (`raw_to_instance`), augmented
+    (`transform(image, boxes, labels, example_seed)` for training, `transform(image, boxes,
+    labels)` for evaluation), normalized and padded onto its canvas bucket, targets padded to
+    `max_boxes` (`pad_targets`), with the bucket's index under 'bucket'.
+
+    seed: the training examples' stateless seed pairs come from it.
+    """
     def prepare(raw, example_seed=None):
         image, boxes, labels = raw_to_instance(raw, label_map)
         orig_size = tf.shape(image)[:2]
         if is_training:
-            image, boxes, labels = train_transform(image, boxes, labels, example_seed)
+            image, boxes, labels = transform(image, boxes, labels, example_seed)
         else:
-            image, boxes, labels = eval_transform(image, boxes, labels)
+            image, boxes, labels = transform(image, boxes, labels)
         resized = tf.shape(image)[:2]
         canvas, pixel_mask, size, bucket = buckets_lib.fit_and_pad(
             augment.normalize_image(image), buckets)
@@ -246,15 +293,20 @@ def build_dataset(is_training: bool, global_batch_size: int,
 
     if is_training:
         # One stateless seed pair per example: reproducible in deterministic mode.
-        seeds = tf.data.Dataset.random(seed=seed * 7919 + shard_index).batch(2)
+        seeds = tf.data.Dataset.random(seed=seed).batch(2)
         ds = tf.data.Dataset.zip((ds, seeds))
-    ds = ds.map(prepare, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+    return ds.map(prepare, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
-    # MirroredStrategy hands consecutive batches of one pipeline to its replicas in turn, so
-    # groups of `group` consecutive batches come from one bucket: all replicas of a step then
-    # share one shape (else a step would be traced for every combination of buckets).
-    group = replicas_per_pipeline
 
+def batch_by_bucket(ds: tf.data.Dataset, batch_size: int, group: int,
+                    is_training: bool) -> tf.data.Dataset:
+    """Per-image dicts -> (features, targets) batches of `batch_size` images of one bucket.
+
+    MirroredStrategy hands consecutive batches of one pipeline to its replicas in turn, so
+    groups of `group` (replicas per pipeline) consecutive batches come from one bucket: all
+    replicas of a step then share one shape (else a step would be traced for every combination
+    of buckets). Training batches are full; evaluation's last ones are filled (`_filler_pad`).
+    """
     def batch_bucket(_, window):
         batched = window.batch(group * batch_size, drop_remainder=is_training)
         if not is_training:
@@ -271,11 +323,7 @@ def build_dataset(is_training: bool, global_batch_size: int,
 
     ds = ds.group_by_window(key_func=lambda ex: tf.cast(ex["bucket"], tf.int64),
                             reduce_func=batch_bucket, window_size=group * batch_size)
-    ds = ds.map(_split_features_targets)
-    options = tf.data.Options()
-    options.deterministic = deterministic
-    ds = ds.with_options(options)
-    return ds.prefetch(prefetch)
+    return ds.map(_split_features_targets)
 
 
 def _split_features_targets(batch):

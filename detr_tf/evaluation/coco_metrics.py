@@ -26,9 +26,6 @@ between workers, e.g. with `hvd.allgather_object(evaluator.state())`, or by writ
 for an id win, so an image duplicated by padding or by a shard wrapping around is not counted
 twice.
 """
-import contextlib
-import io
-import json
 import os
 import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -36,6 +33,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import numpy as np
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
+
+from detr_tf.evaluation import coco_io
 
 METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 _METRIC_DESCRIPTIONS = {
@@ -95,7 +94,7 @@ class CocoEvaluator:
         self._category_names = dict(category_names or {})
         self._coco_gt = None
         if annotations is not None:
-            self._coco_gt = _load_annotations(annotations, verbose)
+            self._coco_gt = coco_io.load_annotations(annotations, verbose)
         self._detections: Dict[int, np.ndarray] = {}  # image_id -> [n, 6] x, y, w, h, score, cat
         self._ground_truth: Dict[int, np.ndarray] = {}  # image_id -> [m, 6] x, y, w, h, cat, crowd
         self._image_sizes: Dict[int, tuple] = {}  # image_id -> (height, width)
@@ -280,7 +279,7 @@ class CocoEvaluator:
                                     "area": bw * bh, "iscrowd": int(crowd)})
         cat_ids = sorted({a["category_id"] for a in annotations} | set(self._category_names))
         categories = [{"id": c, "name": self._category_names.get(c, str(c))} for c in cat_ids]
-        return _make_coco({"images": images, "annotations": annotations,
+        return coco_io.make_coco({"images": images, "annotations": annotations,
                            "categories": categories}, self._verbose)
 
     def evaluate(self) -> Dict[str, float]:
@@ -322,7 +321,7 @@ class CocoEvaluator:
             # detections (or nothing to detect) scores zero on every metric.
             return {name: 0.0 for name in METRIC_NAMES}
 
-        with _quiet(self._verbose):
+        with coco_io.quiet(self._verbose):
             coco_dt = coco_gt.loadRes(results)
             coco_eval = COCOeval(coco_gt, coco_dt, iouType="bbox")
             coco_eval.params.imgIds = image_ids
@@ -344,15 +343,7 @@ class CocoEvaluator:
     # ---------------------------------------------------------------------------------- writing
     def write_detections(self, path: Union[str, os.PathLike]) -> None:
         """Writes the detections as a COCO results json (loadable by `COCO.loadRes`)."""
-        _write_json(path, self.coco_results())
-
-
-def _write_json(path: Union[str, os.PathLike], payload: Any) -> None:
-    directory = os.path.dirname(os.fspath(path))
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f)
+        coco_io.write_json(path, self.coco_results())
 
 
 def write_metrics(path: Union[str, os.PathLike], metrics: Mapping[str, float]) -> None:
@@ -360,7 +351,7 @@ def write_metrics(path: Union[str, os.PathLike], metrics: Mapping[str, float]) -
     missing = [k for k in METRIC_NAMES if k not in metrics]
     if missing:
         raise ValueError(f"write_metrics({path}): metrics lack {missing}; got {sorted(metrics)}")
-    _write_json(path, {k: float(metrics[k]) for k in METRIC_NAMES})
+    coco_io.write_json(path, {k: float(metrics[k]) for k in METRIC_NAMES})
 
 
 def format_metrics_table(metrics: Mapping[str, float],
@@ -372,48 +363,3 @@ def format_metrics_table(metrics: Mapping[str, float],
         value = "n/a (no GT)" if name in undefined else f"{100 * metrics[name]:6.2f}"
         lines.append(f"{name:<5} {value:>11}   {_METRIC_DESCRIPTIONS[name]}")
     return "\n".join(lines)
-
-
-def _quiet(verbose: bool):
-    """Captures pycocotools' progress prints unless verbose."""
-    return contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
-
-
-def _make_coco(dataset: Dict[str, Any], verbose: bool) -> COCO:
-    coco = COCO()
-    coco.dataset = dataset
-    with _quiet(verbose):
-        coco.createIndex()
-    return coco
-
-
-def _load_annotations(annotations: Union[str, os.PathLike, COCO], verbose: bool) -> COCO:
-    """Loads a COCO ground truth and fills the fields COCOeval needs but some files lack."""
-    if isinstance(annotations, COCO):
-        source = "the given COCO object"
-        dataset = annotations.dataset
-    else:
-        source = os.fspath(annotations)
-        if not os.path.exists(source):
-            raise FileNotFoundError(f"CocoEvaluator: annotations file {source} does not exist")
-        with open(source) as f:
-            dataset = json.load(f)
-    for key in ("images", "annotations", "categories"):
-        if key not in dataset:
-            raise ValueError(f"CocoEvaluator: annotations from {source} have no {key!r} list; "
-                             f"expected a COCO instances json")
-    annotations_out = []
-    for n, ann in enumerate(dataset["annotations"]):
-        ann = dict(ann)  # never mutate the caller's COCO object
-        if "bbox" not in ann:
-            raise ValueError(f"CocoEvaluator: annotation #{n} (id {ann.get('id')}) in {source} "
-                             f"has no 'bbox'")
-        # COCOeval reads 'iscrowd' and 'area' unconditionally; a hand-made file may lack them.
-        ann.setdefault("iscrowd", 0)
-        ann.setdefault("area", float(ann["bbox"][2]) * float(ann["bbox"][3]))
-        # Renumber from 1: COCOeval marks a match by storing the GT id and tests it with > 0.
-        ann["id"] = n + 1
-        annotations_out.append(ann)
-    copied = dict(dataset)
-    copied["annotations"] = annotations_out
-    return _make_coco(copied, verbose)

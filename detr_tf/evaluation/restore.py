@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import run as run_lib
-from detr_tf.training import checkpointing
+from detr_tf.training import checkpointing, state as state_lib
 
 
 def build_eval_model(run: Optional[run_lib.Run] = None) -> tf_keras.Model:
@@ -23,7 +23,7 @@ def build_eval_model(run: Optional[run_lib.Run] = None) -> tf_keras.Model:
     """
     run = run or run_lib.assemble()
     info = run.eval_info()
-    return run.build_model(run_lib.smallest_canvas(getattr(info, "buckets", None)))
+    return run.build_model(state_lib.smallest_canvas(getattr(info, "buckets", None)))
 
 
 def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = None,

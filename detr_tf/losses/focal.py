@@ -103,18 +103,25 @@ class FocalSetCriterion:
         del num_queries  # no class-weight normalizer: the focal loss is divided by num_boxes
         return {"num_boxes": tf.reduce_sum(tf.cast(targets["mask"], tf.float32))}
 
-    def match(self, logits: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
-              tgt_boxes: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
-        """[N, B, Q, *] predictions -> [N, B, Q] int32 target per query, -1 unmatched."""
-        cost = focal_match_cost(tf.stop_gradient(logits), tf.stop_gradient(boxes), labels,
-                                tgt_boxes, *self.costs, alpha=self.alpha, gamma=self.gamma)
+    def match(self, logits: tf.Tensor, boxes: tf.Tensor,
+              targets: Dict[str, tf.Tensor]) -> tf.Tensor:
+        """[N, B, Q, *] predictions -> [N, B, Q] int32 target per query, -1 unmatched.
+
+        The call SetCriterion.match takes: `targets` holds 'labels' [B, T], 'boxes' [B, T, 4]
+        and 'mask' [B, T], so a benchmark can time either criterion's matching alike.
+        """
+        mask = targets["mask"]
+        cost = focal_match_cost(tf.stop_gradient(logits), tf.stop_gradient(boxes),
+                                targets["labels"], targets["boxes"], *self.costs,
+                                alpha=self.alpha, gamma=self.gamma)
         mask = tf.broadcast_to(mask[None], tf.concat([tf.shape(logits)[:1], tf.shape(mask)], 0))
         return tf.cast(self.matcher(cost, mask), tf.int32)
 
     def _losses(self, logits, boxes, labels, tgt_boxes, mask, n_box):
         """Per-layer losses of [N, B, Q, *] predictions: (loss_ce, loss_bbox, loss_giou, idx),
         each [N] (idx [N, B, Q])."""
-        idx = self.match(logits, boxes, labels, tgt_boxes, mask)  # [N, B, Q]
+        idx = self.match(logits, boxes,
+                         {"labels": labels, "boxes": tgt_boxes, "mask": mask})  # [N, B, Q]
         matched = tf.cast(idx >= 0, tf.float32)
         onehot = tf.one_hot(box_losses.gather_matched(labels, idx),
                             logits.shape[-1]) * matched[..., None]

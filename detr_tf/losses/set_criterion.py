@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
 from detr_tf.losses import dense, denoising
-from detr_tf.ops import matching
+from detr_tf.ops import matching, matching_cost
 
 
 @gin.configurable
@@ -109,7 +109,7 @@ class SetCriterion:
             return self._match_groups(pred_logits, pred_boxes, targets, num_groups)
         # Matching is not differentiated through (the reference runs it under no_grad).
         # The targets [B, T] broadcast against the layers [N, B, Q] inside match_cost.
-        cost = matching.match_cost(
+        cost = matching_cost.match_cost(
             tf.stop_gradient(pred_logits), tf.stop_gradient(pred_boxes),
             targets["labels"], targets["boxes"],
             self.cost_class, self.cost_bbox, self.cost_giou)  # [N, B, Q, T]
@@ -120,7 +120,7 @@ class SetCriterion:
         return tf.cast(idx, tf.int32)
 
     def _match_groups(self, pred_logits, pred_boxes, targets, num_groups):
-        cost = matching.match_cost(
+        cost = matching_cost.match_cost(
             tf.stop_gradient(pred_logits), tf.stop_gradient(pred_boxes),
             targets["labels"], targets["boxes"],
             self.cost_class, self.cost_bbox, self.cost_giou)  # [N, B, K*Qg, T]

@@ -1,10 +1,11 @@
-"""Starting points for the batched shortest-augmenting-path solver in `matching.py`.
+"""Starting points for the batched shortest-augmenting-path solver in `matching_solver.py`.
 
-The search phase (`matching._solve`) needs a partial assignment and column potentials v that are
-dual feasible: every assigned row i is tight, C[i, col(i)] - v[col(i)] = min_j C[i, j] - v[j]
-(its row potential is implied by that edge), and, for problems with more real columns than real
-rows, every free column keeps the largest potential (here: v = 0 on free columns, v <= 0 on
-assigned ones), which is what makes the final rectangular assignment optimal. Every phase below
+The search phase (`matching_solver.solve`) needs a partial assignment and column potentials v
+that are dual feasible: every assigned row i is tight,
+C[i, col(i)] - v[col(i)] = min_j C[i, j] - v[j] (its row potential is implied by that edge), and,
+for problems with more real columns than real rows, every free column keeps the largest potential
+(here: v = 0 on free columns, v <= 0 on assigned ones), which is what makes the final rectangular
+assignment optimal. Every phase below
 only lowers the potentials of columns that are, or become, assigned, so it keeps both properties.
 
 Two starts are offered:

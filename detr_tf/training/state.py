@@ -5,8 +5,9 @@ A run's state is the model, the two optimizers, the step counter, the dynamic lo
 one of three ways, in this order of precedence:
   1. model_dir holds checkpoints: resume from the latest (`train.init_weights` is ignored, and
      the run says so: a restart must never overwrite trained weights with pretrained ones);
-  2. `train.init_weights` names a file: pretrained weights (any format detr_tf.weights reads,
-     or another run's checkpoint) initialise the model, with an import report;
+  2. `train.init_weights` names a file: pretrained weights initialise the model through the
+     injected `train.weights_loader` (the recipe binds `@load_pretrained`: any format
+     detr_tf.weights reads, or another run's checkpoint), which returns an import report;
   3. neither: the initialisers' random weights, identical on every replica.
 """
 import dataclasses
@@ -19,6 +20,7 @@ import tf_keras
 from detr_tf.training import checkpointing, fused_adamw, hardware, optimization
 from detr_tf.training.step import split_variables
 
+
 def set_precision(precision: str) -> str:
     """Sets the Keras policy; 'auto' is resolved on this machine (hardware.resolve_precision).
     Returns the policy set."""
@@ -27,23 +29,32 @@ def set_precision(precision: str) -> str:
     return precision
 
 
-def build_model(model_fn: Callable[[], tf_keras.Model],
-                image_size: Tuple[int, int] = (64, 64)) -> tf_keras.Model:
+# What a model is built on when nothing says otherwise: weights never depend on the size.
+DEFAULT_CANVAS = (64, 64)
+
+
+def create_model(model_fn: Callable[[], tf_keras.Model],
+                 canvas: Optional[Tuple[int, int]] = None,
+                 training: bool = True) -> tf_keras.Model:
     """Creates the model and its variables with one small eager call (never inside XLA).
 
-    The call is in training mode so that dropout layers create their random generators now,
-    outside any compiled function, and `dropout_generators` can put them in the checkpoint.
+    The one place a model is built: the trainer (`create_state`), every tool through
+    `detr_tf.run.Run.build_model`, and the benchmarks.
 
     Args:
       model_fn: builds the model.
-      image_size: (height, width) of the build call; a canvas the data really has (see
+      canvas: (height, width) of the build call; a canvas the data really has (see
         `smallest_canvas`), because some models need enough feature cells (two-stage selects
         num_queries of them) and should fail here, naming the canvas, if a canvas is too small.
+        None: the model's own `build_size` (DEFAULT_CANVAS if it has none).
+      training: call in training mode, so that dropout layers create their random generators
+        now, outside any compiled function, and `dropout_generators` can put them in the
+        checkpoint.
     """
     model = model_fn()
-    h, w = image_size
+    h, w = canvas or getattr(model, "build_size", DEFAULT_CANVAS)
     try:
-        model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=True)
+        model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool), training=training)
     except ValueError as e:
         raise ValueError(f"the model does not fit the data's smallest canvas, {h}x{w} px "
                          f"(height x width; the smallest of the input's canvas buckets): {e}"
@@ -55,9 +66,9 @@ def build_model(model_fn: Callable[[], tf_keras.Model],
 
 
 def smallest_canvas(buckets: Optional[Sequence[Tuple[int, int]]]) -> Tuple[int, int]:
-    """The smallest (by area) canvas bucket, or 64x64 when the data names none."""
+    """The smallest (by area) canvas bucket, or DEFAULT_CANVAS when the data names none."""
     if not buckets:
-        return (64, 64)
+        return DEFAULT_CANVAS
     h, w = min(buckets, key=lambda b: (b[0] * b[1], b))
     return int(h), int(w)
 
@@ -98,11 +109,15 @@ class TrainState:
         return tf.train.Checkpoint(**items)
 
 
-def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Tuple[int, int],
+def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tuple[int, int]],
                  steps_per_epoch: int, precision: str, ema_decay: Optional[float],
                  total_steps: Optional[int] = None) -> TrainState:
-    """Builds the model and the optimizer state (call inside the engine's scope)."""
-    model = build_model(model_fn, build_size)
+    """Builds the model and the optimizer state (call inside the engine's scope).
+
+    The trainer's state, and the benchmarks' (detr_tf/benchmarks/ours.py), so that what is
+    timed is what trains.
+    """
+    model = create_model(model_fn, build_size)
     optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch,
                                                total_steps=total_steps)
     for opt, vars_ in zip(optimizers, split_variables(model)):
@@ -168,12 +183,17 @@ def check_optimizer_kind(path: str, optimizer) -> None:
 
 
 def start(state: TrainState, checkpoint: tf.train.Checkpoint,
-          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str]) -> int:
+          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str],
+          weights_loader: Optional[Callable[[tf_keras.Model, str], Any]] = None) -> int:
     """Resumes, or initialises a new run (see the module docstring); returns the start step.
+
+    Args:
+      weights_loader: fn(model, path) -> import report, reads `init_weights` into the model.
 
     Raises:
       FileNotFoundError / ValueError: init_weights cannot be read or does not fit the model;
-        the message names the file and the tensor.
+        the message names the file and the tensor. ValueError: init_weights is given but no
+        weights_loader.
     """
     say = (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
     step = resume(state, checkpoint, saver, engine)
@@ -186,10 +206,12 @@ def start(state: TrainState, checkpoint: tf.train.Checkpoint,
                 "its own checkpoint (init_weights only initialises a new run)")
         return step
     if init_weights:
-        from detr_tf import weights  # imported on use: most runs start from scratch
-
-        # What to leave out is load_pretrained's own Gin binding (`load_pretrained.skip`).
-        report = weights.load_pretrained(state.model, os.path.expanduser(init_weights))
+        if weights_loader is None:
+            raise ValueError(f"train.init_weights={init_weights!r} but no train.weights_loader "
+                             "reads it: bind train.weights_loader = @load_pretrained (as "
+                             "train/detr_recipe.gin does)")
+        # What to leave out is the loader's own Gin binding (`load_pretrained.skip`).
+        report = weights_loader(state.model, os.path.expanduser(init_weights))
         say(f"detr_tf: initialised from {init_weights}\n{report}")
     engine.broadcast_variables(state.model.variables)
     if state.ema is not None:

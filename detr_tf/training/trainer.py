@@ -1,4 +1,4 @@
-"""The training loop: one step function for every engine, precision and XLA choice.
+"""The trainer, `train`: one step function for every engine, precision and XLA choice.
 
 A step, per replica:
   1. count real boxes and class weights and all-reduce them (outside XLA) -> the loss
@@ -19,7 +19,6 @@ A step, per replica:
 """
 import math
 import os
-import re
 import tempfile
 import time
 from typing import Any, Callable, Dict, Optional
@@ -31,7 +30,7 @@ import tf_keras
 from detr_tf.training import checkpointing, hardware, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
-from detr_tf.training.loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
+from detr_tf.training.host_loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
 from detr_tf.training.metrics_writer import MetricsWriter, format_elapsed
 from detr_tf.training.step import (  # noqa: F401
     StepBuilder, resolve_jit, resolve_jit_why, split_variables)
@@ -97,6 +96,7 @@ def train(model_dir: str,
           train_examples: Optional[int] = None,
           dataset_info_fn: Optional[Callable[..., Any]] = None,
           init_weights: Optional[str] = None,
+          weights_loader: Optional[Callable[[tf_keras.Model, str], Any]] = None,
           distribution: str = "default",
           cpu_devices: int = 0,
           precision: str = "auto",
@@ -136,6 +136,8 @@ def train(model_dir: str,
         model_dir / checkpoint. Ignored, with a message, when model_dir already holds
         checkpoints (that is a resume). A class head or query count that differs from the
         file's is re-initialised and reported; `load_pretrained.skip` leaves tensors out.
+      weights_loader: fn(model, path) -> import report, what reads init_weights, injected so
+        that training imports no weight formats (e.g. `@load_pretrained`, passed uncalled).
       distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod' (automatic under
         horovodrun).
       cpu_devices: with 'mirrored' on a CPU-only machine, logical CPU devices to mirror over.
@@ -208,7 +210,7 @@ def train(model_dir: str,
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
         participates=engine.name != "horovod")
-    start_step = state_lib.start(state, ckpt, saver, engine, init_weights)
+    start_step = state_lib.start(state, ckpt, saver, engine, init_weights, weights_loader)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
@@ -310,30 +312,3 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, t
     engine.barrier()
     return {"step": result.step, **result.last_train,
             **{f"eval/{k}": v for k, v in eval_metrics.items()}}
-
-
-def run_from_command_line(model_dir: str) -> None:
-    """tools/train.py's call: runs `train` and turns expected failures into one-line errors."""
-    import sys
-
-    try:
-        train(model_dir)
-    except (TrainingError, FileNotFoundError, ValueError) as e:
-        if os.environ.get("DETR_TF_TRACEBACK"):
-            raise
-        sys.exit(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
-    except tf.errors.InvalidArgumentError as e:
-        # The input pipeline's annotation checks (data/pipeline.py) fail inside tf.data; their
-        # message, not TensorFlow's op trace, is what the user needs.
-        bad_input = [line for line in e.message.splitlines() if "input data: image_id" in line]
-        if not bad_input or os.environ.get("DETR_TF_TRACEBACK"):
-            raise
-        # "... assertion failed: [input data: image_id] [42] [has ...]" -> "image_id 42 has ..."
-        what = bad_input[0].split("input data: ", 1)[1]
-        what = re.sub(r"\]\s*\[", " ", what).rstrip("] ")
-        sys.exit(f"train.py: bad input data: {what}\n(checkpoints already in "
-                 f"{model_dir} are untouched; set DETR_TF_TRACEBACK=1 for the traceback)")
-    except RuntimeError as e:
-        if "Required bindings" in str(e):
-            sys.exit(f"train.py: gin configuration incomplete: {e}")
-        raise

@@ -17,22 +17,22 @@ import tensorflow as tf
 
 from detr_tf.modeling.backbone import torchvision_variables
 from detr_tf.weights import ties
-from detr_tf.weights.targets import Target, _dense, _mlp, _norm
+from detr_tf.weights.target import Target, dense, mlp, norm
 from detr_tf.weights.ties import TieRule
 
 
 def _msda(prefix: str, attn) -> Dict[str, Target]:
     out = {}
     for proj in ("sampling_offsets", "attention_weights", "value_proj", "output_proj"):
-        out.update(_dense(f"{prefix}.{proj}", getattr(attn, proj)))
+        out.update(dense(f"{prefix}.{proj}", getattr(attn, proj)))
     return out
 
 
 def _ffn(prefix: str, layer, final_norm) -> Dict[str, Target]:
     """A layer's feed-forward block and the norm after it (final_layer_norm in transformers)."""
-    return {**_dense(f"{prefix}.mlp.fc1", layer.ffn.linear1),
-            **_dense(f"{prefix}.mlp.fc2", layer.ffn.linear2),
-            **_norm(f"{prefix}.final_layer_norm", final_norm)}
+    return {**dense(f"{prefix}.mlp.fc1", layer.ffn.linear1),
+            **dense(f"{prefix}.mlp.fc2", layer.ffn.linear2),
+            **norm(f"{prefix}.final_layer_norm", final_norm)}
 
 
 def _encoder(t) -> Dict[str, Target]:
@@ -40,7 +40,7 @@ def _encoder(t) -> Dict[str, Target]:
     for i, layer in enumerate(t.encoder_layers):
         p = f"model.encoder.layers.{i}"
         out.update(_msda(f"{p}.self_attn", layer.self_attn))
-        out.update(_norm(f"{p}.self_attn_layer_norm", layer.norm1))
+        out.update(norm(f"{p}.self_attn_layer_norm", layer.norm1))
         out.update(_ffn(p, layer, layer.norm2))
     return out
 
@@ -51,10 +51,10 @@ def _decoder(t) -> Dict[str, Target]:
         p = f"model.decoder.layers.{i}"
         for ours, theirs in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
                              ("out_proj", "o_proj")):
-            out.update(_dense(f"{p}.self_attn.{theirs}", getattr(layer.self_attn, ours)))
-        out.update(_norm(f"{p}.self_attn_layer_norm", layer.norm1))
+            out.update(dense(f"{p}.self_attn.{theirs}", getattr(layer.self_attn, ours)))
+        out.update(norm(f"{p}.self_attn_layer_norm", layer.norm1))
         out.update(_msda(f"{p}.encoder_attn", layer.cross_attn))
-        out.update(_norm(f"{p}.encoder_attn_layer_norm", layer.norm2))
+        out.update(norm(f"{p}.encoder_attn_layer_norm", layer.norm2))
         out.update(_ffn(p, layer, layer.norm3))
     return out
 
@@ -65,12 +65,12 @@ def _heads(model) -> Dict[str, Target]:
     for i in range(num_pred):
         cls = model.class_embed[i if len(model.class_embed) > 1 else 0]
         box = model.bbox_embed[i if len(model.bbox_embed) > 1 else 0]
-        out.update(_dense(f"class_embed.{i}", cls))
-        out.update(_mlp(f"bbox_embed.{i}", box))
+        out.update(dense(f"class_embed.{i}", cls))
+        out.update(mlp(f"bbox_embed.{i}", box))
         if model.with_box_refine:
-            out.update(_mlp(f"model.decoder.bbox_embed.{i}", box))
+            out.update(mlp(f"model.decoder.bbox_embed.{i}", box))
         if model.two_stage:
-            out.update(_dense(f"model.decoder.class_embed.{i}", cls))
+            out.update(dense(f"model.decoder.class_embed.{i}", cls))
     return out
 
 
@@ -89,13 +89,13 @@ def torch_targets(model) -> Dict[str, Target]:
     out.update(_encoder(model.transformer))
     out.update(_decoder(model.transformer))
     if model.two_stage:
-        out.update(_dense("model.enc_output", model.enc_output))
-        out.update(_norm("model.enc_output_norm", model.enc_output_norm))
-        out.update(_dense("model.pos_trans", model.pos_trans))
-        out.update(_norm("model.pos_trans_norm", model.pos_trans_norm))
+        out.update(dense("model.enc_output", model.enc_output))
+        out.update(norm("model.enc_output_norm", model.enc_output_norm))
+        out.update(dense("model.pos_trans", model.pos_trans))
+        out.update(norm("model.pos_trans_norm", model.pos_trans_norm))
     else:
         out["model.query_position_embeddings.weight"] = Target(model.query_embed.embeddings)
-        out.update(_dense("model.reference_points", model.reference_points))
+        out.update(dense("model.reference_points", model.reference_points))
     out.update(_heads(model))
     return out
 

@@ -20,6 +20,7 @@ from detr_tf.weights import deformable_targets, files, layouts, targets as targe
 from detr_tf.weights import ties as ties_lib
 from detr_tf.weights.files import WeightImportError
 from detr_tf.weights.import_report import ImportReport
+from detr_tf.weights.target import Target
 
 CHECKPOINT_FORMAT = "detr_tf checkpoint"
 
@@ -31,7 +32,7 @@ def _matches(names: Iterable[str], patterns: Sequence[str]) -> bool:
 class _Source(NamedTuple):
     format: str
     tensors: Dict[str, Tuple[str, np.ndarray]]  # {name: (file key, array)}
-    table: Dict[str, targets_lib.Target]
+    table: Dict[str, Target]
     default_skip: Tuple[str, ...] = ()
     backbone_only: bool = False
     ties: Optional[ties_lib.Resolution] = None

@@ -5,7 +5,7 @@ The canonical names are the reference DETR's state-dict keys with three changes 
 detr_tf's layers: the backbone is `backbone.<torchvision key>` (no `0.body.`), attention
 projections are separate `q_proj` / `k_proj` / `v_proj` (the reference stacks them in
 `in_proj_weight`), and the decoder's cross-attention is `cross_attn` (`multihead_attn`).
-Tensors stay in torch's layout ([out, in, kh, kw], [out, in]); detr_tf.weights.targets
+Tensors stay in torch's layout ([out, in, kh, kw], [out, in]); detr_tf.weights.target
 transposes them.
 """
 import dataclasses

@@ -1,61 +1,22 @@
-"""Where each canonical (torch-named) tensor goes in a built detr_tf DETR, and how it is laid out.
-
-A torch tensor and its variable differ in layout: conv kernels are [out, in, kh, kw] in torch
-and [kh, kw, in, out] here; Dense kernels [out, in] against [in, out]; vectors and embedding
-tables are the same. Each `Target` converts one way and gives the shape a file must hold.
+"""Where each canonical (torch-named) tensor goes in a built detr_tf DETR, and how it is laid out
+(`Target`, weights/target.py); a Deformable DETR's table is deformable_targets.py's.
 """
-import dataclasses
 from typing import Dict, List, Tuple
 
-import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.backbone import ResNet, torchvision_variables
 from detr_tf.modeling.deformable_detr import DeformableDETR
+from detr_tf.weights import deformable_targets, target
+from detr_tf.weights.target import Target
 from detr_tf.weights.ties import TieRule
-
-_TO_TF = {"conv": (2, 3, 1, 0), "dense": (1, 0)}
-_TO_TORCH = {"conv": (3, 2, 0, 1), "dense": (1, 0)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A model variable and the torch layout of what loads into it ('conv', 'dense', 'same')."""
-    variable: tf.Variable
-    kind: str = "same"
-
-    @property
-    def torch_shape(self) -> tuple:
-        shape = tuple(self.variable.shape)
-        perm = _TO_TORCH.get(self.kind)
-        return tuple(shape[i] for i in perm) if perm else shape
-
-    def from_torch(self, value: np.ndarray) -> np.ndarray:
-        perm = _TO_TF.get(self.kind)
-        return np.transpose(value, perm) if perm else value
-
-
-def _dense(prefix: str, layer: tf_keras.layers.Dense) -> Dict[str, Target]:
-    return {f"{prefix}.weight": Target(layer.kernel, "dense"),
-            f"{prefix}.bias": Target(layer.bias)}
-
-
-def _norm(prefix: str, layer: tf_keras.layers.LayerNormalization) -> Dict[str, Target]:
-    return {f"{prefix}.weight": Target(layer.gamma), f"{prefix}.bias": Target(layer.beta)}
 
 
 def _attention(prefix: str, attn) -> Dict[str, Target]:
     out = {}
     for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-        out.update(_dense(f"{prefix}.{proj}", getattr(attn, proj)))
-    return out
-
-
-def _mlp(prefix: str, mlp) -> Dict[str, Target]:
-    out = {}
-    for i, layer in enumerate(mlp.layers):
-        out.update(_dense(f"{prefix}.layers.{i}", layer))
+        out.update(target.dense(f"{prefix}.{proj}", getattr(attn, proj)))
     return out
 
 
@@ -64,19 +25,19 @@ def _transformer(t) -> Dict[str, Target]:
     for i, layer in enumerate(t.encoder_layers):
         p = f"transformer.encoder.layers.{i}"
         out.update(_attention(f"{p}.self_attn", layer.self_attn))
-        out.update(_dense(f"{p}.linear1", layer.ffn.linear1))
-        out.update(_dense(f"{p}.linear2", layer.ffn.linear2))
-        out.update(_norm(f"{p}.norm1", layer.norm1))
-        out.update(_norm(f"{p}.norm2", layer.norm2))
+        out.update(target.dense(f"{p}.linear1", layer.ffn.linear1))
+        out.update(target.dense(f"{p}.linear2", layer.ffn.linear2))
+        out.update(target.norm(f"{p}.norm1", layer.norm1))
+        out.update(target.norm(f"{p}.norm2", layer.norm2))
     for i, layer in enumerate(t.decoder_layers):
         p = f"transformer.decoder.layers.{i}"
         out.update(_attention(f"{p}.self_attn", layer.self_attn))
         out.update(_attention(f"{p}.cross_attn", layer.cross_attn))
-        out.update(_dense(f"{p}.linear1", layer.ffn.linear1))
-        out.update(_dense(f"{p}.linear2", layer.ffn.linear2))
+        out.update(target.dense(f"{p}.linear1", layer.ffn.linear1))
+        out.update(target.dense(f"{p}.linear2", layer.ffn.linear2))
         for j in (1, 2, 3):
-            out.update(_norm(f"{p}.norm{j}", getattr(layer, f"norm{j}")))
-    out.update(_norm("transformer.decoder.norm", t.decoder_norm))
+            out.update(target.norm(f"{p}.norm{j}", getattr(layer, f"norm{j}")))
+    out.update(target.norm("transformer.decoder.norm", t.decoder_norm))
     return out
 
 
@@ -92,7 +53,6 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
     if _is_deformable(model):
-        from detr_tf.weights import deformable_targets
         return deformable_targets.torch_targets(model)
     if not isinstance(model.backbone, ResNet):
         raise ValueError(f"load_pretrained: the backbone is a {type(model.backbone).__name__}; "
@@ -105,9 +65,9 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
     if model.query_embed is not None and model.transformer.query_dim == model.transformer.d_model:
         out["query_embed.weight"] = Target(model.query_embed.embeddings)
     out.update(_transformer(model.transformer))
-    out.update(_dense("class_embed", model.class_embed))
+    out.update(target.dense("class_embed", model.class_embed))
     if model.bbox_embed is not None:
-        out.update(_mlp("bbox_embed", model.bbox_embed))
+        out.update(target.mlp("bbox_embed", model.bbox_embed))
     return out
 
 
@@ -115,7 +75,6 @@ def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
     """The variables re-initialised together when the file's class or query count differs:
     'class head' (class_embed and the two-stage proposals' class layer) and 'query embedding'."""
     if _is_deformable(model):
-        from detr_tf.weights import deformable_targets
         return deformable_targets.head_groups(model)
     groups = {"class head": list(model.class_embed.variables)}
     if model.proposals is not None:
@@ -129,7 +88,6 @@ def tie_rules(model: tf_keras.Model) -> Tuple[TieRule, ...]:
     """The rules saying which of the model's torch names a file may store as one tensor
     (detr_tf.weights.ties); DETR shares no module, so it has none."""
     if _is_deformable(model):
-        from detr_tf.weights import deformable_targets
         return deformable_targets.tie_rules(model)
     return ()
 

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Sequence
 
 from tensorflow.python.framework import ops
 
-from detr_tf.training import loop as loop_lib
+from detr_tf.training import host_loop
 from detr_tf.training import trainer
 
 
@@ -109,7 +109,7 @@ def measure(steps_per_loop: Sequence[int], steps: int, rounds: int,
                    "host_reads_per_step": reads[name] / (rounds * steps),
                    "rounds_s": times[name]}
             for name in names})
-        return loop_lib.LoopResult(0, {}, {}, terminated=True)
+        return host_loop.LoopResult(0, {}, {}, terminated=True)
 
     original = trainer.run_loop
     trainer.run_loop = benchmark_loop

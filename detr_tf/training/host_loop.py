@@ -1,5 +1,5 @@
-"""The training loop: run steps on the device, and between loops of them apply the NaN policy,
-log, save, evaluate and honour termination signals.
+"""The host side of the training loop: run device loops of steps, and between them apply the NaN
+policy, log, save, evaluate and honour termination signals.
 
 Everything that needs the host happens here, between device loops (detr_tf/training/
 device_loop.py: up to `train.steps_per_loop` steps per host visit); the step itself

@@ -1,0 +1,65 @@
+"""COCO json in and out for the evaluator: ground truth loaded (and completed where a hand-made
+file lacks what COCOeval reads) or built in memory, and results written.
+"""
+import contextlib
+import io
+import json
+import os
+from typing import Any, Dict, Union
+
+from pycocotools.coco import COCO
+
+
+def write_json(path: Union[str, os.PathLike], payload: Any) -> None:
+    """Writes `payload` as json, creating the directory."""
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f)
+
+
+def quiet(verbose: bool):
+    """Captures pycocotools' progress prints unless verbose."""
+    return contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
+
+
+def make_coco(dataset: Dict[str, Any], verbose: bool) -> COCO:
+    """A pycocotools COCO object of an in-memory dataset dict."""
+    coco = COCO()
+    coco.dataset = dataset
+    with quiet(verbose):
+        coco.createIndex()
+    return coco
+
+
+def load_annotations(annotations: Union[str, os.PathLike, COCO], verbose: bool) -> COCO:
+    """Loads a COCO ground truth and fills the fields COCOeval needs but some files lack."""
+    if isinstance(annotations, COCO):
+        source = "the given COCO object"
+        dataset = annotations.dataset
+    else:
+        source = os.fspath(annotations)
+        if not os.path.exists(source):
+            raise FileNotFoundError(f"CocoEvaluator: annotations file {source} does not exist")
+        with open(source) as f:
+            dataset = json.load(f)
+    for key in ("images", "annotations", "categories"):
+        if key not in dataset:
+            raise ValueError(f"CocoEvaluator: annotations from {source} have no {key!r} list; "
+                             f"expected a COCO instances json")
+    annotations_out = []
+    for n, ann in enumerate(dataset["annotations"]):
+        ann = dict(ann)  # never mutate the caller's COCO object
+        if "bbox" not in ann:
+            raise ValueError(f"CocoEvaluator: annotation #{n} (id {ann.get('id')}) in {source} "
+                             f"has no 'bbox'")
+        # COCOeval reads 'iscrowd' and 'area' unconditionally; a hand-made file may lack them.
+        ann.setdefault("iscrowd", 0)
+        ann.setdefault("area", float(ann["bbox"][2]) * float(ann["bbox"][3]))
+        # Renumber from 1: COCOeval marks a match by storing the GT id and tests it with > 0.
+        ann["id"] = n + 1
+        annotations_out.append(ann)
+    copied = dict(dataset)
+    copied["annotations"] = annotations_out
+    return make_coco(copied, verbose)

@@ -1,0 +1,100 @@
+"""Every tool that builds a model builds the run's (detr_tf/run.py), never a hard-coded DETR.
+
+Each tool runs in-process on deformable_tiny.gin through its own `main`, with the timing itself
+(compiling and running steps, a minute a tool on a shared CPU) replaced by a stand-in that
+records what the tool handed over and builds the model from it. The model must be Deformable
+DETR and the criterion its focal one: a tool that built `build_model()` and `SetCriterion()`
+timed a plain DETR whatever the Gin files said.
+"""
+import json
+import runpy
+from pathlib import Path
+
+import gin
+import pytest
+from absl import flags
+
+from detr_tf.benchmarks import compare, model_garden, ours, step_benchmark, timing
+from detr_tf.benchmarks import xla_launches
+from detr_tf.training import state as state_lib
+
+REPO = Path(__file__).resolve().parent.parent
+GIN = "--gin_file=deformable_tiny.gin"
+MODEL, CRITERION = "DeformableDETR", "FocalSetCriterion"
+
+
+def _run_tool(script: str, *args: str) -> None:
+    """Runs tools/<script>'s main in this process, then forgets its flags and Gin config."""
+    before = set(flags.FLAGS)
+    path = str(REPO / "tools" / script)
+    try:
+        tool = runpy.run_path(path, run_name="tool_under_test")
+        flags.FLAGS([path, *args])
+        gin.clear_config()
+        tool["main"]([path])
+    finally:
+        gin.clear_config()
+        for name in set(flags.FLAGS) - before:
+            delattr(flags.FLAGS, name)
+
+
+@pytest.fixture
+def received(monkeypatch):
+    """What the timed functions were given: {function: (model class, criterion class)}."""
+    got = {}
+
+    def train(model_fn, criterion, *args, **kwargs):
+        ts = ours.build_train_step(model_fn, criterion, "none")
+        got["benchmark_train"] = (type(ts.model).__name__, type(criterion).__name__)
+        return {"model": type(ts.model).__name__}
+
+    def infer(model_fn, *args, **kwargs):
+        model = state_lib.create_model(model_fn, training=False)
+        got["benchmark_infer"] = (type(model).__name__, None)
+        return {"model": type(model).__name__}
+
+    monkeypatch.setattr(step_benchmark, "benchmark_train", train)
+    monkeypatch.setattr(step_benchmark, "benchmark_infer", infer)
+    monkeypatch.setattr(step_benchmark, "train_table", lambda report: "")
+    monkeypatch.setattr(step_benchmark, "infer_table", lambda report: "")
+    # No step is run or timed: the tools still build everything they time.
+    monkeypatch.setattr(xla_launches, "count_per_step", lambda step, steps: {
+        "calls_per_step": 0, "programs_per_step": 0, "distinct_programs": 0, "compiles": 0})
+    monkeypatch.setattr(timing, "timed_call", lambda fn, *a: 0.0)
+    monkeypatch.setattr(timing, "interleaved", lambda calls, rounds: {n: [0.0] for n in calls})
+    return got
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_benchmark_times_the_runs_model(received, mode, tmp_path):
+    out = tmp_path / "report.json"
+    _run_tool("benchmark.py", GIN, f"--mode={mode}", "--image_size=64", "--batch_sizes=1",
+              "--batch_size=1", f"--json_out={out}")
+    model, criterion = received[f"benchmark_{mode}"]
+    assert model == MODEL and json.loads(out.read_text())["model"] == MODEL
+    assert criterion in (CRITERION, None)
+
+
+def test_count_xla_programs_counts_the_runs_model(received, tmp_path):
+    out = tmp_path / "rows.json"
+    _run_tool("count_xla_programs.py", GIN, "--engines=default", "--jits=none",
+              "--optimizers=fused_kernels", f"--json_out={out}")
+    assert [r["model"] for r in json.loads(out.read_text())["rows"]] == [MODEL]
+
+
+def test_benchmark_optimizer_updates_the_runs_model(received, tmp_path):
+    out = tmp_path / "report.json"
+    _run_tool("benchmark_optimizer.py", GIN, "--variant=fused_kernels", "--rounds=1",
+              f"--json_out={out}")
+    assert json.loads(out.read_text())["model"] == MODEL
+
+
+def test_model_garden_comparisons_take_the_runs_model(monkeypatch):
+    """benchmark_vs_model_garden.py and profile_step.py start with compare.setup."""
+    monkeypatch.setattr(model_garden, "import_model_garden", lambda: None)
+    gin.clear_config()
+    try:
+        _, model_fn, criterion = compare.setup("test", ["deformable_tiny.gin"], [], [])
+        assert (type(model_fn()).__name__, type(criterion).__name__) == (MODEL, CRITERION)
+    finally:
+        gin.clear_config()
