@@ -215,15 +215,8 @@ def test_group_dn_horovod_two_processes_equals_one_device(group_dn_runs, shapes_
 
 @pytest.mark.slow
 def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, shapes_cache):
-    ports = _free_ports(2)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    procs = []
-    for index in range(2):
-        env = dict(GROUP_DN_ENV, TF_CONFIG=json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(PROG), "multi_worker", str(group_dn_runs), shapes_cache],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO))
+    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(group_dn_runs),
+                                        shapes_cache], env=GROUP_DN_ENV)
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
@@ -253,13 +246,9 @@ def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
 @pytest.mark.horovod
 def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs, shapes_cache,
                                                                      tmp_path):
-    exe = horovodrun_or_skip()
-
     def launch(num_steps):
-        return [subprocess.Popen(
-            [exe, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(PROG),
-             "preempt", str(tmp_path), shapes_cache, str(num_steps)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)]
+        return launch_two("horovod", [str(PROG), "preempt", str(tmp_path), shapes_cache,
+                                      str(num_steps)])
 
     _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
 
@@ -268,13 +257,8 @@ def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs
 def test_multi_worker_preempted_on_one_worker_stops_all_and_resumes_exactly(
         engine_runs, shapes_cache, tmp_path):
     def launch(num_steps):
-        cluster = {"worker": [f"localhost:{p}" for p in _free_ports(2)]}
-        return [subprocess.Popen(
-            [sys.executable, str(PROG), "preempt", str(tmp_path), shapes_cache, str(num_steps)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-            env=dict(ENV, TF_CONFIG=json.dumps({"cluster": cluster,
-                                                "task": {"type": "worker", "index": i}})))
-            for i in range(2)]
+        return launch_two("multi_worker", [str(PROG), "preempt", str(tmp_path), shapes_cache,
+                                           str(num_steps)])
 
     _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
 
@@ -291,17 +275,30 @@ def _free_ports(n):
     return ports
 
 
+def launch_two(engine, argv, env=None):
+    """Starts `argv` (a Python program and its arguments) as a job of 2 processes: under
+    horovodrun with Gloo (engine 'horovod'; the test is skipped without Horovod) or as two
+    MultiWorkerMirrored workers on free local ports, each with its TF_CONFIG ('multi_worker').
+    Returns the Popen objects, stdout and stderr merged."""
+    env = ENV if env is None else env
+
+    def start(args, env):
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=REPO)
+
+    if engine == "horovod":
+        return [start([horovodrun_or_skip(), "-np", "2", "-H", "localhost:2", "--gloo",
+                       sys.executable, *argv], env)]
+    assert engine == "multi_worker", engine
+    cluster = {"worker": [f"localhost:{p}" for p in _free_ports(2)]}
+    return [start([sys.executable, *argv], dict(env, TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": i}}))) for i in range(2)]
+
+
 @pytest.mark.slow
 def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache):
-    ports = _free_ports(2)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    procs = []
-    for index in range(2):
-        env = dict(ENV, TF_CONFIG=json.dumps({"cluster": cluster,
-                                              "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(PROG), "multi_worker", str(engine_runs), shapes_cache],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO))
+    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(engine_runs),
+                                        shapes_cache])
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     # Only the chief (worker 0) wrote checkpoints and logs.
