@@ -1,9 +1,16 @@
-"""Resume: what a restarted run continues with.
+"""Resume: what a restarted run continues with, on one process and on two.
 
+- A deterministic run of tiny.gin (dropout on) stopped after 2 steps and restarted to 4 ends
+  with the uninterrupted run's weights and the losses of its steps 3 and 4
+  (tests/resume_helpers.py has the bound), on one process, under Horovod and under
+  MultiWorkerMirrored: slow (three jobs of one or two processes per engine), so
+  `pytest -m slow -k resume tests/test_resume.py`. tests/test_trainer.py checks the one-process
+  case in the default suite.
 - The input of a restarted run, on a Horovod rank's shard and on a pipeline feeding 2 mirrored
   replicas: a deterministic run continues where the uninterrupted run's input is; any other
   run does not repeat its first batches.
 """
+import sys
 import types
 
 import gin
@@ -13,9 +20,45 @@ import tensorflow as tf
 from detr_tf import config
 from detr_tf.data import pipeline
 from detr_tf.training import distribution, trainer
-from tests.test_trainer import shapes_cache  # noqa: F401
+from tests.resume_helpers import assert_resumed_exactly
+from tests.test_trainer import REPO, launch_two, run, shapes_cache  # noqa: F401
 
-STOP = 2
+STOP, END = 2, 4
+
+
+def _train(engine, model_dir, cache, num_steps):
+    """tools/train.py on tiny.gin, deterministic, a checkpoint every 2 steps; `engine` is
+    'one_process', 'horovod' or 'multi_worker' (2 processes each)."""
+    argv = [str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
+            f"--gin_param=SHAPES_CACHE_DIR='{cache}'", "--gin_param=train.deterministic = True",
+            "--gin_param=train.checkpoint_every = 2", "--gin_param=train.log_every = 1",
+            f"--gin_param=train.num_steps = {num_steps}", f"--model_dir={model_dir}"]
+    if engine == "one_process":
+        proc, log = run([sys.executable, *argv], timeout=1800)
+        assert proc.returncode == 0, log[-4000:]
+        return log
+    if engine == "multi_worker":
+        argv.append("--gin_param=train.distribution = 'multi_worker_mirrored'")
+    procs = launch_two(engine, argv)
+    # A generous timeout: two processes on a shared 2-core machine take minutes per run.
+    log = "\n".join(p.communicate(timeout=1800)[0] for p in procs)
+    assert all(p.returncode == 0 for p in procs), log[-6000:]
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [
+    "one_process", pytest.param("horovod", marks=pytest.mark.horovod), "multi_worker"])
+def test_deterministic_resume_ends_with_the_uninterrupted_weights(engine, shapes_cache,
+                                                                  tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    _train(engine, full, shapes_cache, END)
+    _train(engine, part, shapes_cache, STOP)
+    log = _train(engine, part, shapes_cache, END)
+    assert f"at step {STOP}" in log, log[-4000:]
+    if engine != "one_process":
+        assert f"worker 1 resumed at step {STOP}" in log, log[-4000:]
+    assert_resumed_exactly(full, part, STOP, END)
 
 
 class _Rank(distribution.HorovodEngine):
