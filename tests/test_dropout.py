@@ -41,11 +41,13 @@ def _layer_and_saved_state(x, rate=RATE, seed=3):
 
 
 def _numpy_keep(state, algorithm, shape, rate):
-    """Keep-mask from the same draws, in numpy: each 32-bit integer split into its two 16-bit
-    halves (in memory order), one per unit, kept where the half >= rate * 2^16."""
+    """Keep-mask from the same draws, in numpy: the call's one seed from the generator, then
+    each 32-bit integer drawn from it split into its two 16-bit halves (in memory order), one
+    per unit, kept where the half >= rate * 2^16."""
     size = int(np.prod(shape))
-    replay = tf.random.Generator.from_state(state, algorithm)
-    bits = replay.uniform_full_int([(size + 1) // 2], tf.uint32).numpy()
+    seed = tf.random.Generator.from_state(state, algorithm).make_seeds(1)[:, 0]
+    bits = tf.random.stateless_uniform([(size + 1) // 2], seed, minval=None, maxval=None,
+                                       dtype=tf.uint32).numpy()
     halves = bits.view(np.uint16)[:size].astype(np.int64)
     return (halves >= round(rate * 2 ** 16)).reshape(shape)
 
@@ -59,6 +61,19 @@ def test_float32_output_is_the_numpy_mask_times_the_input_scaled(generators):
     np.testing.assert_array_equal(y, want)
     # The generator moved on: the next call draws a different mask.
     assert not np.array_equal(layer(x, training=True).numpy() != 0, y != 0)
+
+
+def test_the_generator_moves_by_the_same_amount_whatever_the_shape(generators):
+    # Replicas feed inputs of different shapes; their generators must stay equal, because a
+    # checkpoint holds one state for all of them and a resumed run restores it everywhere.
+    states = []
+    for shape in ([3, 5], [64, 7, 129]):
+        layer, generator, before = _layer_and_saved_state(tf.ones(shape))
+        layer(tf.ones(shape), training=True)
+        states.append((before, generator.state.numpy()))
+    np.testing.assert_array_equal(states[0][0], states[1][0])  # the same seed, the same start
+    assert not np.array_equal(states[0][1], states[0][0])  # it moved
+    np.testing.assert_array_equal(states[0][1], states[1][1])
 
 
 def test_bfloat16_kept_units_are_the_input_times_the_bfloat16_scale(generators):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.resume_helpers import assert_resumed_exactly, checkpoint_values
 from tests.test_horovod import horovodrun_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,13 +43,6 @@ def train_cli(model_dir, cache, *params):
     return run([sys.executable, str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
                 f"--gin_param=SHAPES_CACHE_DIR='{cache}'", *[f"--gin_param={p}" for p in params],
                 f"--model_dir={model_dir}"])
-
-
-def checkpoint_weights(model_dir):
-    ckpt = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
-    reader = tf.train.load_checkpoint(ckpt)
-    return ckpt, {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(ckpt)
-                  if name.startswith("model/")}
 
 
 @pytest.fixture(scope="module")
@@ -215,15 +209,8 @@ def test_group_dn_horovod_two_processes_equals_one_device(group_dn_runs, shapes_
 
 @pytest.mark.slow
 def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, shapes_cache):
-    ports = _free_ports(2)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    procs = []
-    for index in range(2):
-        env = dict(GROUP_DN_ENV, TF_CONFIG=json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(PROG), "multi_worker", str(group_dn_runs), shapes_cache],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO))
+    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(group_dn_runs),
+                                        shapes_cache], env=GROUP_DN_ENV)
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
@@ -253,13 +240,9 @@ def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
 @pytest.mark.horovod
 def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs, shapes_cache,
                                                                      tmp_path):
-    exe = horovodrun_or_skip()
-
     def launch(num_steps):
-        return [subprocess.Popen(
-            [exe, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(PROG),
-             "preempt", str(tmp_path), shapes_cache, str(num_steps)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)]
+        return launch_two("horovod", [str(PROG), "preempt", str(tmp_path), shapes_cache,
+                                      str(num_steps)])
 
     _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
 
@@ -268,13 +251,8 @@ def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs
 def test_multi_worker_preempted_on_one_worker_stops_all_and_resumes_exactly(
         engine_runs, shapes_cache, tmp_path):
     def launch(num_steps):
-        cluster = {"worker": [f"localhost:{p}" for p in _free_ports(2)]}
-        return [subprocess.Popen(
-            [sys.executable, str(PROG), "preempt", str(tmp_path), shapes_cache, str(num_steps)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-            env=dict(ENV, TF_CONFIG=json.dumps({"cluster": cluster,
-                                                "task": {"type": "worker", "index": i}})))
-            for i in range(2)]
+        return launch_two("multi_worker", [str(PROG), "preempt", str(tmp_path), shapes_cache,
+                                           str(num_steps)])
 
     _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
 
@@ -291,17 +269,30 @@ def _free_ports(n):
     return ports
 
 
+def launch_two(engine, argv, env=None):
+    """Starts `argv` (a Python program and its arguments) as a job of 2 processes: under
+    horovodrun with Gloo (engine 'horovod'; the test is skipped without Horovod) or as two
+    MultiWorkerMirrored workers on free local ports, each with its TF_CONFIG ('multi_worker').
+    Returns the Popen objects, stdout and stderr merged."""
+    env = ENV if env is None else env
+
+    def start(args, env):
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=REPO)
+
+    if engine == "horovod":
+        return [start([horovodrun_or_skip(), "-np", "2", "-H", "localhost:2", "--gloo",
+                       sys.executable, *argv], env)]
+    assert engine == "multi_worker", engine
+    cluster = {"worker": [f"localhost:{p}" for p in _free_ports(2)]}
+    return [start([sys.executable, *argv], dict(env, TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": i}}))) for i in range(2)]
+
+
 @pytest.mark.slow
 def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache):
-    ports = _free_ports(2)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    procs = []
-    for index in range(2):
-        env = dict(ENV, TF_CONFIG=json.dumps({"cluster": cluster,
-                                              "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(PROG), "multi_worker", str(engine_runs), shapes_cache],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO))
+    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(engine_runs),
+                                        shapes_cache])
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     # Only the chief (worker 0) wrote checkpoints and logs.
@@ -311,7 +302,8 @@ def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache)
 
 def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    common = ("train.deterministic = True", "train.num_steps = 4", "train.log_every = 1")
+    common = ("train.deterministic = True", "train.checkpoint_every = 2", "train.num_steps = 4",
+              "train.log_every = 1")
     proc, log = train_cli(full, shapes_cache, *common)
     assert proc.returncode == 0, log[-4000:]
     # The last line says how long the run took, and where the time went.
@@ -332,14 +324,16 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
                 "images_per_sec"} <= set(r)
     assert any(f.startswith("events.") for f in os.listdir(full / "train"))
 
-    # Interrupted after 2 steps, resumed to 4: the same weights as the uninterrupted run.
-    proc, log = train_cli(part, shapes_cache, *common[:1], "train.num_steps = 2")
+    # Interrupted after 2 steps, resumed to 4 (dropout on): the uninterrupted run's weights and
+    # losses (tests/resume_helpers.py; tests/test_resume.py runs it on 2 processes too).
+    proc, log = train_cli(part, shapes_cache, *common[:2], "train.num_steps = 2")
     assert proc.returncode == 0, log[-4000:]
     proc, log = train_cli(part, shapes_cache, *common)
     assert proc.returncode == 0 and "resumed from" in log and "at step 2" in log, log[-4000:]
-    (ckpt_a, a), (ckpt_b, b) = checkpoint_weights(full), checkpoint_weights(part)
-    assert ckpt_a.endswith("ckpt-4") and ckpt_b.endswith("ckpt-4")
-    for name in a:
+    assert_resumed_exactly(full, part, 2, 4)
+    # One process sums in one order: bit for bit, optimizer slots included.
+    a, b = checkpoint_values(full, 4), checkpoint_values(part, 4)
+    for name in (n for n in a if n.startswith("model/")):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 

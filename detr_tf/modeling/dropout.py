@@ -10,8 +10,16 @@ forward, one backward.
 The same layer otherwise: a unit is dropped with probability rate (to within 7.7e-6) and the
 kept ones are scaled by 1 / (1 - rate) in the input's dtype, as torch and tf_keras do.
 Without a generator (tf_keras's legacy or stateless random modes), or with a `noise_shape`, it
-is tf_keras's Dropout unchanged. The mask stream differs from tf_keras's, so a run resumed from
-a checkpoint written before this layer existed draws different masks from there on.
+is tf_keras's Dropout unchanged.
+
+Each call takes one seed from the generator and draws the mask statelessly from it, so the
+generator's state moves by the same amount whatever the input's shape. Replicas of a
+multi-replica run feed inputs of different shapes (each its own canvas bucket); had each drawn
+its mask from the generator directly, each replica's generator state would move by its own
+mask's size, and the checkpoint, which holds one state (the chief's first replica's), would
+restart the others' streams elsewhere on resume. The mask stream differs from tf_keras's and
+from this layer's former one (masks drawn from the generator directly), so a run resumed from a
+checkpoint written before draws different masks from there on.
 """
 import tensorflow as tf
 import tf_keras
@@ -42,7 +50,12 @@ def keep_mask(generator: tf.random.Generator, shape, rate: float, dtype) -> tf.T
     round(rate * 65536) / 65536, within 7.7e-6 of rate (0.1 -> 0.100006).
     """
     size = tf.reduce_prod(shape)
-    bits = generator.uniform_full_int(tf.reshape((size + 1) // 2, [1]), tf.uint32)
+    # One seed per call, not one draw per unit: the state advances alike on every replica
+    # (see the module docstring). Under a tf.distribute strategy the generator folds the
+    # replica's id into the seed, so replicas still draw different masks.
+    seed = generator.make_seeds(1)[:, 0]
+    bits = tf.random.stateless_uniform(tf.reshape((size + 1) // 2, [1]), seed, minval=None,
+                                       maxval=None, dtype=tf.uint32)
     halves = tf.reshape(tf.bitcast(bits, tf.uint16), [-1])[:size]
     keep = tf.reshape(halves >= tf.constant(drop_threshold(rate), tf.uint16), shape)
     return tf.cast(keep, dtype) * tf.constant(1.0 / (1.0 - rate), dtype)

@@ -271,6 +271,9 @@ def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, det
     would put hundreds of MB of images into every checkpoint. A deterministic run instead
     replays its input and skips the batches already consumed, which reproduces an uninterrupted
     run exactly; any other run reseeds, so it does not repeat its first batches.
+
+    A pipeline gives one batch per replica it feeds and per micro-batch at every step: a
+    MirroredStrategy pipeline feeds all of its process's replicas in turn.
     """
     def replica_dataset_fn(input_context, num_shards, shard_index):
         replay = deterministic and start_step > 0
@@ -278,7 +281,9 @@ def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, det
                         input_context=input_context, num_shards=num_shards,
                         shard_index=shard_index, deterministic=deterministic,
                         seed=seed if (deterministic or not start_step) else seed + start_step)
-        return ds.skip(start_step * grad_accum_steps) if replay else ds
+        replicas = 1 if input_context is None else (
+            input_context.num_replicas_in_sync // input_context.num_input_pipelines)
+        return ds.skip(start_step * grad_accum_steps * replicas) if replay else ds
 
     with engine.scope():
         return iter(engine.distribute_dataset(replica_dataset_fn))
