@@ -10,6 +10,7 @@ import json
 
 import gin
 import numpy as np
+import pytest
 import tensorflow as tf
 from PIL import Image
 
@@ -24,6 +25,11 @@ FIXTURE_ARCHITECTURE = ["ResNet.block = @BasicBlock", *NARROW, "Transformer.num_
                         "Transformer.num_decoder_layers = 2"]
 
 
+# Slow (about 3 minutes): CI's suite runs close to its 45-minute budget, and its parts are
+# covered there by tests/test_init_weights.py (a run from pretrained weights) and
+# tests/test_tools_e2e.py (train, eval, predict, export). Run it with
+# `pytest -m slow tests/test_finetune_e2e.py`.
+@pytest.mark.slow
 def test_finetune_from_pretrained_weights_then_eval_predict_export(tmp_path):
     data = custom_data_helpers.make_roboflow(str(tmp_path / "mine"))
     weights = FIXTURES / "detr_reference.safetensors"
