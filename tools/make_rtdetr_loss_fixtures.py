@@ -116,7 +116,7 @@ def hf_loss(case: Dict[str, np.ndarray]) -> Tuple[Dict[str, float], Dict[str, np
         denoising_meta_values=meta)
     total.backward()
     named = detr_tf_names(losses, case["logits"].shape[0])
-    named["loss"] = float(total)
+    named["loss"] = float(total.detach())
     return named, {k: v.grad.numpy() for k, v in x.items()}
 
 

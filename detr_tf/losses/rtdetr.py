@@ -123,12 +123,12 @@ class RTDetrCriterion(focal.FocalSetCriterion):
         """
         logits, boxes = _float32(dn["pred_logits"]), _float32(dn["pred_boxes"])
         lead = tf.shape(logits)[:-1]  # [L, B, N]
-        per_layer = lambda x: tf.broadcast_to(x[None], lead)  # noqa: E731
+        every_layer = lambda x: tf.broadcast_to(x[None], lead)  # noqa: E731
         return self.query_losses(
-            logits, boxes, per_layer(tf.cast(dn["labels"], tf.int32)),
+            logits, boxes, every_layer(tf.cast(dn["labels"], tf.int32)),
             tf.broadcast_to(_float32(dn["boxes"])[None], tf.shape(boxes)),
-            per_layer(tf.cast(dn["positive"], tf.float32)), n_box * float(dn["num_groups"]),
-            per_layer(tf.cast(dn["valid"], tf.float32)))
+            every_layer(tf.cast(dn["positive"], tf.float32)), n_box * float(dn["num_groups"]),
+            every_layer(tf.cast(dn["valid"], tf.float32)))
 
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
