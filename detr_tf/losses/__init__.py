@@ -3,6 +3,9 @@
     set_criterion.py  SetCriterion: DETR's softmax classification, Hungarian matching of every
                       decoder layer in one call, query groups, denoising and two-stage extras
     focal.py          FocalSetCriterion: sigmoid focal classification (Deformable DETR)
+    rtdetr.py         RTDetrCriterion: the varifocal loss, the encoder's top-K matched with
+                      the decoder layers, contrastive denoising (RT-DETR)
+    vfl.py            the varifocal loss
     denoising.py      the denoising queries' reconstruction losses (DN-DETR, DINO)
     dense.py          two-stage encoder proposals under the centre-cell assignment
     boxes.py          what they share: stacked layers, the box-count normalizer, the targets
@@ -15,4 +18,5 @@ from detr_tf.losses.boxes import box_normalizer  # noqa: F401
 from detr_tf.losses.dense import center_assignment  # noqa: F401
 from detr_tf.losses.focal import (  # noqa: F401
     FocalSetCriterion, focal_match_cost, sigmoid_focal_loss)
+from detr_tf.losses.rtdetr import RTDetrCriterion  # noqa: F401
 from detr_tf.losses.set_criterion import SetCriterion  # noqa: F401

@@ -71,6 +71,17 @@ def focal_match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: 
     return cost_class * class_cost + cost_bbox * l1 - cost_giou * giou
 
 
+def class_error(logits: tf.Tensor, labels: tf.Tensor, idx: tf.Tensor) -> tf.Tensor:
+    """100 - top-1 accuracy (%) of the highest-scoring class over the matched queries of one
+    layer (100 when none is matched): logits [B, Q, C], labels [B, T] int, idx [B, Q] (-1
+    unmatched) -> float32 scalar."""
+    matched = tf.cast(idx >= 0, tf.float32)  # [B, Q]
+    pred = tf.argmax(logits, -1, output_type=tf.int32)
+    correct = tf.cast(pred == tf.gather(labels, tf.maximum(idx, 0), batch_dims=1), tf.float32)
+    return 100.0 - 100.0 * tf.math.divide_no_nan(tf.reduce_sum(correct * matched),
+                                                 tf.reduce_sum(matched))
+
+
 @gin.configurable
 class FocalSetCriterion:
     """Callable `criterion(outputs, targets, num_boxes=None) -> dict of scalar float32`.
@@ -170,10 +181,5 @@ class FocalSetCriterion:
             out.update({"loss_ce_enc": ce[0], "loss_bbox_enc": bbox[0],
                         "loss_giou_enc": giou[0]})
             out["loss"] += w_ce * ce[0] + w_bbox * bbox[0] + w_giou * giou[0]
-        matched = tf.cast(idx[-1] >= 0, tf.float32)  # [B, Q]
-        pred = tf.argmax(logits[-1], -1, output_type=tf.int32)
-        correct = tf.cast(pred == tf.gather(labels, tf.maximum(idx[-1], 0), batch_dims=1),
-                          tf.float32)
-        out["class_error"] = 100.0 - 100.0 * tf.math.divide_no_nan(
-            tf.reduce_sum(correct * matched), tf.reduce_sum(matched))
+        out["class_error"] = class_error(logits[-1], labels, idx[-1])
         return out

@@ -1,0 +1,187 @@
+"""RT-DETR's set criterion (Zhao et al. 2024, "DETRs Beat YOLOs on Real-time Object Detection").
+
+FocalSetCriterion's matching (sigmoid classes, no no-object class, the focal matching cost with
+alpha 0.25, gamma 2; cost weights class 2, L1 5, GIoU 2) with RT-DETR's losses:
+- classes: the varifocal loss (losses/vfl.py, alpha 0.75, gamma 2) of every query and class,
+  summed, / n_box ('loss_vfl');
+- boxes: L1 and 1 - GIoU of the matched pairs, summed, / n_box ('loss_bbox', 'loss_giou');
+- weights 1 (vfl), 5 (bbox), 2 (giou), the same for every part below.
+n_box is the box count (the global count / replicas, at least 1), as the other criteria.
+
+Parts, each with the three losses:
+- every decoder layer, matched on its own;
+- the encoder's top-K selected predictions ('enc_outputs'), matched CLASS-AWARE like one more
+  decoder layer (Deformable DETR's two-stage proposals are class-agnostic instead). With K = Q
+  (RT-DETR selects num_queries cells) they are stacked onto the decoder layers and every layer
+  and image is solved in ONE call of the batched matcher; K != Q takes a second call;
+- the contrastive denoising queries ('dn_outputs', detr_tf/modeling/denoising.py layout): no
+  matching, a positive reconstructs its target's class (the same VFL, its IoU as the soft
+  target) and box; a negative is background for the VFL. Normalized by n_box * G, G the
+  denoising groups: on one device the number of positive queries, as RT-DETR. RT-DETR pads
+  each group to the batch's largest target count and counts the padded slots' queries as
+  background in the VFL; here the slots pad to a bucket's fixed T, so counting them would make
+  the loss depend on the bucket: only the 'valid' queries count. The two agree when every
+  image has the batch's largest count.
+With aux_loss False only the final decoder layer is trained (RT-DETR drops the encoder and
+denoising parts with its auxiliary loss too).
+"""
+from typing import Callable, Dict, Optional, Tuple
+
+import gin
+import tensorflow as tf
+
+from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import focal
+from detr_tf.losses import vfl as vfl_lib
+
+Losses = Tuple[tf.Tensor, tf.Tensor, tf.Tensor]
+
+
+@gin.configurable
+class RTDetrCriterion(focal.FocalSetCriterion):
+    """Callable `criterion(outputs, targets, num_boxes=None) -> dict of scalar float32`.
+
+    Args:
+      num_classes: C; the logits have C entries (no no-object class).
+      cost_class, cost_bbox, cost_giou: matching cost weights (2, 5, 2).
+      matcher_alpha, matcher_gamma: the focal class cost's parameters (0.25, 2).
+      vfl_alpha, vfl_gamma: the varifocal loss's (0.75, 2).
+      weight_vfl, weight_bbox, weight_giou: loss weights in `loss` (1, 5, 2).
+      aux_loss: train the decoder layers before the last, the encoder's top-K and the
+        denoising queries too.
+      matcher: `matcher(cost [..., Q, T], target_mask [..., T]) -> [..., Q]` (Gin reference;
+        the exact HungarianMatcher when None).
+    """
+
+    def __init__(self, num_classes: int, cost_class: float = 2.0, cost_bbox: float = 5.0,
+                 cost_giou: float = 2.0, matcher_alpha: float = 0.25,
+                 matcher_gamma: float = 2.0, vfl_alpha: float = 0.75, vfl_gamma: float = 2.0,
+                 weight_vfl: float = 1.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
+                 aux_loss: bool = True, matcher: Optional[Callable] = None):
+        # The parent's focal alpha / gamma serve its matching cost only; its focal class loss
+        # is never used here.
+        super().__init__(num_classes, focal_alpha=matcher_alpha, focal_gamma=matcher_gamma,
+                         cost_class=cost_class, cost_bbox=cost_bbox, cost_giou=cost_giou,
+                         weight_ce=weight_vfl, weight_bbox=weight_bbox,
+                         weight_giou=weight_giou, aux_loss=aux_loss, matcher=matcher)
+        self.vfl_alpha = vfl_alpha
+        self.vfl_gamma = vfl_gamma
+
+    def match_layers(self, logits: tf.Tensor, boxes: tf.Tensor,
+                     enc: Optional[Dict[str, tf.Tensor]],
+                     targets: Dict[str, tf.Tensor]) -> Tuple[tf.Tensor, Optional[tf.Tensor]]:
+        """Matches the decoder layers [L, B, Q, *] and the encoder's top-K [B, K, *] (or None).
+
+        Returns:
+          (idx [L, B, Q], enc_idx [B, K] or None), int32 target per query, -1 unmatched.
+        """
+        if enc is None:
+            return self.match(logits, boxes, targets), None
+        enc_logits = _float32(enc["pred_logits"])[None]  # [1, B, K, C]
+        enc_boxes = _float32(enc["pred_boxes"])[None]
+        if enc_logits.shape[2] != logits.shape[2]:
+            return (self.match(logits, boxes, targets),
+                    self.match(enc_logits, enc_boxes, targets)[0])
+        idx = self.match(tf.concat([logits, enc_logits], 0), tf.concat([boxes, enc_boxes], 0),
+                         targets)  # [L+1, B, Q]
+        return idx[:-1], idx[-1]
+
+    def query_losses(self, logits: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
+                     tgt_boxes: tf.Tensor, positive: tf.Tensor, normalizer: tf.Tensor,
+                     valid: Optional[tf.Tensor] = None) -> Losses:
+        """(loss_vfl, loss_bbox, loss_giou), each [N], of queries with known targets.
+
+        Args:
+          logits: [N, B, Q, C]; boxes: [N, B, Q, 4] normalized cxcywh.
+          labels: [N, B, Q] int and tgt_boxes [N, B, Q, 4]: each query's target.
+          positive: [N, B, Q] {0, 1}, queries with a target.
+          normalizer: float scalar.
+          valid: optional [N, B, Q] {0, 1}, the queries that count in the VFL (None: all).
+        """
+        loss_vfl = vfl_lib.vfl_loss(logits, boxes, labels, tgt_boxes, positive, normalizer,
+                                    [1, 2], self.vfl_alpha, self.vfl_gamma, valid)
+        loss_bbox, loss_giou = box_losses.matched_box_losses(
+            boxes, tgt_boxes, tf.cast(positive, tf.float32), normalizer, [1, 2])
+        return loss_vfl, loss_bbox, loss_giou
+
+    def matched_losses(self, logits: tf.Tensor, boxes: tf.Tensor,
+                       targets: Dict[str, tf.Tensor], idx: tf.Tensor,
+                       n_box: tf.Tensor) -> Losses:
+        """`query_losses` of [N, B, Q, *] predictions under a matching idx [N, B, Q]."""
+        return self.query_losses(logits, boxes,
+                                 box_losses.gather_matched(targets["labels"], idx),
+                                 box_losses.gather_matched(targets["boxes"], idx),
+                                 tf.cast(idx >= 0, tf.float32), n_box)
+
+    def denoising_losses(self, dn: Dict[str, object], n_box: tf.Tensor) -> Losses:
+        """`query_losses` [L] of the denoising queries of every decoder layer.
+
+        Args:
+          dn: 'pred_logits' [L, B, N, C], 'pred_boxes' [L, B, N, 4], 'labels' [B, N] int,
+            'boxes' [B, N, 4] cxcywh, 'positive' and 'valid' [B, N] bool, 'num_groups' G.
+          n_box: the box-count normalizer.
+        """
+        logits, boxes = _float32(dn["pred_logits"]), _float32(dn["pred_boxes"])
+        lead = tf.shape(logits)[:-1]  # [L, B, N]
+        every_layer = lambda x: tf.broadcast_to(x[None], lead)  # noqa: E731
+        return self.query_losses(
+            logits, boxes, every_layer(tf.cast(dn["labels"], tf.int32)),
+            tf.broadcast_to(_float32(dn["boxes"])[None], tf.shape(boxes)),
+            every_layer(tf.cast(dn["positive"], tf.float32)), n_box * float(dn["num_groups"]),
+            every_layer(tf.cast(dn["valid"], tf.float32)))
+
+    def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
+                 num_boxes: Optional[tf.Tensor] = None,
+                 ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+        """Computes the losses.
+
+        Args:
+          outputs: 'pred_logits' [B, Q, C], 'pred_boxes' [B, Q, 4] normalized cxcywh,
+            'aux_outputs' (list of L-1 such dicts, earliest first), optionally 'enc_outputs'
+            ('pred_logits' [B, K, C], 'pred_boxes' [B, K, 4]) and 'dn_outputs' (see
+            `denoising_losses`).
+          targets: 'labels' int [B, T], 'boxes' [B, T, 4] normalized cxcywh, 'mask' bool
+            [B, T] (T may be 0).
+          num_boxes: the (global, per replica) box count to normalize by; computed when None.
+          ce_weight: unused (accepted for the trainer's common call).
+
+        Returns:
+          'loss': the weighted sum of every part; 'loss_vfl', 'loss_bbox', 'loss_giou' (final
+          decoder layer, unweighted), the same with suffix '_{i}' for decoder layer i < L-1,
+          '_enc' for the encoder's top-K, and 'loss_dn_vfl', 'loss_dn_bbox', 'loss_dn_giou'
+          (+ '_{i}') for the denoising queries; 'class_error' (final layer, %).
+        """
+        del ce_weight
+        logits, boxes = box_losses.stack_layers(outputs, self.aux_loss)  # [L, B, Q, *]
+        if logits.shape[-1] != self.num_classes:
+            raise ValueError(f"RTDetrCriterion: pred_logits has {logits.shape[-1]} classes "
+                             f"but RTDetrCriterion.num_classes={self.num_classes}")
+        targets = box_losses.padded_targets(targets)
+        n_box = box_losses.box_normalizer(targets["mask"], num_boxes)
+        enc = outputs.get("enc_outputs") if self.aux_loss else None
+        idx, enc_idx = self.match_layers(logits, boxes, enc, targets)
+        out = self._add("loss_", self.matched_losses(logits, boxes, targets, idx, n_box), {})
+        if enc is not None:
+            enc_losses = self.matched_losses(_float32(enc["pred_logits"])[None],
+                                             _float32(enc["pred_boxes"])[None], targets,
+                                             enc_idx[None], n_box)
+            self._add("loss_", enc_losses, out, suffix="_enc")
+        if self.aux_loss and "dn_outputs" in outputs:
+            self._add("loss_dn_", self.denoising_losses(outputs["dn_outputs"], n_box), out)
+        out["class_error"] = focal.class_error(logits[-1], targets["labels"], idx[-1])
+        return out
+
+    def _add(self, prefix: str, losses: Losses, out: Dict[str, tf.Tensor],
+             suffix: str = "") -> Dict[str, tf.Tensor]:
+        """Adds one part's [N] losses to `out` as prefix + 'vfl' / 'bbox' / 'giou' (+ '_{i}'
+        for layer i < N-1) + suffix, and their weighted sum to out['loss']."""
+        named = box_losses.per_layer({f"{prefix}{n}": v
+                                      for n, v in zip(("vfl", "bbox", "giou"), losses)})
+        out.update({k + suffix: v for k, v in named.items()})
+        total = tf.reduce_sum(sum(w * v for w, v in zip(self.weights, losses)))
+        out["loss"] = out["loss"] + total if "loss" in out else total
+        return out
+
+
+def _float32(x) -> tf.Tensor:
+    return tf.cast(x, tf.float32)
