@@ -19,6 +19,15 @@ from detr_tf.modeling.hybrid_encoder import AIFILayer, HybridEncoder
 from detr_tf.weights.target import Target, batch_norm, dense, norm
 
 
+# The renames above as regex substitutions (applied in order to a 4.x key), for the importer's
+# RT-DETR layout (weights/layouts.py).
+HF4_TO_HF5 = [
+    (r"^(model\.)?encoder\.encoder\.(\d+)\.layers\.", r"\1encoder.aifi.\2.layers."),
+    (r"(encoder\.aifi\.\d+\.layers\.\d+)\.fc([12])\.", r"\1.mlp.fc\2."),
+    (r"(encoder\.aifi\.\d+\.layers\.\d+\.self_attn)\.out_proj\.", r"\1.o_proj."),
+]
+
+
 def _conv_norm(prefix: str, layer: ConvNorm, conv: str = "conv",
                bn: str = "norm") -> Dict[str, Target]:
     return {f"{prefix}.{conv}.weight": Target(layer.conv.kernel, "conv"),
@@ -65,3 +74,4 @@ def hf_targets(encoder: HybridEncoder, prefix: str = "model.") -> Dict[str, Targ
         out.update(_conv_norm(f"{p}.downsample_convs.{i}", encoder.downsample_convs[i]))
         out.update(_csp(f"{p}.pan_blocks.{i}", encoder.pan_blocks[i]))
     return out
+
