@@ -127,6 +127,7 @@ class HybridEncoder(tf_keras.layers.Layer):
                              f"are not in [0, num_levels={num_levels})")
         self.hidden_dim = hidden_dim
         self.num_levels = num_levels
+        self.out_channels = (hidden_dim,) * num_levels  # as the backbone's, for the decoder
         self.encode_levels = tuple(encode_levels)
         self.input_proj = [ConvNorm(hidden_dim, 1, conv_name="0", norm_name="1",
                                     name=f"encoder_input_proj.{i}") for i in range(num_levels)]
