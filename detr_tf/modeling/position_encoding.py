@@ -1,4 +1,5 @@
-"""Position embeddings of a feature map, computed from its padding mask as in DETR.
+"""Position embeddings of a feature map, computed from its padding mask as in DETR (and
+RT-DETR's, which ignores padding: `sincos_2d`).
 
 Both return float32 `[B, h, w, 2 * num_pos_feats]` whatever the precision policy; the
 transformer casts them to its compute dtype where they meet the features (Model Garden's DETR
@@ -93,3 +94,22 @@ class PositionEmbeddingLearned(tf_keras.layers.Layer):
         pos = tf.concat([tf.tile(x_emb[None, :, :], [h, 1, 1]),
                          tf.tile(y_emb[:, None, :], [1, w, 1])], axis=-1)  # [h, w, 2F]
         return tf.tile(pos[None], [b, 1, 1, 1])
+
+
+def sincos_2d(height, width, dim: int, temperature: float = 10000.0) -> tf.Tensor:
+    """RT-DETR's fixed embedding of an h x w grid: [height * width, dim] float32, row-major.
+
+    Cell (y, x), in integer cell units (no normalisation, no padding mask), gets
+    [sin(y w), cos(y w), sin(x w), cos(x w)] with the frequency vector
+    w_i = temperature^(-i / (dim / 4)), i < dim / 4: four concatenated blocks, not DETR's
+    interleaving. height and width may be tensors.
+    """
+    if dim % 4:
+        raise ValueError(f"sincos_2d: dim={dim} must be divisible by 4")
+    quarter = dim // 4
+    omega = temperature ** (-tf.range(quarter, dtype=tf.float32) / quarter)  # [dim / 4]
+    y, x = tf.meshgrid(tf.range(height, dtype=tf.float32), tf.range(width, dtype=tf.float32),
+                       indexing="ij")  # [h, w] each
+    y = tf.reshape(y, [-1, 1]) * omega  # [h * w, dim / 4]
+    x = tf.reshape(x, [-1, 1]) * omega
+    return tf.concat([tf.sin(y), tf.cos(y), tf.sin(x), tf.cos(x)], axis=-1)

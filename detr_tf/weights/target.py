@@ -51,3 +51,11 @@ def mlp(prefix: str, block) -> Dict[str, Target]:
     for i, layer in enumerate(block.layers):
         out.update(dense(f"{prefix}.layers.{i}", layer))
     return out
+
+
+def batch_norm(prefix: str, layer: tf_keras.layers.BatchNormalization) -> Dict[str, Target]:
+    """torch's nn.BatchNorm2d `prefix.weight`, `.bias`, `.running_mean` and `.running_var`
+    (its `num_batches_tracked` counter has no counterpart: Keras's momentum is fixed)."""
+    return {f"{prefix}.weight": Target(layer.gamma), f"{prefix}.bias": Target(layer.beta),
+            f"{prefix}.running_mean": Target(layer.moving_mean),
+            f"{prefix}.running_var": Target(layer.moving_variance)}
