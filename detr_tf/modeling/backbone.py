@@ -101,6 +101,15 @@ class TorchConv2D(tf_keras.layers.Conv2D):
                              2.0, "fan_out", "untruncated_normal"), **kwargs)
         self._pad = dilation * (kernel_size // 2)
 
+    def compute_output_shape(self, input_shape):
+        # Keras sizes (and, when building, validates) a 'valid' conv of the unpadded input,
+        # which rejects a 3x3 conv on a 1x1 map; `call` pads first.
+        shape = tf.TensorShape(input_shape).as_list()
+        for axis in (1, 2):
+            if shape[axis] is not None:
+                shape[axis] += 2 * self._pad
+        return super().compute_output_shape(tf.TensorShape(shape))
+
     def call(self, x: tf.Tensor, kernel_scale: Optional[tf.Tensor] = None) -> tf.Tensor:
         """Pads, then convolves; with kernel_scale ([filters]), by the kernel times it."""
         if self._pad:

@@ -45,17 +45,21 @@ def norm(prefix: str, layer: tf_keras.layers.LayerNormalization) -> Dict[str, Ta
     return {f"{prefix}.weight": Target(layer.gamma), f"{prefix}.bias": Target(layer.beta)}
 
 
+def batch_norm(prefix: str, layer: tf_keras.layers.Layer) -> Dict[str, Target]:
+    """torch's nn.BatchNorm2d (or a frozen one) `prefix.weight`, `.bias`, `.running_mean` and
+    `.running_var`: a FrozenBatchNorm's variables of those names, or a BatchNormalization's
+    gamma, beta and moving statistics. torch's `num_batches_tracked` has no counterpart."""
+    if isinstance(layer, tf_keras.layers.BatchNormalization):
+        names = ("gamma", "beta", "moving_mean", "moving_variance")
+    else:
+        names = ("weight", "bias", "running_mean", "running_var")
+    return {f"{prefix}.{key}": Target(getattr(layer, name))
+            for key, name in zip(("weight", "bias", "running_mean", "running_var"), names)}
+
+
 def mlp(prefix: str, block) -> Dict[str, Target]:
     """The reference's MLP (modeling/layers.py's MLP): `prefix.layers.{i}` Linear layers."""
     out = {}
     for i, layer in enumerate(block.layers):
         out.update(dense(f"{prefix}.layers.{i}", layer))
     return out
-
-
-def batch_norm(prefix: str, layer: tf_keras.layers.BatchNormalization) -> Dict[str, Target]:
-    """torch's nn.BatchNorm2d `prefix.weight`, `.bias`, `.running_mean` and `.running_var`
-    (its `num_batches_tracked` counter has no counterpart: Keras's momentum is fixed)."""
-    return {f"{prefix}.weight": Target(layer.gamma), f"{prefix}.bias": Target(layer.beta),
-            f"{prefix}.running_mean": Target(layer.moving_mean),
-            f"{prefix}.running_var": Target(layer.moving_variance)}
