@@ -165,19 +165,63 @@ class _DiscreteMargin:
         self._module.multi_scale_deformable_attention_v2 = self._original
 
 
-def hf_outputs(model, features: Sequence[np.ndarray]) -> Dict[str, np.ndarray]:
+class _GivenDenoising:
+    """Replaces, while installed, transformers' random contrastive denoising group by given
+    queries: `content` [B, N_dn, d] (embedded labels), `anchor_logits` [B, N_dn, 4], in groups
+    of `group_size` queries that see each other and every matching query, never another
+    group; the matching queries see none of them."""
+
+    def __init__(self, module, dn: Dict[str, np.ndarray], num_queries: int):
+        self.module, self.dn, self.num_queries = module, dn, num_queries
+
+    def __enter__(self):
+        import torch
+
+        n_dn, size = self.dn["content"].shape[1], int(self.dn["group_size"])
+        mask = np.zeros((n_dn + self.num_queries,) * 2, np.float32)
+        mask[n_dn:, :n_dn] = -np.inf
+        for start in range(0, n_dn, size):
+            mask[start:start + size, :start] = -np.inf
+            mask[start:start + size, start + size:n_dn] = -np.inf
+        given = (torch.from_numpy(self.dn["content"]), torch.from_numpy(self.dn["anchor_logits"]),
+                 torch.from_numpy(mask), {"dn_num_split": [n_dn, self.num_queries]})
+        self._original = self.module.get_contrastive_denoising_training_group
+        self.module.get_contrastive_denoising_training_group = lambda *a, **k: given
+        return self
+
+    def __exit__(self, *exc):
+        self.module.get_contrastive_denoising_training_group = self._original
+
+
+def hf_outputs(model, features: Sequence[np.ndarray],
+               dn: Dict[str, np.ndarray] = None) -> Dict[str, np.ndarray]:
     """transformers' predictions from encoder maps `features` (NHWC numpy):
-    'logits' [L, B, Q, C], 'boxes' [L, B, Q, 4], 'enc_logits' [B, Q, C], 'enc_boxes'
-    [B, Q, 4], 'topk_margin' (smallest gap between distinct cell scores from the k-th to
-    the (k+1)-th best, per image) and 'discrete_margin' (inf for bilinear sampling)."""
+    'logits' [L, B, N, C], 'boxes' [L, B, N, 4], 'enc_logits' [B, Q, C], 'enc_boxes'
+    [B, Q, 4], 'topk_margin' (smallest gap between distinct cell scores from the best to the
+    (k+1)-th, per image) and 'discrete_margin' (inf for bilinear sampling).
+
+    With `dn` (see _GivenDenoising) the model runs in training mode with those denoising
+    queries, N = N_dn + Q, the denoising queries first (transformers' order)."""
+    import importlib
+
     import torch
 
     maps = [torch.from_numpy(np.ascontiguousarray(f.transpose(0, 3, 1, 2))) for f in features]
-    with torch.no_grad(), _DiscreteMargin() as discrete:
-        out = model(pixel_values=None, inputs_embeds=torch.zeros(len(features[0]), 1, 1),
-                    encoder_outputs=(maps,))
-    scores = np.sort(out.enc_outputs_class.max(-1).values.numpy(), -1)[:, ::-1]
+    module = importlib.import_module(type(model).__module__)
     k = model.config.num_queries
+    args = dict(pixel_values=None, inputs_embeds=torch.zeros(len(features[0]), 1, 1),
+                encoder_outputs=(maps,))
+    with torch.no_grad(), _DiscreteMargin() as discrete:
+        if dn is None:
+            out = model.model(**args)
+        else:
+            model.train()
+            try:
+                with _GivenDenoising(module, dn, k):
+                    out = model.model(labels=[{}] * len(features[0]), **args)
+            finally:
+                model.eval()
+    scores = np.sort(out.enc_outputs_class.max(-1).values.numpy(), -1)[:, ::-1]
     window = scores[:, :k + 1]  # the top k and the first one left out
     gaps = window[:, :-1] - window[:, 1:]
     distinct = gaps[gaps > 0]
@@ -211,30 +255,45 @@ def random_features(rng: np.random.Generator, batch: int, channels: int,
     return [rng.normal(size=(batch, h, w, channels)).astype(np.float32) for h, w in shapes]
 
 
+def random_denoising(rng: np.random.Generator, batch: int, groups: int, group_size: int,
+                     d_model: int) -> Dict[str, np.ndarray]:
+    """Denoising queries for _GivenDenoising: N(0, 1) content, boxes uniform in the image."""
+    n = groups * group_size
+    boxes = np.concatenate([rng.uniform(0.2, 0.8, (batch, n, 2)),
+                            rng.uniform(0.05, 0.4, (batch, n, 2))], -1)
+    return {"content": rng.normal(size=(batch, n, d_model)).astype(np.float32),
+            "anchor_logits": np.log(boxes / (1 - boxes)).astype(np.float32),
+            "group_size": np.array(group_size)}
+
+
 def draw(config: dict, variants: Dict[str, dict], shapes: Sequence[Tuple[int, int]],
-         batch: int, first_seed: int = 0, tries: int = 500):
+         batch: int, first_seed: int = 0, tries: int = 500, dn_groups: Tuple[int, int] = None):
     """The first seed whose weights and maps keep every variant's discontinuous decisions a
-    margin away (module doc). Returns (seed, params, features, {variant: hf_outputs})."""
+    margin away (module doc). With dn_groups = (groups, group_size), every run is a training
+    run with that many random denoising queries. Returns (seed, params, features, dn or None,
+    {variant: hf_outputs})."""
     models = {name: hf_model(**v, **config) for name, v in variants.items()}
     for seed in range(first_seed, first_seed + tries):
         rng = np.random.default_rng(seed)
         params = random_params(models[next(iter(models))], rng)
         features = random_features(rng, batch, config["encoder_hidden_dim"], shapes)
+        dn = None if dn_groups is None else random_denoising(rng, batch, *dn_groups,
+                                                             config["d_model"])
         outs = {}
         for name, model in models.items():
             load_params(model, params)
-            outs[name] = hf_outputs(model, features)
+            outs[name] = hf_outputs(model, features, dn)
             if (outs[name]["topk_margin"] < TOPK_MARGIN
                     or outs[name]["discrete_margin"] < DISCRETE_MARGIN):
                 break
         else:
-            return seed, params, features, outs
+            return seed, params, features, dn, outs
     raise RuntimeError(f"no seed in [{first_seed}, {first_seed + tries}) keeps the margins")
 
 
 def fixture_arrays() -> Dict[str, np.ndarray]:
     """Everything decoder.npz holds (see the module docstring)."""
-    seed, params, features, outs = draw(CONFIG, VARIANTS, FEATURE_SHAPES, BATCH)
+    seed, params, features, _, outs = draw(CONFIG, VARIANTS, FEATURE_SHAPES, BATCH)
     arrays = {"seed": np.array(seed)}
     arrays.update({f"features.{i}": f for i, f in enumerate(features)})
     arrays.update({f"param.{k}": v for k, v in params.items()})

@@ -101,8 +101,8 @@ class DenoisingQueries(tf_keras.layers.Layer):
         self.label_noise_ratio = label_noise_ratio
         self.contrastive = contrastive
         self.padding_row = padding_row
-        # torch's nn.Embedding initialization, N(0, 1), as DINO's label_enc (and RT-DETR's,
-        # whose padding row starts at zero).
+        # torch's nn.Embedding initialization, N(0, 1), as DINO's label_enc. RT-DETR's
+        # padding row starts at zero.
         initializer = tf_keras.initializers.RandomNormal()
         if padding_row:
             initializer = _zero_last_row(initializer)

@@ -241,7 +241,23 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             all_logits.append(tf.cast(self.class_embed[i](x), tf.float32))
             all_boxes.append(out_box if training else box)
             previous, reference = box, tf.stop_gradient(box)
+        self._build_unused(run, x, memory, shapes)
         return tf.stack(all_logits), tf.stack(all_boxes)
+
+    def _build_unused(self, run: int, x: tf.Tensor, memory: tf.Tensor,
+                      shapes: Sequence[Tuple[int, int]]) -> None:
+        """Builds the layers an inference with fewer layers skips, on the first call only: their
+        variables must exist for loading weights and for training (the result is unused)."""
+        for i in range(run, self.num_layers):
+            if self.decoder_layers[i].built:
+                continue
+            reference = tf.fill(tf.concat([tf.shape(x)[:2], [4]], 0), 0.5)
+            pos = self.query_pos_head(reference)
+            per_level = tf.broadcast_to(reference[:, :, None],
+                                        [tf.shape(x)[0], tf.shape(x)[1], self.num_levels, 4])
+            y = self.decoder_layers[i](x, pos, per_level, memory, shapes, None)
+            self.class_embed[i](y)
+            self.bbox_embed[i](y)
 
     def call(self, features: Sequence[tf.Tensor], training=None,
              dn: Optional[Dict[str, tf.Tensor]] = None,
