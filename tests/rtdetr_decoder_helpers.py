@@ -22,7 +22,8 @@ def decoder_from_config(config: dict, version: int = 1, decoder_offset_scale: fl
         num_heads=config["decoder_attention_heads"], dim_feedforward=config["decoder_ffn_dim"],
         num_levels=config["num_feature_levels"], encoder_levels=3,
         num_points=config["decoder_n_points"], offset_scale=decoder_offset_scale,
-        method="bilinear" if decoder_method == "default" else decoder_method, **kwargs)
+        method="bilinear" if decoder_method == "default" else decoder_method,
+        learn_initial_query=config.get("learn_initial_query", False), **kwargs)
 
 
 def load(decoder: RTDetrDecoder, features: Sequence[np.ndarray],

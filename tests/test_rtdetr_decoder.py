@@ -338,3 +338,36 @@ def test_model_outputs_and_build_size():
     assert out["pred_logits"].shape == [2, 10, 5] and out["pred_boxes"].shape == [2, 10, 4]
     assert len(out["aux_outputs"]) == 1
     assert out["enc_outputs"]["pred_boxes"].shape == [2, 10, 4]
+
+
+@pytest.mark.slow
+def test_xla_training_step_gives_the_eager_result():
+    """The decoder with denoising queries, forward and gradients, compiled by XLA (the train
+    step's jit) and eager. Slow (about 20 s, mostly compiling):
+    `pytest -m slow tests/test_rtdetr_decoder.py`."""
+    features = _features(4, shapes=((2, 8), (1, 4), (1, 2)))
+    decoder = _small_decoder(num_queries=6)
+    rng = np.random.default_rng(4)
+    dn = {"content": tf.constant(rng.normal(size=(2, 4, 16)).astype(np.float32)),
+          "anchor_logits": tf.constant(rng.normal(size=(2, 4, 4)).astype(np.float32)),
+          "valid": tf.constant([[True, False, True, False], [True, True, True, True]])}
+    decoder(features, training=False)
+    # Initial offsets put samples exactly on pixel-centre lines (bilinear's kinks, where eager
+    # and XLA may take different one-sided derivatives): move them off.
+    for layer in decoder.decoder_layers:
+        kernel = layer.cross_attn.sampling_offsets.kernel
+        kernel.assign(rng.normal(0, 0.3, kernel.shape))
+
+    def step(features, dn):
+        with tf.GradientTape() as tape:
+            out = decoder(features, training=True, dn=dn, dn_group_size=2)
+            loss = sum(tf.reduce_sum(x ** 2) for x in tf.nest.flatten(out))
+        return out, tape.gradient(loss, decoder.trainable_variables)
+
+    eager = step(features, dn)
+    compiled = tf.function(step, jit_compile=True)(features, dn)
+    assert all(g is not None for g in eager[1])
+    # Some gradients are zero but for rounding (a bias under a norm): absolute tolerances.
+    for a, b in zip(tf.nest.flatten(eager), tf.nest.flatten(compiled)):
+        np.testing.assert_allclose(a, b, rtol=1e-4,
+                                   atol=1e-4 * float(tf.reduce_max(tf.abs(a))) + 2e-5)

@@ -52,6 +52,18 @@ def test_decoder_matches_transformers(variant):
     print(f"{variant}: seed {seed}, max |diff| {diffs}, {time.time() - start:.1f}s")
 
 
+def test_learned_content_queries_match_transformers():
+    """learn_initial_query: the content queries are `weight_embedding`, not the memory."""
+    config = dict(NARROW, learn_initial_query=True)
+    seed, params, features, _, outs = oracle.draw(config, {"v1": oracle.VARIANTS["v1"]},
+                                                  SHAPES, 2)
+    assert "model.weight_embedding.weight" in params
+    decoder = h.decoder_from_config(config, **oracle.VARIANTS["v1"])
+    h.load(decoder, features, params)
+    diffs = h.compare(h.run(decoder, features), outs["v1"])
+    print(f"learned queries: seed {seed}, max |diff| {diffs}")
+
+
 def test_denoising_queries_match_transformers():
     """Training mode (batch-statistics norms) with 2 groups of 6 denoising queries: their
     outputs and the matching queries' equal transformers', whose denoising group is replaced

@@ -71,7 +71,19 @@ def hf_model(version: int = 1, **config):
         cfg = tr.RTDetrV2Config(decoder_n_levels=levels, **common)
         cls = tr.RTDetrV2ForObjectDetection
     cfg._attn_implementation = "eager"
-    return cls(cfg).eval()
+    model = cls(cfg).eval()
+    if getattr(model.model, "weight_embedding", None) is not None:
+        import torch
+
+        class TiledEmbedding(torch.nn.Embedding):
+            """transformers (5.24) tiles the Embedding module itself, which fails; the
+            reference tiles its weight, [Q, d] -> [B, Q, d]."""
+
+            def tile(self, dims):
+                return self.weight.tile(dims)
+
+        model.model.weight_embedding.__class__ = TiledEmbedding
+    return model
 
 
 def decoder_keys(model) -> List[str]:

@@ -4,7 +4,9 @@ Everything after the hybrid encoder, as one layer:
 
 1. `decoder_input_proj`: each encoder map [P3, P4, P5] through a 1x1 conv + batch norm to
    d_model channels; levels beyond the encoder's come from 3x3 stride-2 conv + batch norm, the
-   first on P5, each next one on the level before. The levels are flattened into the memory
+   first on P5, each next one on the level before (the reference's chain; transformers
+   applies every extra conv to P5, which differs from the fifth level on and only runs when
+   the encoder and decoder widths are equal). The levels are flattened into the memory
    [B, S, d] the cross-attention reads.
 2. Query selection. Every memory cell has a fixed anchor box centred on it, of side
    0.05 * 2^level (`generate_anchors`). Cells whose anchor pokes out of (0.01, 0.99) are
