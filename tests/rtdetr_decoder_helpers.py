@@ -77,6 +77,7 @@ class StandInEncoder(tf_keras.layers.Layer):
 
     def __init__(self, channels: int = 8, **kwargs):
         super().__init__(**kwargs)
+        self.out_channels = (channels,) * 3
         self.convs = [tf_keras.layers.Conv2D(channels, 1, name=f"proj{i}") for i in range(3)]
 
     def call(self, features, training=None):

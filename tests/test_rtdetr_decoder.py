@@ -371,3 +371,27 @@ def test_xla_training_step_gives_the_eager_result():
     for a, b in zip(tf.nest.flatten(eager), tf.nest.flatten(compiled)):
         np.testing.assert_allclose(a, b, rtol=1e-4,
                                    atol=1e-4 * float(tf.reduce_max(tf.abs(a))) + 2e-5)
+
+
+def test_training_step_with_the_hybrid_encoder_and_the_criterion():
+    """The model with the real HybridEncoder (narrow) and denoising, through RTDetrCriterion:
+    finite losses for every part, and a gradient for every trainable variable."""
+    from detr_tf.losses.rtdetr import RTDetrCriterion
+    from detr_tf.modeling.hybrid_encoder import HybridEncoder
+    from detr_tf.modeling.rtdetr import build_rtdetr
+
+    model = build_rtdetr(num_classes=4, num_queries=10, hidden_dim=16,
+                         backbone=h.StandInBackbone(),
+                         encoder=HybridEncoder(hidden_dim=8, num_heads=2, dim_feedforward=16),
+                         num_decoder_layers=2, num_heads=2, dim_feedforward=32)
+    criterion = RTDetrCriterion(4)
+    images = tf.random.stateless_uniform([2, 64, 64, 3], [0, 2])
+    targets = _targets()
+    with tf.GradientTape() as tape:
+        outputs = model(images, tf.ones([2, 64, 64], tf.bool), training=True, targets=targets)
+        losses = criterion(outputs, targets)
+    assert {"loss_vfl_enc", "loss_dn_vfl", "loss_dn_giou_0", "loss_bbox_0"} <= set(losses)
+    assert all(np.isfinite(float(v)) for v in losses.values())
+    grads = tape.gradient(losses["loss"], model.trainable_variables)
+    missing = [v.name for v, g in zip(model.trainable_variables, grads) if g is None]
+    assert not missing, missing

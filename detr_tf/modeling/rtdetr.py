@@ -136,8 +136,9 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
       num_classes: classes (80 for COCO's contiguous ids); per-class sigmoid heads.
       num_queries: decoder queries, the encoder cells selected (300).
       hidden_dim: decoder width d_model (256).
-      backbone: a layer `images -> [C3, C4, C5]` with an `out_channels` attribute (ResNetVd).
-      encoder: a layer `[C3, C4, C5] -> [P3, P4, P5]` (HybridEncoder).
+      backbone: a layer `images -> [C3, C4, C5]` (ResNetVd).
+      encoder: a layer `[C3, C4, C5] -> [P3, P4, P5]` with an `out_channels` attribute, one
+        entry per map (HybridEncoder).
       num_decoder_layers, num_heads, dim_feedforward, dropout: the decoder (6, 8, 1024, 0).
       num_levels: memory levels (3; more add 3x3 stride-2 levels on P5).
       num_points: cross-attention points per head and level (4), or one count per level (v2).
@@ -161,7 +162,7 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
     decoder = RTDetrDecoder(
         num_classes=num_classes, d_model=hidden_dim, num_queries=num_queries,
         num_layers=num_decoder_layers, num_heads=num_heads, dim_feedforward=dim_feedforward,
-        dropout=dropout, num_levels=num_levels, encoder_levels=len(backbone.out_channels),
+        dropout=dropout, num_levels=num_levels, encoder_levels=len(encoder.out_channels),
         num_points=num_points, offset_scale=offset_scale, method=sampling_method,
         learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
         name="decoder")

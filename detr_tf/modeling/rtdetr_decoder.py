@@ -51,7 +51,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling import query_groups
-from detr_tf.modeling.backbone import TorchConv2D
+from detr_tf.modeling.csp_rep import ConvNorm
 from detr_tf.modeling.deformable_transformer import DeformableDecoderLayer
 from detr_tf.modeling.layers import MLP, box_head, inverse_sigmoid, layer_norm, prior_class_head
 
@@ -85,18 +85,6 @@ def generate_anchors(shapes: Sequence[Tuple[int, int]], grid_size: float = 0.05,
     with np.errstate(divide="ignore", invalid="ignore"):  # sides >= 1 only occur on invalid cells
         logits = np.log(boxes / (np.float32(1.0) - boxes))
     return np.where(valid[:, None], logits, np.float32(FLOAT32_MAX)).astype(np.float32), valid
-
-
-class ConvNorm(tf_keras.layers.Layer):
-    """conv (no bias, torch's symmetric padding) -> batch norm (torch's eps and momentum)."""
-
-    def __init__(self, filters: int, kernel_size: int, strides: int = 1, **kwargs):
-        super().__init__(**kwargs)
-        self.conv = TorchConv2D(filters, kernel_size, strides, name="conv")
-        self.norm = tf_keras.layers.BatchNormalization(epsilon=1e-5, momentum=0.9, name="norm")
-
-    def call(self, x: tf.Tensor, training=None) -> tf.Tensor:
-        return self.norm(self.conv(x), training=training)
 
 
 def _flatten(maps: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -149,7 +137,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         self.num_layers, self.num_inference_layers = num_layers, num_inference_layers
         self.decoder_input_proj = [
             ConvNorm(d_model, 1 if i < encoder_levels else 3, 1 if i < encoder_levels else 2,
-                     name=f"decoder_input_proj.{i}") for i in range(num_levels)]
+                     conv_name="0", norm_name="1", name=f"decoder_input_proj.{i}")
+            for i in range(num_levels)]
         self.enc_output = tf_keras.layers.Dense(d_model, name="enc_output.0")
         self.enc_output_norm = layer_norm("enc_output.1")
         self.enc_score_head = prior_class_head(num_classes, "enc_score_head")

@@ -16,20 +16,12 @@ the same variables.
 from typing import Dict
 
 import numpy as np
-import tf_keras
 
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
 from detr_tf.weights.deformable_targets import decoder_layers
-from detr_tf.weights.target import Target, dense, mlp, norm
+from detr_tf.weights.target import Target, batch_norm, dense, mlp, norm
 
 PREFIX = "model"
-
-
-def _batch_norm(prefix: str, layer: tf_keras.layers.BatchNormalization) -> Dict[str, Target]:
-    """torch's nn.BatchNorm2d `prefix.{weight, bias, running_mean, running_var}`."""
-    return {f"{prefix}.weight": Target(layer.gamma), f"{prefix}.bias": Target(layer.beta),
-            f"{prefix}.running_mean": Target(layer.moving_mean),
-            f"{prefix}.running_var": Target(layer.moving_variance)}
 
 
 def decoder_targets(prefix: str, decoder: RTDetrDecoder) -> Dict[str, Target]:
@@ -44,7 +36,7 @@ def decoder_targets(prefix: str, decoder: RTDetrDecoder) -> Dict[str, Target]:
     out = {}
     for i, proj in enumerate(decoder.decoder_input_proj):
         out[f"{prefix}.decoder_input_proj.{i}.0.weight"] = Target(proj.conv.kernel, "conv")
-        out.update(_batch_norm(f"{prefix}.decoder_input_proj.{i}.1", proj.norm))
+        out.update(batch_norm(f"{prefix}.decoder_input_proj.{i}.1", proj.norm))
     out.update(dense(f"{prefix}.enc_output.0", decoder.enc_output))
     out.update(norm(f"{prefix}.enc_output.1", decoder.enc_output_norm))
     out.update(dense(f"{prefix}.enc_score_head", decoder.enc_score_head))
