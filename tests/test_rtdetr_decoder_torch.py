@@ -120,3 +120,46 @@ def test_fixture_regenerates_identically():
     assert sorted(committed.files) == sorted(fresh)
     for key, array in fresh.items():
         np.testing.assert_allclose(committed[key], array, atol=1e-6, err_msg=key)
+
+
+def test_whole_model_matches_transformers():
+    """Images through ResNetVd, HybridEncoder and the decoder side, all three loaded from one
+    transformers RT-DETR (narrow: an 8-wide ResNet-18-like backbone, a 16-wide encoder, the
+    decoder above) through the three tables: the final and auxiliary layers and the encoder's
+    top-K. The 32x416 images give a 52-wide stride-8 map, with invalid anchors."""
+    from detr_tf.modeling.hybrid_encoder import HybridEncoder
+    from detr_tf.modeling.resnet_vd import ResNetVd
+    from detr_tf.modeling.rtdetr import build_rtdetr
+    from detr_tf.weights.rtdetr import backbone as backbone_table
+    from detr_tf.weights.rtdetr import encoder as encoder_table
+
+    hf = oracle.hf_model(version=1, **NARROW)
+    keys = [k for k in hf.state_dict() if not k.endswith("num_batches_tracked")]
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        params = oracle.random_params(hf, rng, keys)
+        images = rng.uniform(0, 1, (2, 32, 416, 3)).astype(np.float32)
+        oracle.load_params(hf, params)
+        ref = oracle.hf_outputs(hf, None, images=images)
+        if ref["topk_margin"] >= oracle.TOPK_MARGIN:
+            break
+    model = build_rtdetr(num_classes=5, num_queries=10, hidden_dim=32,
+                         backbone=ResNetVd(depth=18, hidden_sizes=(8, 8, 8, 8),
+                                           embedding_size=8, depths=(1, 1, 1, 1)),
+                         encoder=HybridEncoder(hidden_dim=16, num_heads=2, dim_feedforward=16),
+                         num_decoder_layers=3, num_heads=4, dim_feedforward=64, num_levels=4)
+    model(tf.constant(images), None, training=False)
+    table = {**backbone_table.hf_targets(backbone_table.PREFIX, model.backbone),
+             **encoder_table.hf_targets(model.encoder), **hf_targets(model)}
+    assert set(table) == set(params), sorted(set(table) ^ set(params))[:6]
+    for key, target in table.items():
+        target.variable.assign(target.from_torch(params[key]))
+    out = model(tf.constant(images), None, training=False)
+    ours = {"logits": np.stack([a["pred_logits"] for a in out["aux_outputs"]]
+                               + [out["pred_logits"]]),
+            "boxes": np.stack([a["pred_boxes"] for a in out["aux_outputs"]]
+                              + [out["pred_boxes"]]),
+            "enc_logits": out["enc_outputs"]["pred_logits"].numpy(),
+            "enc_boxes": out["enc_outputs"]["pred_boxes"].numpy()}
+    diffs = h.compare(ours, ref)
+    print(f"whole model: seed {seed}, max |diff| {diffs}")

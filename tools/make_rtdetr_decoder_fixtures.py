@@ -96,14 +96,16 @@ def decoder_keys(model) -> List[str]:
             and not k.endswith(("num_batches_tracked", "n_points_scale"))]
 
 
-def random_params(model, rng: np.random.Generator) -> Dict[str, np.ndarray]:
-    """Random weights for `decoder_keys(model)`: linear and conv weights N(0, 1/fan_in) (the
+def random_params(model, rng: np.random.Generator,
+                  keys: Sequence[str] = None) -> Dict[str, np.ndarray]:
+    """Random weights for `keys` (default `decoder_keys(model)`): linear and conv weights
+    N(0, 1/fan_in) (the
     activations stay O(1) through every layer), biases N(0, 0.1^2), norms' scales around 1,
     batch-norm statistics away from the identity; sampling offsets large enough to move
     points by several cells, some off the map; the denoising padding row zero."""
     params = {}
     state = model.state_dict()
-    for key in decoder_keys(model):
+    for key in decoder_keys(model) if keys is None else keys:
         shape = tuple(state[key].shape)
         if key.endswith("running_var"):
             value = rng.uniform(0.5, 2.0, shape)
@@ -205,9 +207,10 @@ class _GivenDenoising:
         self.module.get_contrastive_denoising_training_group = self._original
 
 
-def hf_outputs(model, features: Sequence[np.ndarray],
-               dn: Dict[str, np.ndarray] = None) -> Dict[str, np.ndarray]:
-    """transformers' predictions from encoder maps `features` (NHWC numpy):
+def hf_outputs(model, features: Sequence[np.ndarray], dn: Dict[str, np.ndarray] = None,
+               images: np.ndarray = None) -> Dict[str, np.ndarray]:
+    """transformers' predictions from encoder maps `features` (NHWC numpy), or from `images`
+    [B, H, W, 3] through its backbone and encoder when features is None:
     'logits' [L, B, N, C], 'boxes' [L, B, N, 4], 'enc_logits' [B, Q, C], 'enc_boxes'
     [B, Q, 4], 'topk_margin' (smallest gap between distinct cell scores from the best to the
     (k+1)-th, per image) and 'discrete_margin' (inf for bilinear sampling).
@@ -218,11 +221,15 @@ def hf_outputs(model, features: Sequence[np.ndarray],
 
     import torch
 
-    maps = [torch.from_numpy(np.ascontiguousarray(f.transpose(0, 3, 1, 2))) for f in features]
+    nchw = lambda x: torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))  # noqa: E731
     module = importlib.import_module(type(model).__module__)
     k = model.config.num_queries
-    args = dict(pixel_values=None, inputs_embeds=torch.zeros(len(features[0]), 1, 1),
-                encoder_outputs=(maps,))
+    if features is None:
+        args = dict(pixel_values=nchw(images))
+    else:
+        args = dict(pixel_values=None, inputs_embeds=torch.zeros(len(features[0]), 1, 1),
+                    encoder_outputs=([nchw(f) for f in features],))
+    batch = len(images if features is None else features[0])
     with torch.no_grad(), _DiscreteMargin() as discrete:
         if dn is None:
             out = model.model(**args)
@@ -230,7 +237,7 @@ def hf_outputs(model, features: Sequence[np.ndarray],
             model.train()
             try:
                 with _GivenDenoising(module, dn, k):
-                    out = model.model(labels=[{}] * len(features[0]), **args)
+                    out = model.model(labels=[{}] * batch, **args)
             finally:
                 model.eval()
     scores = np.sort(out.enc_outputs_class.max(-1).values.numpy(), -1)[:, ::-1]
