@@ -15,7 +15,6 @@ Classification is per-class sigmoid (focal loss): 'pred_logits' has num_classes 
 no-object class. Post-processing is `postprocess.sigmoid_topk_postprocess` (bound by the model
 files), training `FocalSetCriterion` (detr_tf/losses/focal.py).
 """
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import gin
@@ -26,25 +25,8 @@ from detr_tf.modeling import deformable_transformer as dt
 from detr_tf.modeling import multiscale
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.detector import Detector
-from detr_tf.modeling.layers import MLP, inverse_sigmoid, layer_norm
-
-_PRIOR_PROB = 0.01  # initial foreground probability of every class (focal-loss practice)
-
-
-def _class_head(num_classes: int, name: str) -> tf_keras.layers.Dense:
-    bias = -math.log((1 - _PRIOR_PROB) / _PRIOR_PROB)
-    return tf_keras.layers.Dense(num_classes, name=name,
-                                 bias_initializer=tf_keras.initializers.Constant(bias))
-
-
-def _box_head(d_model: int, wh_bias: float, name: str) -> MLP:
-    head = MLP(d_model, 4, 3, last_initializer="zeros", name=name)
-    # The last layer starts at zero: boxes start at their references, with sigmoid(wh_bias)
-    # sizes (the reference's -2 for the first head, i.e. about 0.12 of the image).
-    head.layers[-1].bias_initializer = tf_keras.initializers.Constant(
-        [0.0, 0.0, wh_bias, wh_bias])
-    return head
+from detr_tf.modeling.detector import Detector, pad_to_canvas
+from detr_tf.modeling.layers import box_head, inverse_sigmoid, layer_norm, prior_class_head
 
 
 class DeformableDETR(Detector):
@@ -85,12 +67,12 @@ class DeformableDETR(Detector):
             initializer=tf_keras.initializers.RandomNormal(stddev=1.0))  # added in float32
         num_layers = transformer.num_decoder_layers
         num_heads = (num_layers + int(two_stage)) if with_box_refine else 1
-        self.class_embed = [_class_head(num_classes, f"class_embed.{i}")
+        self.class_embed = [prior_class_head(num_classes, f"class_embed.{i}")
                             for i in range(num_heads)]
         # The reference starts the first box head's sizes at sigmoid(-2) (all heads at 0.5
         # in two-stage, whose references are boxes already).
-        self.bbox_embed = [_box_head(d, -2.0 if i == 0 and not two_stage else 0.0,
-                                     f"bbox_embed.{i}") for i in range(num_heads)]
+        self.bbox_embed = [box_head(d, -2.0 if i == 0 and not two_stage else 0.0,
+                                    f"bbox_embed.{i}") for i in range(num_heads)]
         if two_stage:
             self.enc_output = tf_keras.layers.Dense(d, name="enc_output")
             self.enc_output_norm = layer_norm("enc_output_norm")
@@ -183,17 +165,7 @@ class DeformableDETR(Detector):
         buckets) gives each image exactly its own outputs, at the largest canvas's cost and
         with one trace.
         """
-        if not self.canvas_sizes:
-            raise ValueError("DeformableDETR: the images' height and width are not static; "
-                             "bind build_deformable_detr.canvas_sizes to the data's canvas "
-                             "buckets (e.g. = %BUCKETS)")
-        h = max(c[0] for c in self.canvas_sizes)
-        w = max(c[1] for c in self.canvas_sizes)
-        pad = [[0, 0], [0, h - tf.shape(images)[1]], [0, w - tf.shape(images)[2]]]
-        b = images.shape[0]
-        images = tf.ensure_shape(tf.pad(images, pad + [[0, 0]]), [b, h, w, images.shape[-1]])
-        pixel_mask = tf.ensure_shape(tf.pad(tf.cast(pixel_mask, tf.bool), pad), [b, h, w])
-        return images, pixel_mask
+        return pad_to_canvas(images, pixel_mask, self.canvas_sizes, "build_deformable_detr")
 
     def _forward(self, images: tf.Tensor, pixel_mask: tf.Tensor,
                  training: Optional[bool] = None) -> Dict[str, object]:

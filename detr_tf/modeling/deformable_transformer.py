@@ -75,15 +75,19 @@ class DeformableEncoderLayer(tf_keras.layers.Layer):
 
 
 class DeformableDecoderLayer(tf_keras.layers.Layer):
-    """Self-attention among queries, deformable cross-attention to the memory, FFN."""
+    """Self-attention among queries, deformable cross-attention to the memory, FFN.
+
+    `offset_scale` and `method` are the cross-attention's RT-DETRv2 options, and `num_points`
+    may give a count per level (MultiScaleDeformableAttention).
+    """
 
     def __init__(self, d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
-                 **kwargs):
+                 offset_scale: float = 0.5, method: str = "bilinear", **kwargs):
         super().__init__(**kwargs)
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
         self.cross_attn = MultiScaleDeformableAttention(
             d_model=d_model, num_heads=num_heads, num_levels=num_levels, num_points=num_points,
-            name="cross_attn")
+            offset_scale=offset_scale, method=method, name="cross_attn")
         self.ffn = FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
         self.norm1 = layer_norm("norm1")
         self.norm2 = layer_norm("norm2")
@@ -91,11 +95,12 @@ class DeformableDecoderLayer(tf_keras.layers.Layer):
         self.dropouts = [Dropout(dropout) for _ in range(3)]
 
     def call(self, tgt, query_pos, reference_points, memory, shapes, padding_mask,
-             training=None):
+             training=None, self_attn_mask=None):
         """tgt, query_pos: [B, Q, d]; reference_points [B, Q, L, 2 or 4] (canvas-normalized);
-        memory [B, S, d]; padding_mask [B, S] -> [B, Q, d]."""
+        memory [B, S, d]; padding_mask [B, S] (None: no padding); self_attn_mask [B or 1, Q, Q]
+        bool, True where query i may attend query j (None: all) -> [B, Q, d]."""
         qk = tgt + query_pos
-        x = self.self_attn(qk, qk, tgt, training=training)
+        x = self.self_attn(qk, qk, tgt, training=training, attn_mask=self_attn_mask)
         tgt = self.norm1(tgt + self.dropouts[0](x, training=training))
         x = self.cross_attn(tgt + query_pos, reference_points, memory, shapes, padding_mask)
         tgt = self.norm2(tgt + self.dropouts[1](x, training=training))

@@ -56,6 +56,14 @@ def contrastive_noise_boxes(boxes: tf.Tensor, noise_scale: float, uniform: tf.Te
     return box_ops.box_xyxy_to_cxcywh(xyxy)
 
 
+def _zero_last_row(initializer):
+    """An embedding initializer whose last row (a padding index) starts at zero."""
+    def init(shape, dtype=None):
+        table = initializer(shape, dtype=dtype)
+        return tf.concat([table[:-1], tf.zeros_like(table[-1:])], 0)
+    return init
+
+
 @gin.configurable
 class DenoisingQueries(tf_keras.layers.Layer):
     """Builds the denoising queries of a batch from its targets.
@@ -68,11 +76,17 @@ class DenoisingQueries(tf_keras.layers.Layer):
       label_noise_ratio: probability of replacing a label by a random class (DN-DETR 0.2;
         DINO's 0.5 flips with probability 0.25).
       contrastive: DINO's positive + negative queries instead of DN-DETR's positives only.
+      num_denoising: RT-DETR's query budget: when > 0, a batch of T target slots gets
+        max(1, num_denoising // T) groups instead of num_groups (see `groups`).
+      padding_row: the label embedding gets an extra last row, zero-initialised, that the
+        queries of padded target slots embed (RT-DETR's `denoising_class_embed`, whose padding
+        index is num_classes); without it they embed their slot's label, unseen either way.
     """
 
     def __init__(self, num_classes: int, d_model: int, num_groups: int = 5,
                  box_noise_scale: float = 0.4, label_noise_ratio: float = 0.2,
-                 contrastive: bool = False, **kwargs):
+                 contrastive: bool = False, num_denoising: int = 0, padding_row: bool = False,
+                 **kwargs):
         kwargs.setdefault("name", "denoising")
         super().__init__(**kwargs)
         if num_groups < 1:
@@ -82,12 +96,18 @@ class DenoisingQueries(tf_keras.layers.Layer):
                              "[0, 1]")
         self.num_classes = num_classes
         self.num_groups = num_groups
+        self.num_denoising = num_denoising
         self.box_noise_scale = box_noise_scale
         self.label_noise_ratio = label_noise_ratio
         self.contrastive = contrastive
-        # torch's nn.Embedding initialization, N(0, 1), as DINO's label_enc.
+        self.padding_row = padding_row
+        # torch's nn.Embedding initialization, N(0, 1), as DINO's label_enc. RT-DETR's
+        # padding row starts at zero.
+        initializer = tf_keras.initializers.RandomNormal()
+        if padding_row:
+            initializer = _zero_last_row(initializer)
         self.label_embed = tf_keras.layers.Embedding(
-            num_classes, d_model, embeddings_initializer=tf_keras.initializers.RandomNormal(),
+            num_classes + int(padding_row), d_model, embeddings_initializer=initializer,
             name="label_embed")
         # Built now, not at the first training call with targets (inside a replica's step
         # function): every engine then creates and initializes it alike, when the model is
@@ -99,6 +119,12 @@ class DenoisingQueries(tf_keras.layers.Layer):
         """Queries per target per group: 2 (positive, negative) if contrastive, else 1."""
         return 2 if self.contrastive else 1
 
+    def groups(self, num_slots: int) -> int:
+        """The denoising groups of a batch with num_slots (static) target slots."""
+        if self.num_denoising > 0:
+            return max(1, self.num_denoising // max(1, num_slots))
+        return self.num_groups
+
     def group_size(self, num_slots: int) -> int:
         return self.parts * num_slots
 
@@ -108,7 +134,7 @@ class DenoisingQueries(tf_keras.layers.Layer):
         Args:
           targets: 'labels' [B, T] int, 'boxes' [B, T, 4] cxcywh, 'mask' [B, T] bool.
 
-        Returns (N_dn = G * parts * T, laid out [G, parts, T]):
+        Returns (N_dn = G * parts * T, laid out [G, parts, T], G = self.groups(T)):
           'anchor_logits': [B, N_dn, 4] float32, logits of the noised boxes.
           'content': [B, N_dn, d] embedded noised labels.
           'labels': [B, N_dn] int32 class to reconstruct (no-object C for negatives).
@@ -120,13 +146,15 @@ class DenoisingQueries(tf_keras.layers.Layer):
         boxes = tf.cast(targets["boxes"], tf.float32)
         mask = tf.cast(targets["mask"], tf.bool)
         b, t = tf.shape(labels)[0], labels.shape[1]
-        g, p = self.num_groups, self.parts
+        g, p = self.groups(t), self.parts
         rep = lambda x: tf.tile(x[:, None, None], [1, g, p] + [1] * (len(x.shape) - 1))  # noqa: E731
         labels, boxes, mask = rep(labels), rep(boxes), rep(mask)  # [B, G, P, T, ...]
         negative = tf.constant([False, True][:p])[None, None, :, None]  # [1, 1, P, 1]
         flip = tf.random.uniform(tf.shape(labels)) < self.label_noise_ratio
         noised_labels = tf.where(
             flip, tf.random.uniform(tf.shape(labels), 0, self.num_classes, tf.int32), labels)
+        if self.padding_row:
+            noised_labels = tf.where(mask, noised_labels, self.num_classes)
         uniform = tf.random.uniform(tf.shape(boxes))
         if self.contrastive:
             sign = tf.random.uniform(tf.shape(boxes), 0, 2, tf.int32) * 2 - 1

@@ -47,3 +47,28 @@ class Detector(tf_keras.Model):
         aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
                for i in range(num_layers - 1)] if self.aux_loss else []
         return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux}
+
+
+def pad_to_canvas(images: tf.Tensor, pixel_mask: tf.Tensor,
+                  canvas_sizes: Sequence[Tuple[int, int]],
+                  builder: str) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Pads a batch whose height and width are only known at run time to the largest canvas.
+
+    A model whose layers need static sizes (deformable attention) gets, from a training step
+    traced over a bucketed dataset ([B, None, None, 3]), every batch padded at the bottom/right
+    to the largest of `canvas_sizes` (the data's buckets): one trace, at the largest canvas's
+    cost. `builder` names the Gin function whose `canvas_sizes` must be bound.
+
+    Returns images [B, H, W, C] and pixel_mask [B, H, W] bool with static H and W.
+    """
+    if not canvas_sizes:
+        raise ValueError(f"{builder}: the images' height and width are not static; bind "
+                         f"{builder}.canvas_sizes to the data's canvas buckets "
+                         "(e.g. = %BUCKETS)")
+    h = max(c[0] for c in canvas_sizes)
+    w = max(c[1] for c in canvas_sizes)
+    pad = [[0, 0], [0, h - tf.shape(images)[1]], [0, w - tf.shape(images)[2]]]
+    b = images.shape[0]
+    images = tf.ensure_shape(tf.pad(images, pad + [[0, 0]]), [b, h, w, images.shape[-1]])
+    pixel_mask = tf.ensure_shape(tf.pad(tf.cast(pixel_mask, tf.bool), pad), [b, h, w])
+    return images, pixel_mask

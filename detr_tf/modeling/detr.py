@@ -120,7 +120,7 @@ class DETR(Detector):
         else:
             anchors = tf.concat([anchors, dn["anchor_logits"]], 1)  # [B, K*Q + N_dn, 4]
             tgt = tf.concat([tgt, tf.cast(dn["content"], memory.dtype)], 1)
-            dn_group_size = dn["labels"].shape[1] // self.denoising.num_groups
+            dn_group_size = dn["labels"].shape[1] // dn["num_groups"]
             attn = query_groups.self_attention_mask(groups, q, dn_group_size, dn["valid"])
         return self.transformer.decode(memory, pos_flat, key_mask, anchors, training=training,
                                        tgt=tgt, self_attn_mask=attn)
@@ -137,7 +137,7 @@ class DETR(Detector):
         if (training and self.denoising is not None and targets is not None
                 and targets["labels"].shape[1]):
             dn = self.denoising(targets)
-            dn["num_groups"] = self.denoising.num_groups
+            dn["num_groups"] = self.denoising.groups(targets["labels"].shape[1])
             dn["parts"] = self.denoising.parts
         extra = {}
         hs, boxes = self._decode(src, mask, pos, groups, dn, extra, training)

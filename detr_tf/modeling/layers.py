@@ -1,5 +1,7 @@
 """Layers the DETR family shares: the box MLP, the transformer's feed-forward block, its layer
-norm, and the inverse sigmoid that box refinement works in."""
+norm, the inverse sigmoid that box refinement works in, and the sigmoid-classifier heads."""
+import math
+
 import tensorflow as tf
 import tf_keras
 
@@ -50,3 +52,22 @@ class FeedForward(tf_keras.layers.Layer):
 
     def call(self, x, training=None):
         return self.linear2(self.dropout(self.activation(self.linear1(x)), training=training))
+
+
+def prior_class_head(num_classes: int, name: str,
+                     prior_prob: float = 0.01) -> tf_keras.layers.Dense:
+    """A per-class sigmoid classifier whose every class starts at probability prior_prob (the
+    focal-loss practice, so the many negatives do not swamp the first steps)."""
+    bias = -math.log((1 - prior_prob) / prior_prob)
+    return tf_keras.layers.Dense(num_classes, name=name,
+                                 bias_initializer=tf_keras.initializers.Constant(bias))
+
+
+def box_head(d_model: int, wh_bias: float, name: str) -> MLP:
+    """The 3-layer box MLP whose last layer starts at zero: boxes start at their references,
+    with sigmoid(wh_bias) sizes when the reference is a point (Deformable DETR's -2 for the
+    first head, about 0.12 of the image)."""
+    head = MLP(d_model, 4, 3, last_initializer="zeros", name=name)
+    head.layers[-1].bias_initializer = tf_keras.initializers.Constant(
+        [0.0, 0.0, wh_bias, wh_bias])
+    return head

@@ -45,10 +45,12 @@ def _encoder(t) -> Dict[str, Target]:
     return out
 
 
-def _decoder(t) -> Dict[str, Target]:
+def decoder_layers(t, prefix: str = "model.decoder") -> Dict[str, Target]:
+    """The DeformableDecoderLayers of `t.decoder_layers` under `prefix.layers.i` (transformers
+    names Deformable DETR's and RT-DETR's decoder layers alike)."""
     out = {}
     for i, layer in enumerate(t.decoder_layers):
-        p = f"model.decoder.layers.{i}"
+        p = f"{prefix}.layers.{i}"
         for ours, theirs in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
                              ("out_proj", "o_proj")):
             out.update(dense(f"{p}.self_attn.{theirs}", getattr(layer.self_attn, ours)))
@@ -87,7 +89,7 @@ def torch_targets(model) -> Dict[str, Target]:
         out[f"model.input_proj.{i}.1.bias"] = Target(proj.norm.bias)
     out["model.level_embed"] = Target(model.level_embed)
     out.update(_encoder(model.transformer))
-    out.update(_decoder(model.transformer))
+    out.update(decoder_layers(model.transformer))
     if model.two_stage:
         out.update(dense("model.enc_output", model.enc_output))
         out.update(norm("model.enc_output_norm", model.enc_output_norm))

@@ -1,0 +1,172 @@
+"""RT-DETR (Zhao et al. 2024) and RT-DETRv2 (Lv et al. 2024): a real-time DETR.
+
+    images [B, H, W, 3] in [0, 1] -> backbone (ResNet-vd) -> [C3, C4, C5]
+      -> hybrid encoder (AIFI on C5, CCFF fusion) -> [P3, P4, P5]
+      -> RTDetrDecoder (query selection from the encoder cells, deformable decoder, per-layer
+         heads with iterative box refinement) -> outputs dict
+
+The backbone and the encoder are injected layers (`build_rtdetr.backbone`,
+`build_rtdetr.encoder`); the decoder is built here from the builder's arguments. v2 differs
+only in the decoder's cross-attention options (points per level, offset scale, discrete
+sampling) and its inference depth, all arguments of `build_rtdetr`.
+
+RT-DETR has no pixel mask: its convolutions and attention see the whole canvas, padding
+included, as the reference does on a padded batch. `pixel_mask` is accepted for the family's
+contract and ignored. Images are NOT ImageNet-normalized: RT-DETR takes [0, 1] pixels.
+
+Classification is per-class sigmoid (VFL / focal); 'pred_logits' has num_classes entries and no
+no-object class.
+"""
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import gin
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.modeling.denoising import DenoisingQueries
+from detr_tf.modeling.detector import Detector, pad_to_canvas
+from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
+
+
+class RTDETR(Detector):
+    """RT-DETR.
+
+    Call `model(images, pixel_mask, training=..., targets=None)`:
+      images: [B, H, W, 3] float in [0, 1] (not ImageNet-normalized).
+      pixel_mask: [B, H, W] bool, ignored (see the module docstring).
+      targets: training only, when denoising is on: 'labels' [B, T], 'boxes' [B, T, 4]
+        cxcywh, 'mask' [B, T] (the batch's padded targets).
+    Returns, all float32:
+      'pred_logits': [B, Q, num_classes] per-class sigmoid logits.
+      'pred_boxes': [B, Q, 4] normalized cx, cy, w, h.
+      'aux_outputs': list of n-1 such dicts, the decoder layers before the last one run
+        (empty without aux_loss; n = num_inference_layers at inference).
+      'enc_outputs': {'pred_logits' [B, Q, num_classes], 'pred_boxes' [B, Q, 4]}: the Q
+        selected encoder cells' own predictions (RT-DETR's enc_topk_logits / enc_topk_bboxes).
+      'dn_outputs' (training with denoising and targets): the denoising queries'
+        'pred_logits' [L, B, N_dn, num_classes] and 'pred_boxes' [L, B, N_dn, 4] for every
+        decoder layer, with what they must reconstruct ('labels', 'boxes', 'positive',
+        'valid', see DenoisingQueries), 'num_groups' and 'parts' (the layout of
+        detr_tf/losses/denoising.py).
+
+    `model.backbone.trainable_variables` take the backbone learning rate.
+    """
+
+    def __init__(self, backbone: tf_keras.layers.Layer, encoder: tf_keras.layers.Layer,
+                 decoder: RTDetrDecoder, aux_loss: bool = True,
+                 denoising: Optional[DenoisingQueries] = None,
+                 canvas_sizes: Sequence[Tuple[int, int]] = (), **kwargs):
+        kwargs.setdefault("name", "rtdetr")
+        super().__init__(backbone, None, decoder, decoder.num_classes, decoder.num_queries,
+                         aux_loss, **kwargs)
+        self.encoder = encoder
+        self.decoder = decoder
+        self.denoising = denoising
+        # The train step passes the targets to a model that asks for them.
+        self.trains_on_targets = denoising is not None
+        self.canvas_sizes = [(int(h), int(w)) for h, w in canvas_sizes]
+
+    @property
+    def denoising_class_embed(self) -> Optional[tf.Variable]:
+        """RT-DETR's denoising label embedding, [num_classes + 1, d], the last row the padding
+        slots' (None without denoising)."""
+        return None if self.denoising is None else self.denoising.label_embed.embeddings
+
+    @property
+    def build_size(self) -> Tuple[int, int]:
+        """The smallest square canvas (a multiple of 32) with at least num_queries memory cells
+        (levels at strides 8, 16, 32, ...). Weights do not depend on the size."""
+        def cells(side):
+            return sum((-(-side // (8 * 2 ** level))) ** 2
+                       for level in range(self.decoder.num_levels))
+
+        side = 64
+        while cells(side) < self.num_queries:
+            side += 32
+        return side, side
+
+    def call(self, images: tf.Tensor, pixel_mask: Optional[tf.Tensor] = None,
+             training: Optional[bool] = None,
+             targets: Optional[Dict[str, tf.Tensor]] = None) -> Dict[str, object]:
+        if images.shape[1] is None or images.shape[2] is None:
+            if pixel_mask is None:
+                pixel_mask = tf.ones(tf.shape(images)[:3], tf.bool)
+            images, pixel_mask = pad_to_canvas(images, pixel_mask, self.canvas_sizes,
+                                               "build_rtdetr")
+        features = self.backbone(images, training=training)  # [C3, C4, C5]
+        features = self.encoder(features, training=training)  # [P3, P4, P5]
+        dn = self._denoising(targets) if training else None
+        group_size = 0 if dn is None else dn["labels"].shape[1] // dn["num_groups"]
+        out = self.decoder(features, training=training, dn=dn, dn_group_size=group_size)
+        logits, boxes = out["pred_logits"], out["pred_boxes"]  # [n, B, Q (+ N_dn), ...]
+        extra = {"enc_outputs": out["enc_outputs"]}
+        if dn is not None:
+            q = self.num_queries
+            extra["dn_outputs"] = {"pred_logits": logits[:, :, q:], "pred_boxes": boxes[:, :, q:],
+                                   **{k: v for k, v in dn.items()
+                                      if k not in ("anchor_logits", "content")}}
+            logits, boxes = logits[:, :, :q], boxes[:, :, :q]
+        return {**self.layer_outputs(logits, boxes), **extra}
+
+    def _denoising(self, targets: Optional[Dict[str, tf.Tensor]]) -> Optional[Dict]:
+        """The denoising queries of a training batch (None without denoising or targets)."""
+        if self.denoising is None or targets is None or not targets["labels"].shape[1]:
+            return None
+        dn = self.denoising(targets)
+        dn["num_groups"] = self.denoising.groups(targets["labels"].shape[1])
+        dn["parts"] = self.denoising.parts
+        return dn
+
+
+@gin.configurable
+def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int = 256,
+                 backbone: Optional[tf_keras.layers.Layer] = None,
+                 encoder: Optional[tf_keras.layers.Layer] = None,
+                 num_decoder_layers: int = 6, num_heads: int = 8, dim_feedforward: int = 1024,
+                 dropout: float = 0.0, num_levels: int = 3,
+                 num_points: Union[int, Sequence[int]] = 4, offset_scale: float = 0.5,
+                 sampling_method: str = "bilinear", learn_initial_query: bool = False,
+                 num_inference_layers: Optional[int] = None, aux_loss: bool = True,
+                 denoising: bool = True,
+                 canvas_sizes: Sequence[Tuple[int, int]] = ()) -> RTDETR:
+    """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
+    R50-vd defaults.
+
+    Args:
+      num_classes: classes (80 for COCO's contiguous ids); per-class sigmoid heads.
+      num_queries: decoder queries, the encoder cells selected (300).
+      hidden_dim: decoder width d_model (256).
+      backbone: a layer `images -> [C3, C4, C5]` (ResNetVd).
+      encoder: a layer `[C3, C4, C5] -> [P3, P4, P5]` with an `out_channels` attribute, one
+        entry per map (HybridEncoder).
+      num_decoder_layers, num_heads, dim_feedforward, dropout: the decoder (6, 8, 1024, 0).
+      num_levels: memory levels (3; more add 3x3 stride-2 levels on P5).
+      num_points: cross-attention points per head and level (4), or one count per level (v2).
+      offset_scale: cross-attention offset scale for box references (0.5; a v2 option).
+      sampling_method: 'bilinear' or v2's 'discrete'.
+      learn_initial_query: learned content queries instead of the selected cells' memory.
+      num_inference_layers: decoder layers run at inference (None: all; v2's eval_idx).
+      aux_loss: return the decoder layers before the last.
+      denoising: RT-DETR's contrastive denoising queries in training (a DenoisingQueries with
+        a padding row; bind its noise in Gin: contrastive = True, box_noise_scale = 1.0,
+        label_noise_ratio = 0.25, num_denoising = 100 are RT-DETR's).
+      canvas_sizes: the (height, width) canvases the data can have (its buckets), for a
+        training step traced without static image sizes (detector.pad_to_canvas).
+    """
+    if backbone is None:
+        from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
+        backbone = ResNetVd()
+    if encoder is None:
+        from detr_tf.modeling.hybrid_encoder import HybridEncoder  # the default only
+        encoder = HybridEncoder()
+    decoder = RTDetrDecoder(
+        num_classes=num_classes, d_model=hidden_dim, num_queries=num_queries,
+        num_layers=num_decoder_layers, num_heads=num_heads, dim_feedforward=dim_feedforward,
+        dropout=dropout, num_levels=num_levels, encoder_levels=len(encoder.out_channels),
+        num_points=num_points, offset_scale=offset_scale, method=sampling_method,
+        learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
+        name="decoder")
+    denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
+                else None)
+    return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,
+                  canvas_sizes=canvas_sizes)

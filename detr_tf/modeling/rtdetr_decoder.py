@@ -1,0 +1,284 @@
+"""RT-DETR's query selection and decoder (Zhao et al. 2024; RT-DETRv2, Lv et al. 2024).
+
+Everything after the hybrid encoder, as one layer:
+
+1. `decoder_input_proj`: each encoder map [P3, P4, P5] through a 1x1 conv + batch norm to
+   d_model channels; levels beyond the encoder's come from 3x3 stride-2 conv + batch norm, the
+   first on P5, each next one on the level before (the reference's chain; transformers
+   applies every extra conv to P5, which differs from the fifth level on and only runs when
+   the encoder and decoder widths are equal). The levels are flattened into the memory
+   [B, S, d] the cross-attention reads.
+2. Query selection. Every memory cell has a fixed anchor box centred on it, of side
+   0.05 * 2^level (`generate_anchors`). Cells whose anchor pokes out of (0.01, 0.99) are
+   invalid: their memory is zeroed before `enc_output` (Linear + LayerNorm), and their anchor
+   logit is float32's largest value. `enc_score_head` scores every cell, `enc_bbox_head` (a
+   3-layer MLP) corrects its anchor in logit space; the num_queries cells with the highest
+   class logit become the queries. Their boxes (gradient stopped) are the first references;
+   their transformed memory (gradient stopped), or a learned embedding (`learn_initial_query`),
+   the content.
+3. The decoder: `DeformableDecoderLayer`s (post-norm; RT-DETR's layer exactly). Each layer's
+   positional query is `query_pos_head` (MLP 4 -> 2d -> d) of its current reference box, and
+   its own heads `class_embed.i` / `bbox_embed.i` predict the logits and correct the reference
+   in inverse-sigmoid space; the corrected box, gradient stopped, is the next reference.
+
+Invalid anchors in float32. Their logit is float32's maximum (3.4e38), as in transformers. In
+float32, adding the box head's correction leaves it there (one ulp at that magnitude is 2e31)
+unless a correction above ~1e31 overflows it to +inf; either way the sigmoid is exactly 1, its
+gradient exactly 0, and `inverse_sigmoid` clamps the box back to a finite logit (11.5) for
+the next layer, so nothing turns into NaN. The anchors stay float32 under every policy (cast to
+bfloat16 or float16 the maximum would be +inf from the start). A cell selected this way
+predicts the box (1, 1, 1, 1), as in the reference.
+
+Training ("look forward twice", the authors' formulation): a layer's box is computed from the
+previous layer's box without its gradient stopped, so each layer's box loss also trains the
+previous layer's box head; the references the layers read are the stopped ones. The values are
+the same as at inference.
+
+Denoising queries (`dn`, training only): their noised boxes and embedded labels are appended
+after the num_queries matching queries, and the self-attention mask (query_groups.py) keeps
+the matching queries from seeing them. The decoder is equivariant to the order of its queries
+(self-attention under a mask, everything else per query), so appending instead of
+transformers' prepending changes no value.
+
+`num_inference_layers` (RT-DETRv2's eval_idx): at inference, only the first n decoder layers
+run and the n-th layer's heads give the output; training always runs them all, so a model
+trained with N layers can be served with fewer without retraining.
+"""
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.modeling import query_groups
+from detr_tf.modeling.csp_rep import ConvNorm
+from detr_tf.modeling.deformable_transformer import DeformableDecoderLayer
+from detr_tf.modeling.layers import MLP, box_head, inverse_sigmoid, layer_norm, prior_class_head
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def generate_anchors(shapes: Sequence[Tuple[int, int]], grid_size: float = 0.05,
+                     eps: float = 0.01) -> Tuple[np.ndarray, np.ndarray]:
+    """Every cell's anchor box as logits, and whether it is valid.
+
+    Cell (i, j) of level l (h x w) has the box (cx, cy, w, h) = ((j + 0.5) / w, (i + 0.5) / h,
+    grid_size * 2^l, grid_size * 2^l); it is valid when all four lie strictly inside
+    (eps, 1 - eps). Computed in float32 as transformers does.
+
+    Args:
+      shapes: static (h, w) per level.
+
+    Returns:
+      logits [S, 4] float32, log(box / (1 - box)), FLOAT32_MAX on invalid cells; valid [S] bool.
+    """
+    boxes = []
+    for level, (h, w) in enumerate(shapes):
+        ys, xs = np.meshgrid(np.arange(h, dtype=np.float32), np.arange(w, dtype=np.float32),
+                             indexing="ij")
+        cx = (xs + np.float32(0.5)) / np.float32(w)
+        cy = (ys + np.float32(0.5)) / np.float32(h)
+        side = np.full_like(cx, np.float32(grid_size) * np.float32(2.0 ** level))
+        boxes.append(np.stack([cx, cy, side, side], -1).reshape(h * w, 4))
+    boxes = np.concatenate(boxes, 0)  # [S, 4]
+    valid = np.all((boxes > np.float32(eps)) & (boxes < np.float32(1.0 - eps)), -1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # sides >= 1 only occur on invalid cells
+        logits = np.log(boxes / (np.float32(1.0) - boxes))
+    return np.where(valid[:, None], logits, np.float32(FLOAT32_MAX)).astype(np.float32), valid
+
+
+def _flatten(maps: Sequence[tf.Tensor]) -> tf.Tensor:
+    """[B, h_l, w_l, d] maps -> [B, S, d], level after level, each row-major."""
+    b = tf.shape(maps[0])[0]
+    return tf.concat([tf.reshape(m, [b, -1, m.shape[-1]]) for m in maps], 1)
+
+
+class RTDetrDecoder(tf_keras.layers.Layer):
+    """RT-DETR after the encoder: input projection, query selection, decoder, heads.
+
+    Sublayers are named after transformers' modules under `model.` (`decoder_input_proj.i`,
+    `enc_output.0`, `decoder.layers.i`, `decoder.class_embed.i`, ...), see
+    detr_tf/weights/rtdetr/decoder.py.
+
+    Args:
+      num_classes: C, per-class sigmoid logits (no no-object class).
+      d_model: decoder width d.
+      num_queries: Q, the encoder cells selected as queries.
+      num_layers: decoder layers.
+      num_heads: attention heads (self- and cross-attention).
+      dim_feedforward: the decoder FFN's hidden width.
+      dropout: dropout of the decoder layers (0 in RT-DETR).
+      num_levels: L, memory levels; those beyond `encoder_levels` come from 3x3 stride-2 convs.
+      encoder_levels: how many maps the encoder gives (3: P3-P5).
+      num_points: cross-attention points per head and level, or one count per level (v2).
+      offset_scale: cross-attention offset scale for box references (0.5; v2's option).
+      method: cross-attention sampling, 'bilinear' or v2's 'discrete'.
+      learn_initial_query: content queries from a learned embedding (`weight_embedding`)
+        instead of the selected cells' memory.
+      num_inference_layers: decoder layers run at inference (None: all), see module doc.
+    """
+
+    def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
+                 num_layers: int = 6, num_heads: int = 8, dim_feedforward: int = 1024,
+                 dropout: float = 0.0, num_levels: int = 3, encoder_levels: int = 3,
+                 num_points: Union[int, Sequence[int]] = 4, offset_scale: float = 0.5,
+                 method: str = "bilinear", learn_initial_query: bool = False,
+                 num_inference_layers: Optional[int] = None, **kwargs):
+        kwargs.setdefault("name", "rtdetr_decoder")
+        super().__init__(**kwargs)
+        if not 1 <= encoder_levels <= num_levels:
+            raise ValueError(f"RTDetrDecoder: encoder_levels={encoder_levels} must be in "
+                             f"[1, num_levels={num_levels}]")
+        if num_inference_layers is not None and not 1 <= num_inference_layers <= num_layers:
+            raise ValueError(f"RTDetrDecoder: num_inference_layers={num_inference_layers} must "
+                             f"be in [1, num_layers={num_layers}] (or None: all)")
+        self.num_classes, self.d_model, self.num_queries = num_classes, d_model, num_queries
+        self.num_levels, self.encoder_levels = num_levels, encoder_levels
+        self.num_layers, self.num_inference_layers = num_layers, num_inference_layers
+        self.decoder_input_proj = [
+            ConvNorm(d_model, 1 if i < encoder_levels else 3, 1 if i < encoder_levels else 2,
+                     conv_name="0", norm_name="1", name=f"decoder_input_proj.{i}")
+            for i in range(num_levels)]
+        self.enc_output = tf_keras.layers.Dense(d_model, name="enc_output.0")
+        self.enc_output_norm = layer_norm("enc_output.1")
+        self.enc_score_head = prior_class_head(num_classes, "enc_score_head")
+        self.enc_bbox_head = box_head(d_model, 0.0, "enc_bbox_head")
+        self.weight_embedding = tf_keras.layers.Embedding(
+            num_queries, d_model, embeddings_initializer="glorot_uniform",
+            name="weight_embedding") if learn_initial_query else None
+        self.decoder_layers = [DeformableDecoderLayer(
+            d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
+            offset_scale=offset_scale, method=method, name=f"decoder.layers.{i}")
+            for i in range(num_layers)]
+        self.query_pos_head = MLP(2 * d_model, d_model, 2, name="decoder.query_pos_head")
+        self.class_embed = [prior_class_head(num_classes, f"decoder.class_embed.{i}")
+                            for i in range(num_layers)]
+        self.bbox_embed = [box_head(d_model, 0.0, f"decoder.bbox_embed.{i}")
+                           for i in range(num_layers)]
+
+    def memory(self, features: Sequence[tf.Tensor],
+               training=None) -> Tuple[tf.Tensor, List[Tuple[int, int]]]:
+        """The projected levels: (memory [B, S, d], static (h, w) per level)."""
+        if len(features) != self.encoder_levels:
+            raise ValueError(f"RTDetrDecoder: expected {self.encoder_levels} encoder maps "
+                             f"(encoder_levels), got {len(features)}")
+        maps = [proj(x, training=training)
+                for proj, x in zip(self.decoder_input_proj, features)]
+        for proj in self.decoder_input_proj[self.encoder_levels:]:
+            # The first extra level reads the last encoder map, each next one the level before.
+            source = features[-1] if len(maps) == self.encoder_levels else maps[-1]
+            maps.append(proj(source, training=training))
+        shapes = [tuple(m.shape[1:3]) for m in maps]
+        if any(s is None for shape in shapes for s in shape):
+            raise ValueError(f"RTDetrDecoder: the feature maps need static sizes (deformable "
+                             f"attention and the anchors are built per size), got {shapes}")
+        return _flatten(maps), [(int(h), int(w)) for h, w in shapes]
+
+    def select(self, memory: tf.Tensor, shapes: Sequence[Tuple[int, int]]) -> Dict[str, tf.Tensor]:
+        """Query selection (module doc, step 2).
+
+        Returns:
+          'content': [B, Q, d] content queries (gradient stopped, or learned).
+          'reference_logits': [B, Q, 4] float32 logits of the first references (stopped).
+          'enc_logits': [B, Q, C] float32 class logits of the selected cells.
+          'enc_boxes': [B, Q, 4] float32 cxcywh boxes of the selected cells.
+        """
+        if memory.shape[1] < self.num_queries:
+            raise ValueError(f"RTDetrDecoder: num_queries={self.num_queries} cells are selected "
+                             f"from the {memory.shape[1]} of levels {list(shapes)}; use larger "
+                             "images or fewer queries")
+        anchors, valid = generate_anchors(shapes)
+        masked = memory * tf.constant(valid[None, :, None], memory.dtype)
+        output_memory = self.enc_output_norm(self.enc_output(masked))  # [B, S, d]
+        logits = tf.cast(self.enc_score_head(output_memory), tf.float32)  # [B, S, C]
+        coords = tf.cast(self.enc_bbox_head(output_memory), tf.float32) + anchors[None]
+        _, top = tf.math.top_k(tf.reduce_max(logits, -1), k=self.num_queries)  # [B, Q]
+        top_coords = tf.gather(coords, top, batch_dims=1)  # [B, Q, 4]
+        if self.weight_embedding is not None:
+            content = self.weight_embedding(tf.range(self.num_queries))[None]
+            content = tf.tile(content, [tf.shape(memory)[0], 1, 1])
+        else:
+            content = tf.stop_gradient(tf.gather(output_memory, top, batch_dims=1))
+        return {"content": content, "reference_logits": tf.stop_gradient(top_coords),
+                "enc_logits": tf.gather(logits, top, batch_dims=1),
+                "enc_boxes": tf.sigmoid(top_coords)}
+
+    def decode(self, content: tf.Tensor, reference_logits: tf.Tensor, memory: tf.Tensor,
+               shapes: Sequence[Tuple[int, int]], self_attn_mask: Optional[tf.Tensor] = None,
+               training=None) -> Tuple[tf.Tensor, tf.Tensor]:
+        """The decoder layers with iterative refinement (module doc, step 3).
+
+        Args:
+          content: [B, N, d]; reference_logits: [B, N, 4] float32; memory: [B, S, d];
+          self_attn_mask: [B or 1, N, N] bool (True: may attend), None: all.
+
+        Returns:
+          logits [n, B, N, C] and boxes [n, B, N, 4] (cxcywh), float32, for the n layers run.
+        """
+        run = self.num_layers if training or self.num_inference_layers is None \
+            else self.num_inference_layers
+        b, n = tf.shape(content)[0], tf.shape(content)[1]
+        reference = tf.sigmoid(reference_logits)  # [B, N, 4], no gradient
+        previous = None  # the last layer's box with its gradient (training: look forward twice)
+        x, all_logits, all_boxes = content, [], []
+        for i in range(run):
+            pos = self.query_pos_head(reference)
+            per_level = tf.broadcast_to(reference[:, :, None], [b, n, self.num_levels, 4])
+            x = self.decoder_layers[i](x, pos, per_level, memory, shapes, None,
+                                       training=training, self_attn_mask=self_attn_mask)
+            delta = tf.cast(self.bbox_embed[i](x), tf.float32)  # [B, N, 4]
+            box = tf.sigmoid(delta + inverse_sigmoid(reference))
+            out_box = box if previous is None else tf.sigmoid(delta + inverse_sigmoid(previous))
+            all_logits.append(tf.cast(self.class_embed[i](x), tf.float32))
+            all_boxes.append(out_box if training else box)
+            previous, reference = box, tf.stop_gradient(box)
+        self._build_unused(run, x, memory, shapes)
+        return tf.stack(all_logits), tf.stack(all_boxes)
+
+    def _build_unused(self, run: int, x: tf.Tensor, memory: tf.Tensor,
+                      shapes: Sequence[Tuple[int, int]]) -> None:
+        """Builds the layers an inference with fewer layers skips, on the first call only: their
+        variables must exist for loading weights and for training (the result is unused)."""
+        for i in range(run, self.num_layers):
+            if self.decoder_layers[i].built:
+                continue
+            reference = tf.fill(tf.concat([tf.shape(x)[:2], [4]], 0), 0.5)
+            pos = self.query_pos_head(reference)
+            per_level = tf.broadcast_to(reference[:, :, None],
+                                        [tf.shape(x)[0], tf.shape(x)[1], self.num_levels, 4])
+            y = self.decoder_layers[i](x, pos, per_level, memory, shapes, None)
+            self.class_embed[i](y)
+            self.bbox_embed[i](y)
+
+    def call(self, features: Sequence[tf.Tensor], training=None,
+             dn: Optional[Dict[str, tf.Tensor]] = None,
+             dn_group_size: int = 0) -> Dict[str, object]:
+        """Selects the queries and decodes them.
+
+        Args:
+          features: the encoder's maps [B, h_l, w_l, C_enc], finest first (P3, P4, P5).
+          dn: denoising queries (training only), DenoisingQueries' 'anchor_logits'
+            [B, N_dn, 4], 'content' [B, N_dn, d] and 'valid' [B, N_dn]; appended after the
+            Q matching queries.
+          dn_group_size: queries per denoising group (their attention blocks).
+
+        Returns (float32):
+          'pred_logits': [n, B, Q (+ N_dn), C] per decoder layer run (n: see
+            num_inference_layers), 'pred_boxes': [n, B, Q (+ N_dn), 4] normalized cxcywh,
+          'enc_outputs': {'pred_logits' [B, Q, C], 'pred_boxes' [B, Q, 4]}, the selected
+            cells' own predictions.
+        """
+        memory, shapes = self.memory(features, training=training)
+        queries = self.select(memory, shapes)
+        content = tf.cast(queries["content"], memory.dtype)
+        reference_logits, mask = queries["reference_logits"], None
+        if dn is not None:
+            content = tf.concat([content, tf.cast(dn["content"], memory.dtype)], 1)
+            reference_logits = tf.concat(
+                [reference_logits, tf.cast(dn["anchor_logits"], tf.float32)], 1)
+            mask = query_groups.self_attention_mask(1, self.num_queries, dn_group_size,
+                                                    dn["valid"])
+        logits, boxes = self.decode(content, reference_logits, memory, shapes, mask, training)
+        return {"pred_logits": logits, "pred_boxes": boxes,
+                "enc_outputs": {"pred_logits": queries["enc_logits"],
+                                "pred_boxes": queries["enc_boxes"]}}
