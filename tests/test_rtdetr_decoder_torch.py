@@ -127,6 +127,7 @@ def test_whole_model_matches_transformers():
     transformers RT-DETR (narrow: an 8-wide ResNet-18-like backbone, a 16-wide encoder, the
     decoder above) through the three tables: the final and auxiliary layers and the encoder's
     top-K. The 32x416 images give a 52-wide stride-8 map, with invalid anchors."""
+    from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
     from detr_tf.modeling.hybrid_encoder import HybridEncoder
     from detr_tf.modeling.resnet_vd import ResNetVd
     from detr_tf.modeling.rtdetr import build_rtdetr
@@ -148,13 +149,15 @@ def test_whole_model_matches_transformers():
                                            embedding_size=8, depths=(1, 1, 1, 1)),
                          encoder=HybridEncoder(hidden_dim=16, num_heads=2, dim_feedforward=16),
                          num_decoder_layers=3, num_heads=4, dim_feedforward=64, num_levels=4)
-    model(tf.constant(images), None, training=False)
+    # The model's default input is what detr_tf's pipeline makes: ImageNet-normalized pixels.
+    normalized = tf.constant((images - IMAGENET_MEAN) / IMAGENET_STD, tf.float32)
+    model(normalized, None, training=False)
     table = {**backbone_table.hf_targets(backbone_table.PREFIX, model.backbone),
              **encoder_table.hf_targets(model.encoder), **hf_targets(model)}
     assert set(table) == set(params), sorted(set(table) ^ set(params))[:6]
     for key, target in table.items():
         target.variable.assign(target.from_torch(params[key]))
-    out = model(tf.constant(images), None, training=False)
+    out = model(normalized, None, training=False)
     ours = {"logits": np.stack([a["pred_logits"] for a in out["aux_outputs"]]
                                + [out["pred_logits"]]),
             "boxes": np.stack([a["pred_boxes"] for a in out["aux_outputs"]]

@@ -12,7 +12,13 @@ sampling) and its inference depth, all arguments of `build_rtdetr`.
 
 RT-DETR has no pixel mask: its convolutions and attention see the whole canvas, padding
 included, as the reference does on a padded batch. `pixel_mask` is accepted for the family's
-contract and ignored. Images are NOT ImageNet-normalized: RT-DETR takes [0, 1] pixels.
+contract, and used for one thing only: padded pixels are set to 0, as the reference pads.
+
+Input scale. RT-DETR's weights expect [0, 1] pixels, while detr_tf's data pipeline, evaluation,
+prediction and export feed every detector ImageNet-normalized images. With
+`input_normalization='imagenet'` (the default) the model undoes that normalization first (one
+multiply-add per pixel), so RT-DETR runs unchanged through the whole framework; 'unit' takes
+[0, 1] images as they are.
 
 Classification is per-class sigmoid (VFL / focal); 'pred_logits' has num_classes entries and no
 no-object class.
@@ -23,17 +29,21 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.detector import Detector, pad_to_canvas
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
+
+INPUT_NORMALIZATIONS = ("imagenet", "unit")
 
 
 class RTDETR(Detector):
     """RT-DETR.
 
     Call `model(images, pixel_mask, training=..., targets=None)`:
-      images: [B, H, W, 3] float in [0, 1] (not ImageNet-normalized).
-      pixel_mask: [B, H, W] bool, ignored (see the module docstring).
+      images: [B, H, W, 3] float, ImageNet-normalized (input_normalization='imagenet') or
+        in [0, 1] ('unit').
+      pixel_mask: [B, H, W] bool, True on real pixels; padding reads as 0 in [0, 1] scale.
       targets: training only, when denoising is on: 'labels' [B, T], 'boxes' [B, T, 4]
         cxcywh, 'mask' [B, T] (the batch's padded targets).
     Returns, all float32:
@@ -55,8 +65,12 @@ class RTDETR(Detector):
     def __init__(self, backbone: tf_keras.layers.Layer, encoder: tf_keras.layers.Layer,
                  decoder: RTDetrDecoder, aux_loss: bool = True,
                  denoising: Optional[DenoisingQueries] = None,
-                 canvas_sizes: Sequence[Tuple[int, int]] = (), **kwargs):
+                 canvas_sizes: Sequence[Tuple[int, int]] = (),
+                 input_normalization: str = "imagenet", **kwargs):
         kwargs.setdefault("name", "rtdetr")
+        if input_normalization not in INPUT_NORMALIZATIONS:
+            raise ValueError(f"RTDETR: input_normalization={input_normalization!r}; expected "
+                             f"one of {INPUT_NORMALIZATIONS}")
         super().__init__(backbone, None, decoder, decoder.num_classes, decoder.num_queries,
                          aux_loss, **kwargs)
         self.encoder = encoder
@@ -65,6 +79,7 @@ class RTDETR(Detector):
         # The train step passes the targets to a model that asks for them.
         self.trains_on_targets = denoising is not None
         self.canvas_sizes = [(int(h), int(w)) for h, w in canvas_sizes]
+        self.input_normalization = input_normalization
 
     @property
     def denoising_class_embed(self) -> Optional[tf.Variable]:
@@ -93,6 +108,7 @@ class RTDETR(Detector):
                 pixel_mask = tf.ones(tf.shape(images)[:3], tf.bool)
             images, pixel_mask = pad_to_canvas(images, pixel_mask, self.canvas_sizes,
                                                "build_rtdetr")
+        images = self._unit_scale(images, pixel_mask)
         features = self.backbone(images, training=training)  # [C3, C4, C5]
         features = self.encoder(features, training=training)  # [P3, P4, P5]
         dn = self._denoising(targets) if training else None
@@ -107,6 +123,16 @@ class RTDETR(Detector):
                                       if k not in ("anchor_logits", "content")}}
             logits, boxes = logits[:, :, :q], boxes[:, :, :q]
         return {**self.layer_outputs(logits, boxes), **extra}
+
+    def _unit_scale(self, images: tf.Tensor, pixel_mask: Optional[tf.Tensor]) -> tf.Tensor:
+        """[B, H, W, 3] as the model's input -> [0, 1] pixels, padding 0 (module docstring)."""
+        if self.input_normalization == "imagenet":
+            images = images * tf.constant(IMAGENET_STD, images.dtype) + tf.constant(
+                IMAGENET_MEAN, images.dtype)
+        if pixel_mask is not None:
+            images = tf.where(tf.cast(pixel_mask, tf.bool)[..., None], images,
+                              tf.zeros_like(images))
+        return images
 
     def _denoising(self, targets: Optional[Dict[str, tf.Tensor]]) -> Optional[Dict]:
         """The denoising queries of a training batch (None without denoising or targets)."""
@@ -128,7 +154,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
                  sampling_method: str = "bilinear", learn_initial_query: bool = False,
                  num_inference_layers: Optional[int] = None, aux_loss: bool = True,
                  denoising: bool = True,
-                 canvas_sizes: Sequence[Tuple[int, int]] = ()) -> RTDETR:
+                 canvas_sizes: Sequence[Tuple[int, int]] = (),
+                 input_normalization: str = "imagenet") -> RTDETR:
     """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
     R50-vd defaults.
 
@@ -152,6 +179,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         label_noise_ratio = 0.25, num_denoising = 100 are RT-DETR's).
       canvas_sizes: the (height, width) canvases the data can have (its buckets), for a
         training step traced without static image sizes (detector.pad_to_canvas).
+      input_normalization: 'imagenet' (images as detr_tf's pipeline makes them) or 'unit'
+        ([0, 1] pixels, RT-DETR's own scale); see the module docstring.
     """
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
@@ -169,4 +198,4 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,
-                  canvas_sizes=canvas_sizes)
+                  canvas_sizes=canvas_sizes, input_normalization=input_normalization)

@@ -103,6 +103,20 @@ HF_DEFORMABLE_4 = Layout(
     lambda t: _rename(t, _HF_DEFORMABLE_4_TO_5), default_skip=("*.num_batches_tracked",))
 HF_DEFORMABLE_5 = dataclasses.replace(
     HF_DEFORMABLE_4, name="Hugging Face DeformableDetrForObjectDetection (transformers 5.x names)")
+# Hugging Face RTDetrForObjectDetection / RTDetrV2ForObjectDetection (the PekingU Hub files):
+# canonical names are transformers 5.x's keys (detr_tf.weights.rtdetr places them). Files
+# written by either version's save_pretrained carry the 4.x names, renamed here; 5.x names pass
+# through unchanged. v2's `n_points_scale` buffers are constants of the architecture (1 / points
+# of each level), not weights.
+_HF_RTDETR_4_TO_5 = [
+    (r"^model\.encoder\.encoder\.(\d+)\.layers\.", r"model.encoder.aifi.\1.layers."),
+    (r"(layers\.\d+)\.fc([12])\.", r"\1.mlp.fc\2."),
+    (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."),
+]
+HF_RTDETR = Layout(
+    "Hugging Face RTDetr / RTDetrV2 ForObjectDetection (transformers 4.x or 5.x names)",
+    lambda t: _rename(t, _HF_RTDETR_4_TO_5),
+    default_skip=("*.num_batches_tracked", "*.n_points_scale"))
 RESNET = Layout("ImageNet ResNet (torchvision / timm names), backbone only",
                 lambda t: _rename(t, [(r"^", "backbone.")]),
                 default_skip=("fc.*", "*.num_batches_tracked"), backbone_only=True)
@@ -121,6 +135,8 @@ def detect(keys) -> Layout:
 
     if has("transformer.") and (has("backbone.0.") or "query_embed.weight" in keys):
         return REFERENCE_DETR
+    if any(".enc_score_head." in k for k in keys):  # RT-DETR's query selection
+        return HF_RTDETR
     if any(".sampling_offsets." in k for k in keys):  # deformable attention
         hf5 = has("model.backbone.model.") or any(".mlp.fc1." in k for k in keys)
         return HF_DEFORMABLE_5 if hf5 else HF_DEFORMABLE_4
@@ -133,5 +149,6 @@ def detect(keys) -> Layout:
     sample = ", ".join(sorted(keys)[:5])
     raise ValueError(f"unknown key layout (first keys: {sample}); expected a reference DETR "
                      "state dict (backbone.0.body.*, transformer.*), a Hugging Face DETR "
-                     "(model.backbone.*, model.encoder.*) or an ImageNet ResNet (conv1.*, "
+                     "(model.backbone.*, model.encoder.*), Deformable DETR (*.sampling_offsets.*) "
+                     "or RT-DETR (model.enc_score_head.*), or an ImageNet ResNet (conv1.*, "
                      "layer1.*)")

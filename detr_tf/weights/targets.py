@@ -8,7 +8,9 @@ import tf_keras
 
 from detr_tf.modeling.backbone import ResNet, torchvision_variables
 from detr_tf.modeling.deformable_detr import DeformableDETR
+from detr_tf.modeling.rtdetr import RTDETR
 from detr_tf.weights import deformable_targets, target
+from detr_tf.weights.rtdetr import model as rtdetr_targets
 from detr_tf.weights.target import Target
 from detr_tf.weights.ties import TieRule
 
@@ -52,6 +54,8 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
     """
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
+    if isinstance(model, RTDETR):
+        return rtdetr_targets.torch_targets(model)
     if _is_deformable(model):
         return deformable_targets.torch_targets(model)
     if not isinstance(model.backbone, ResNet):
@@ -74,6 +78,8 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
 def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
     """The variables re-initialised together when the file's class or query count differs:
     'class head' (class_embed and the two-stage proposals' class layer) and 'query embedding'."""
+    if isinstance(model, RTDETR):
+        return rtdetr_targets.head_groups(model)
     if _is_deformable(model):
         return deformable_targets.head_groups(model)
     groups = {"class head": list(model.class_embed.variables)}
@@ -87,6 +93,8 @@ def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
 def tie_rules(model: tf_keras.Model) -> Tuple[TieRule, ...]:
     """The rules saying which of the model's torch names a file may store as one tensor
     (detr_tf.weights.ties); DETR shares no module, so it has none."""
+    if isinstance(model, RTDETR):
+        return rtdetr_targets.tie_rules(model)
     if _is_deformable(model):
         return deformable_targets.tie_rules(model)
     return ()

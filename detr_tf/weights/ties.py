@@ -64,6 +64,13 @@ _DECODER_CLASS = _decoder_head_is_models("class_embed", "two-stage")
 # The per-index decoder rules come first: a two-stage file may hold both
 # `model.decoder.class_embed.N` and `class_embed.0`, and only the first is head N.
 TIE_RULES: Dict[str, Dict[str, Tuple[TieRule, ...]]] = {
+    # RT-DETRv2 in transformers stores its per-layer heads twice: `class_embed.N` and
+    # `bbox_embed.N` at the top level are `model.decoder.class_embed.N` / `.bbox_embed.N`
+    # (v1 files hold only the decoder's names; the rules then fill in the top-level ones).
+    "RT-DETR": {
+        "v1 and v2": (_decoder_head_is_models("class_embed", "RT-DETRv2's alias"),
+                      _decoder_head_is_models("bbox_embed", "RT-DETRv2's alias")),
+    },
     "Deformable DETR": {
         "plain": (_SHARED_CLASS, _SHARED_BOX),
         "refine": (_DECODER_BOX, _SHARED_CLASS),
