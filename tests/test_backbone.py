@@ -5,7 +5,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.backbone import (BasicBlock, Bottleneck, FrozenBatchNorm, ResNet,
-                                       torchvision_variables)
+                                       TorchConv2D, torchvision_variables)
 
 
 # ---------------------------------------------------------------- float64 torch-like reference
@@ -211,3 +211,14 @@ def test_from_scratch_options_train_stem_and_use_batch_norm():
     assert default.conv1.kernel.ref() not in {v.ref() for v in default.trainable_variables}
     with pytest.raises(ValueError, match="ResNet.norm='group'"):
         make_norm("group", "bn")
+
+
+def test_torch_conv_in_a_graph_with_static_shapes_equals_eager():
+    """A padded strided conv traced with static sizes keeps torch's output size (a graph sets
+    static shapes that eager execution never checks) and eager's values."""
+    conv = TorchConv2D(4, 3, strides=2)
+    x = tf.random.stateless_normal([2, 13, 16, 3], [0, 1])
+    eager = conv(x)
+    graph = tf.function(conv.call)(x)
+    assert eager.shape == graph.shape == (2, 7, 8, 4)
+    np.testing.assert_array_equal(eager.numpy(), graph.numpy())

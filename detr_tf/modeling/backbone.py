@@ -115,8 +115,10 @@ class TorchConv2D(tf_keras.layers.Conv2D):
         if self._pad:
             p = self._pad
             x = tf.pad(x, [[0, 0], [p, p], [p, p], [0, 0]])
+        # Not Conv2D.call: in a graph it sets the output's static shape from
+        # compute_output_shape, which (above) sizes the unpadded input.
         if kernel_scale is None:
-            return super().call(x)
+            return self.convolution_op(x, self.kernel)
         return self.convolution_op(x, self.kernel * tf.cast(kernel_scale, self.kernel.dtype))
 
 
