@@ -49,19 +49,22 @@ TOPK_MARGIN = 1e-4  # logits
 DISCRETE_MARGIN = 1e-3  # cells
 
 
-def hf_model(version: int = 1, **config):
+def hf_model(version: int = 1, backbone_sizes: Sequence[int] = (8, 8, 8, 8),
+             embedding_size: int = 8, **config):
     """transformers' RT-DETR (version 1) or RT-DETRv2 (2) for object detection, eval mode,
-    eager attention, a minimal backbone and encoder (never run). `config`: RTDetrConfig
-    fields (d_model, decoder_layers, ..., encoder_hidden_dim: the encoder maps' channels)."""
+    eager attention, a minimal backbone (basic blocks, one per stage, of `backbone_sizes`
+    channels after an `embedding_size` stem) and encoder. `config`: RTDetrConfig fields
+    (d_model, decoder_layers, ..., encoder_hidden_dim: the encoder maps' channels)."""
     sys.modules.setdefault("triton", None)  # its LLVM crashes next to TensorFlow's; GPU only
     import transformers as tr
 
     config = dict(config)
     enc = config.pop("encoder_hidden_dim", 256)
-    backbone = tr.RTDetrResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 8, 8],
+    backbone = tr.RTDetrResNetConfig(embedding_size=embedding_size,
+                                     hidden_sizes=list(backbone_sizes),
                                      depths=[1, 1, 1, 1], layer_type="basic",
                                      out_features=["stage2", "stage3", "stage4"])
-    common = dict(backbone_config=backbone, encoder_in_channels=[8, 8, 8],
+    common = dict(backbone_config=backbone, encoder_in_channels=list(backbone_sizes[1:]),
                   encoder_hidden_dim=enc, encoder_ffn_dim=16, encoder_attention_heads=2,
                   decoder_in_channels=[enc] * 3, **config)
     if version == 1:
