@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Tuple
 
 import gin
 import numpy as np
@@ -85,9 +86,19 @@ def _images() -> np.ndarray:
     return np.clip(smooth + rng.normal(0, 0.1, smooth.shape), 0, 1).astype(np.float32)
 
 
-def _transformers(build, images: np.ndarray, tries: int = 20):
+# The top-300 selection among 8400 cells per image, on random weights: many selected cells'
+# scores are a float32 rounding step apart (2.4e-7 in R50vd's seeds 0-7), and the two
+# frameworks round differently, so such cells may come out in the other order. The decoder
+# does not depend on the order of its queries (no order in self-attention; each query's
+# position comes from its own box), so a swap only permutes the outputs: they are aligned
+# before comparing (`_aligned`). Only a near-tie between the K-th and the (K+1)-th cell would
+# change the selected set; that gap must be 1e-5, ten times the rounding of the scores.
+BOUNDARY_MARGIN = 1e-5
+
+
+def _transformers(build, images: np.ndarray, tries: int = 10):
     """(transformers' model with random weights, its outputs on `images`) for the first seed
-    whose top-K selection keeps the oracle's margin (ties would swap queries)."""
+    whose top-K set keeps BOUNDARY_MARGIN and whose boxes vary (not saturated)."""
     cls, config = build()
     config._attn_implementation = "eager"
     model = cls(config).eval()
@@ -96,9 +107,34 @@ def _transformers(build, images: np.ndarray, tries: int = 20):
     for seed in range(tries):
         oracle.load_params(model, oracle.random_params(model, np.random.default_rng(seed), keys))
         out = oracle.hf_outputs(model, None, images=images)
-        if out["topk_margin"] >= oracle.TOPK_MARGIN:
+        print(f"seed {seed}: top-K boundary margin {out['boundary_margin']:.2g}, "
+              f"boxes std {out['boxes'].std():.2g}")
+        if out["boundary_margin"] >= BOUNDARY_MARGIN and out["boxes"].std() > 0.05:
             return model, out
-    raise RuntimeError(f"no seed in {tries} keeps the top-K margin")
+    raise RuntimeError(f"no seed in {tries} keeps the top-K boundary margin")
+
+
+def _aligned(ours: dict, ref: dict) -> Tuple[dict, int]:
+    """`ours` with each image's queries in transformers' order, matched on the encoder's top-K
+    (logits and boxes: one selected cell each), and how many queries moved."""
+    from scipy.optimize import linear_sum_assignment
+
+    order, moved = [], 0
+    for b in range(ref["enc_logits"].shape[0]):
+        mine = np.concatenate([ours["enc_logits"][b], ours["enc_boxes"][b]], -1)  # [Q, C + 4]
+        theirs = np.concatenate([ref["enc_logits"][b], ref["enc_boxes"][b]], -1)
+        cost = np.abs(theirs[:, None] - mine[None]).max(-1)  # [Q, Q]
+        rows, cols = linear_sum_assignment(cost)
+        assert cost[rows, cols].max() < 1e-3, f"image {b}: the selected cells differ"
+        order.append(cols)
+        moved += int((cols != rows).sum())
+    return {k: _permute(v, order) for k, v in ours.items()}, moved
+
+
+def _permute(x: np.ndarray, order) -> np.ndarray:
+    """x [..., B, Q, D] with image b's queries taken in the order order[b]."""
+    return np.stack([np.take(x[..., b, :, :], o, axis=-2) for b, o in enumerate(order)],
+                    axis=-3)
 
 
 def _import(weights: str, gin_file: str, output_dir: str) -> subprocess.CompletedProcess:
@@ -149,12 +185,13 @@ def test_full_size_save_pretrained_file_through_the_tool(build, gin_file, tmp_pa
     assert "left at their initial values: none" in result.stdout, result.stdout
     assert "re-initialised" not in result.stdout
     import_done = time.time()
-    ours = _ours(_restored(str(tmp_path / "run")), images)
+    ours, moved = _aligned(_ours(_restored(str(tmp_path / "run")), images), ref)
     diffs = {}
     for key in ("logits", "boxes", "enc_logits", "enc_boxes"):
         assert ours[key].shape == ref[key].shape, (key, ours[key].shape, ref[key].shape)
         diffs[key] = float(np.abs(ours[key] - ref[key]).max())
-    print(f"{gin_file}: max |diff| {diffs}; output std logits {ref['logits'].std():.3g}, "
+    print(f"{gin_file}: max |diff| {diffs} ({moved} queries in another order); output std "
+          f"logits {ref['logits'].std():.3g}, "
           f"boxes {ref['boxes'].std():.3g}; transformers {oracle_done - start:.0f}s, "
           f"import_weights.py {import_done - oracle_done:.0f}s, restore and run "
           f"{time.time() - import_done:.0f}s")

@@ -216,7 +216,9 @@ def hf_outputs(model, features: Sequence[np.ndarray], dn: Dict[str, np.ndarray] 
     [B, H, W, 3] through its backbone and encoder when features is None:
     'logits' [L, B, N, C], 'boxes' [L, B, N, 4], 'enc_logits' [B, Q, C], 'enc_boxes'
     [B, Q, 4], 'topk_margin' (smallest gap between distinct cell scores from the best to the
-    (k+1)-th, per image) and 'discrete_margin' (inf for bilinear sampling).
+    (k+1)-th, per image), 'boundary_margin' (the smallest gap between the k-th and the
+    (k+1)-th: below it the selected set itself may change, above it only the order) and
+    'discrete_margin' (inf for bilinear sampling).
 
     With `dn` (see _GivenDenoising) the model runs in training mode with those denoising
     queries, N = N_dn + Q, the denoising queries first (transformers' order)."""
@@ -250,12 +252,17 @@ def hf_outputs(model, features: Sequence[np.ndarray], dn: Dict[str, np.ndarray] 
     topk_margin = float(distinct.min()) if distinct.size else np.inf
     # An exact tie only between identical (invalid-anchor) cells is harmless; a tie at the k-th
     # place between different cells would not be, and shows as a zero gap there.
-    if np.any(window[:, k - 1] == window[:, k]) and not _ties_identical(out, k):
-        topk_margin = 0.0
+    boundary = window[:, k - 1] - window[:, k]  # per image
+    if np.any(boundary == 0):
+        identical = _ties_identical(out, k)
+        topk_margin = topk_margin if identical else 0.0
+        boundary = np.where(boundary == 0, np.inf if identical else 0.0, boundary)
+    boundary_margin = float(boundary.min())
     return {"logits": out.intermediate_logits.numpy().transpose(1, 0, 2, 3),
             "boxes": out.intermediate_reference_points.numpy().transpose(1, 0, 2, 3),
             "enc_logits": out.enc_topk_logits.numpy(), "enc_boxes": out.enc_topk_bboxes.numpy(),
-            "topk_margin": topk_margin, "discrete_margin": discrete.margin}
+            "topk_margin": topk_margin, "boundary_margin": boundary_margin,
+            "discrete_margin": discrete.margin}
 
 
 def _ties_identical(out, k: int) -> bool:
