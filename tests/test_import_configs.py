@@ -1,7 +1,7 @@
 """Importing weights needs only the model.
 
-Experiment files require training data and backbone weights (%gin.REQUIRED macros) that
-tools/import_weights.py never reads: it must import through them with none given, build the
+Experiment files require training data and initial weights (BACKBONE_WEIGHTS, RT-DETR's
+INIT_WEIGHTS: %gin.REQUIRED macros) that tools/import_weights.py never reads: it must import through them with none given, build the
 same model as their model file (gin_configs/models/*.gin), and write a run directory whose
 config asks for those macros again. Evaluation then asks only for what it reads.
 """
@@ -61,17 +61,24 @@ def _import(gin_file, weights, out, *params):
         capture_output=True, text=True, timeout=900, cwd=REPO, env=ENV)
 
 
-# (experiment file, its model file and the bindings that make them the same model)
+# (experiment file, its model file and the bindings that make them the same model, the
+# weights macro the experiment file requires)
 PAIRS = [("deformable_detr_r50_refine.gin", "models/deformable_detr_r50.gin",
-          ["WITH_BOX_REFINE = True"]),
+          ["WITH_BOX_REFINE = True"], "BACKBONE_WEIGHTS"),
          ("detr_r50_group.gin", "models/detr_r50.gin",
           ["NUM_QUERIES = 300", "build_model.transformer = @AnchorTransformer()",
-           "build_model.num_groups = 11"])]
+           "build_model.num_groups = 11"], "BACKBONE_WEIGHTS"),
+         # In the slow set: CI imports RT-DETR through an experiment file already
+         # (test_rtdetr_weights.py, rtdetr_tiny.gin); this adds a full-size build and a minute.
+         pytest.param("rtdetr_v2_r18vd.gin", "models/rtdetr.gin",
+                      ["RESNET_DEPTH = 18", "BACKBONE_NORM = 'batch'", "HIDDEN_EXPANSION = 0.5",
+                       "DECODER_LAYERS = 3", "NUM_POINTS = (4, 4, 4)"], "INIT_WEIGHTS",
+                      marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("experiment, model_file, same", PAIRS)
+@pytest.mark.parametrize("experiment, model_file, same, weights_macro", PAIRS)
 def test_import_through_the_experiment_file_equals_the_model_file(experiment, model_file, same,
-                                                                  tmp_path):
+                                                                  weights_macro, tmp_path):
     # Weights: the model file's model, saved as a checkpoint (a format the importer reads).
     gin.clear_config()
     config.parse_gin_config([model_file], same, defer_required=True)
@@ -84,7 +91,7 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
     assert "left at their initial values: none" in proc.stdout, proc.stdout[-3000:]
     # The written run asks again for what the import did not need.
     saved = (tmp_path / "run" / "config.gin").read_text()
-    for macro in ("COCO_TRAIN_PATTERN", "COCO_VAL_PATTERN", "BACKBONE_WEIGHTS"):
+    for macro in ("COCO_TRAIN_PATTERN", "COCO_VAL_PATTERN", weights_macro):
         assert f"{macro} = %gin.REQUIRED" in saved
     reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "ckpt-0"))
     source_reader = tf.train.load_checkpoint(prefix)
@@ -93,7 +100,7 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
     for n in names:
         np.testing.assert_array_equal(reader.get_tensor(n), source_reader.get_tensor(n), n)
 
-    if experiment.startswith("deformable"):
+    if experiment.startswith(("deformable", "rtdetr")):
         # Evaluation reads the model and the eval data, and asks only for the latter.
         proc = subprocess.run([sys.executable, str(REPO / "tools" / "eval.py"),
                                f"--model_dir={tmp_path / 'run'}"], capture_output=True,
@@ -101,4 +108,4 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
         assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
         assert "COCO_VAL_PATTERN is required for reading TFRecordSource" in proc.stderr, (
             proc.stderr[-3000:])
-        assert "COCO_TRAIN_PATTERN" not in proc.stderr and "BACKBONE" not in proc.stderr
+        assert "COCO_TRAIN_PATTERN" not in proc.stderr and weights_macro not in proc.stderr

@@ -49,19 +49,22 @@ TOPK_MARGIN = 1e-4  # logits
 DISCRETE_MARGIN = 1e-3  # cells
 
 
-def hf_model(version: int = 1, **config):
+def hf_model(version: int = 1, backbone_sizes: Sequence[int] = (8, 8, 8, 8),
+             embedding_size: int = 8, **config):
     """transformers' RT-DETR (version 1) or RT-DETRv2 (2) for object detection, eval mode,
-    eager attention, a minimal backbone and encoder (never run). `config`: RTDetrConfig
-    fields (d_model, decoder_layers, ..., encoder_hidden_dim: the encoder maps' channels)."""
+    eager attention, a minimal backbone (basic blocks, one per stage, of `backbone_sizes`
+    channels after an `embedding_size` stem) and encoder. `config`: RTDetrConfig fields
+    (d_model, decoder_layers, ..., encoder_hidden_dim: the encoder maps' channels)."""
     sys.modules.setdefault("triton", None)  # its LLVM crashes next to TensorFlow's; GPU only
     import transformers as tr
 
     config = dict(config)
     enc = config.pop("encoder_hidden_dim", 256)
-    backbone = tr.RTDetrResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 8, 8],
+    backbone = tr.RTDetrResNetConfig(embedding_size=embedding_size,
+                                     hidden_sizes=list(backbone_sizes),
                                      depths=[1, 1, 1, 1], layer_type="basic",
                                      out_features=["stage2", "stage3", "stage4"])
-    common = dict(backbone_config=backbone, encoder_in_channels=[8, 8, 8],
+    common = dict(backbone_config=backbone, encoder_in_channels=list(backbone_sizes[1:]),
                   encoder_hidden_dim=enc, encoder_ffn_dim=16, encoder_attention_heads=2,
                   decoder_in_channels=[enc] * 3, **config)
     if version == 1:
@@ -213,7 +216,9 @@ def hf_outputs(model, features: Sequence[np.ndarray], dn: Dict[str, np.ndarray] 
     [B, H, W, 3] through its backbone and encoder when features is None:
     'logits' [L, B, N, C], 'boxes' [L, B, N, 4], 'enc_logits' [B, Q, C], 'enc_boxes'
     [B, Q, 4], 'topk_margin' (smallest gap between distinct cell scores from the best to the
-    (k+1)-th, per image) and 'discrete_margin' (inf for bilinear sampling).
+    (k+1)-th, per image), 'boundary_margin' (the smallest gap between the k-th and the
+    (k+1)-th: below it the selected set itself may change, above it only the order) and
+    'discrete_margin' (inf for bilinear sampling).
 
     With `dn` (see _GivenDenoising) the model runs in training mode with those denoising
     queries, N = N_dn + Q, the denoising queries first (transformers' order)."""
@@ -247,12 +252,17 @@ def hf_outputs(model, features: Sequence[np.ndarray], dn: Dict[str, np.ndarray] 
     topk_margin = float(distinct.min()) if distinct.size else np.inf
     # An exact tie only between identical (invalid-anchor) cells is harmless; a tie at the k-th
     # place between different cells would not be, and shows as a zero gap there.
-    if np.any(window[:, k - 1] == window[:, k]) and not _ties_identical(out, k):
-        topk_margin = 0.0
+    boundary = window[:, k - 1] - window[:, k]  # per image
+    if np.any(boundary == 0):
+        identical = _ties_identical(out, k)
+        topk_margin = topk_margin if identical else 0.0
+        boundary = np.where(boundary == 0, np.inf if identical else 0.0, boundary)
+    boundary_margin = float(boundary.min())
     return {"logits": out.intermediate_logits.numpy().transpose(1, 0, 2, 3),
             "boxes": out.intermediate_reference_points.numpy().transpose(1, 0, 2, 3),
             "enc_logits": out.enc_topk_logits.numpy(), "enc_boxes": out.enc_topk_bboxes.numpy(),
-            "topk_margin": topk_margin, "discrete_margin": discrete.margin}
+            "topk_margin": topk_margin, "boundary_margin": boundary_margin,
+            "discrete_margin": discrete.margin}
 
 
 def _ties_identical(out, k: int) -> bool:

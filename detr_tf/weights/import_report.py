@@ -31,6 +31,8 @@ class ImportReport:
       skip: the skip patterns in force (the user's and the layout's own).
       aliases: {loaded name the file does not hold under that name: (the file key read
         instead, why: "the file's metadata" or a tie rule)}; see detr_tf/weights/ties.py.
+      checked: file keys holding constants of the architecture (RT-DETRv2's n_points_scale),
+        found equal to the model's and not loaded (weights/target.py's Constant).
     """
     path: str
     format: str
@@ -40,6 +42,7 @@ class ImportReport:
     reinitialized: Dict[str, str] = dataclasses.field(default_factory=dict)
     skip: List[str] = dataclasses.field(default_factory=list)
     aliases: Dict[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)
+    checked: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"weights: imported {self.path}", f"  format: {self.format}",
@@ -63,5 +66,8 @@ class ImportReport:
             by_reason.setdefault(why, []).append(f"{name} <- {key}")
         for why, pairs in by_reason.items():
             lines += _listing(f"read as aliases, by {why}", pairs, limit=8)
+        if self.checked:
+            lines += _listing("in the file, constants of the architecture, equal to the "
+                              "model's", self.checked, limit=4)
         lines += _listing("left at their initial values", self.not_loaded)
         return "\n".join(lines)

@@ -7,7 +7,10 @@ deliberately left out is said with glob patterns (`skip`): they match file keys,
 names and model variable names alike. Two differences are expected and handled without a
 pattern: a class count or a query count that differs from the file's re-initialises the class
 head or the query embedding (`allow_head_reinit`), and a backbone-only file leaves the
-transformer and heads at their initial values.
+transformer and heads at their initial values. Tensors the architecture fixes rather than learns
+(`targets.constants`, e.g. RT-DETRv2's `n_points_scale`) are checked against the model's
+configuration and never loaded: a file of another configuration whose shapes happen to fit is
+refused, naming the key and the setting.
 """
 import fnmatch
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
@@ -20,7 +23,7 @@ from detr_tf.weights import deformable_targets, files, layouts, targets as targe
 from detr_tf.weights import ties as ties_lib
 from detr_tf.weights.files import WeightImportError
 from detr_tf.weights.import_report import ImportReport
-from detr_tf.weights.target import Target
+from detr_tf.weights.target import Constant, Target
 
 CHECKPOINT_FORMAT = "detr_tf checkpoint"
 
@@ -36,6 +39,7 @@ class _Source(NamedTuple):
     default_skip: Tuple[str, ...] = ()
     backbone_only: bool = False
     ties: Optional[ties_lib.Resolution] = None
+    constants: Optional[Dict[str, Constant]] = None
 
 
 def _read(model: tf_keras.Model, path: str) -> _Source:
@@ -64,7 +68,7 @@ def _read(model: tf_keras.Model, path: str) -> _Source:
     if copies:  # one variable, several differing file tensors (shared heads)
         raise WeightImportError(f"{path!r}: " + "; ".join(copies[:5]))
     return _Source(layout.name, canonical, table, layout.default_skip, layout.backbone_only,
-                   resolution)
+                   resolution, targets_lib.constants(model))
 
 
 def _count_only(a: Tuple[int, ...], b: Tuple[int, ...]) -> bool:
@@ -72,9 +76,40 @@ def _count_only(a: Tuple[int, ...], b: Tuple[int, ...]) -> bool:
     return len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
 
 
-def _plan(source, table, groups, skip, allow_head_reinit, path):
+def _values(array: np.ndarray) -> str:
+    """A constant's values, runs of equal ones collapsed: '[0.25 x12]'."""
+    runs = []
+    for v in np.asarray(array, np.float64).ravel():
+        if runs and np.isclose(runs[-1][0], v, rtol=1e-6, atol=0):
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return "[" + ", ".join(f"{v:.4g}" + (f" x{n}" if n > 1 else "") for v, n in runs) + "]"
+
+
+def _check_constants(source, constants, skip, path) -> List[str]:
+    """The file keys holding the architecture's constants, checked (module docstring); raises
+    on the first differing ones, naming them and the setting."""
+    checked, errors = [], []
+    for name, (key, value) in sorted(source.items()):
+        constant = constants.get(name)
+        if constant is None or _matches((key, name), skip):
+            continue
+        if constant.mismatch(value):
+            errors.append(f"{key} is {_values(value)} in the file but {_values(constant.value)} "
+                          f"in the model ({constant.hint})")
+        checked.append(key)
+    if errors:
+        more = f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise WeightImportError(f"{path!r} is another configuration of the architecture: "
+                                + "; ".join(errors[:3]) + more)
+    return checked
+
+
+def _plan(source, table, groups, skip, allow_head_reinit, path, constants=()):
     """Decides every tensor's fate. Returns (assignments, unused keys, skipped keys and
-    names, reinitialised groups); raises on shape mismatches."""
+    names, reinitialised groups); raises on shape mismatches. The names in `constants` were
+    checked (`_check_constants`) and are neither assigned nor unused."""
     group_of = {v.ref(): g for g, vs in groups.items() for v in vs}
     plan, unused, skipped, reinit, errors = {}, [], set(), {}, []
     for name, (key, value) in sorted(source.items()):
@@ -82,6 +117,8 @@ def _plan(source, table, groups, skip, allow_head_reinit, path):
         if _matches((key, name), skip):
             unused.append(key)
             skipped.update((key, name))
+        elif name in constants:
+            continue
         elif target is None:
             unused.append(key)
         elif tuple(value.shape) != target.torch_shape:
@@ -148,8 +185,9 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     """Imports a weight file into a built DETR (called once, so its variables exist).
 
     The file's format is detected from its keys (docs/WEIGHTS.md): a reference DETR state dict,
-    a Hugging Face DetrForObjectDetection (transformers 4.x or 5.x names), an ImageNet ResNet
-    (backbone only), as safetensors or torch pickle (needs torch); or a detr_tf checkpoint
+    a Hugging Face DetrForObjectDetection, DeformableDetr or RTDetr / RTDetrV2 ForObjectDetection
+    (transformers 4.x or 5.x names), an ImageNet ResNet (backbone only), as safetensors or
+    torch pickle (needs torch); or a detr_tf checkpoint
     (a model_dir, its checkpoints/ directory or a ckpt prefix; the model weights, not the EMA).
 
     Args:
@@ -172,8 +210,10 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     src = _read(model, path)
     skip = list(skip) + [p for p in src.default_skip if p not in skip]
     groups = targets_lib.head_groups(model)
+    constants = src.constants or {}
+    checked = _check_constants(src.tensors, constants, skip, path)
     plan, unused, skipped, reinit = _plan(src.tensors, src.table, groups, skip,
-                                          allow_head_reinit, path)
+                                          allow_head_reinit, path, constants)
     reinit_refs = {v.ref() for g in reinit for v in groups[g]}
     not_loaded, absent = _left_at_init(model, src.table, plan, reinit_refs)
     unexpected = [k for k in unused if k not in skipped and not _matches([k], skip)]
@@ -188,4 +228,4 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     aliases = {n: a for n, a in (src.ties.aliases if src.ties else {}).items() if n in plan}
     return ImportReport(path=path, format=src.format, loaded=sorted(plan), unused=unused,
                         not_loaded=not_loaded, reinitialized=reinit, skip=skip,
-                        aliases=dict(sorted(aliases.items())))
+                        aliases=dict(sorted(aliases.items())), checked=checked)

@@ -107,7 +107,7 @@ HF_DEFORMABLE_5 = dataclasses.replace(
 # canonical names are transformers 5.x's keys (detr_tf.weights.rtdetr places them). Files
 # written by either version's save_pretrained carry the 4.x names, renamed here; 5.x names pass
 # through unchanged. v2's `n_points_scale` buffers are constants of the architecture (1 / points
-# of each level), not weights.
+# of each level), not weights: the importer checks them against the model (targets.constants).
 _HF_RTDETR_4_TO_5 = [
     (r"^model\.encoder\.encoder\.(\d+)\.layers\.", r"model.encoder.aifi.\1.layers."),
     (r"(layers\.\d+)\.fc([12])\.", r"\1.mlp.fc\2."),
@@ -116,7 +116,7 @@ _HF_RTDETR_4_TO_5 = [
 HF_RTDETR = Layout(
     "Hugging Face RTDetr / RTDetrV2 ForObjectDetection (transformers 4.x or 5.x names)",
     lambda t: _rename(t, _HF_RTDETR_4_TO_5),
-    default_skip=("*.num_batches_tracked", "*.n_points_scale"))
+    default_skip=("*.num_batches_tracked",))
 RESNET = Layout("ImageNet ResNet (torchvision / timm names), backbone only",
                 lambda t: _rename(t, [(r"^", "backbone.")]),
                 default_skip=("fc.*", "*.num_batches_tracked"), backbone_only=True)

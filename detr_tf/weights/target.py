@@ -3,8 +3,9 @@
 A torch tensor and its variable differ in layout: conv kernels are [out, in, kh, kw] in torch
 and [kh, kw, in, out] here; Dense kernels [out, in] against [in, out]; vectors and embedding
 tables are the same. Each `Target` converts one way and gives the shape a file must hold. The
-helpers name a Keras layer's variables as torch names the same module's tensors; both
-architectures' tables (targets.py, deformable_targets.py) are made of them.
+helpers name a Keras layer's variables as torch names the same module's tensors; the
+architectures' tables (targets.py, deformable_targets.py, rtdetr/) are made of them. A
+`Constant` is a tensor of a file that has no variable because the architecture fixes its value.
 """
 import dataclasses
 from typing import Dict
@@ -32,6 +33,20 @@ class Target:
     def from_torch(self, value: np.ndarray) -> np.ndarray:
         perm = _TO_TF.get(self.kind)
         return np.transpose(value, perm) if perm else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """A tensor a file may hold that the architecture fixes rather than learns (RT-DETRv2's
+    `n_points_scale`): the importer checks the file's value against `value`, loads nothing, and
+    on a difference fails with `hint` (what the value encodes, and the setting that changes it).
+    """
+    value: np.ndarray
+    hint: str
+
+    def mismatch(self, found: np.ndarray) -> bool:
+        return found.shape != self.value.shape or not np.allclose(found, self.value,
+                                                                  rtol=1e-6, atol=0)
 
 
 def dense(prefix: str, layer: tf_keras.layers.Dense) -> Dict[str, Target]:

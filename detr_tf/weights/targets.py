@@ -11,7 +11,7 @@ from detr_tf.modeling.deformable_detr import DeformableDETR
 from detr_tf.modeling.rtdetr import RTDETR
 from detr_tf.weights import deformable_targets, target
 from detr_tf.weights.rtdetr import model as rtdetr_targets
-from detr_tf.weights.target import Target
+from detr_tf.weights.target import Constant, Target
 from detr_tf.weights.ties import TieRule
 
 
@@ -98,6 +98,15 @@ def tie_rules(model: tf_keras.Model) -> Tuple[TieRule, ...]:
     if _is_deformable(model):
         return deformable_targets.tie_rules(model)
     return ()
+
+
+def constants(model: tf_keras.Model) -> Dict[str, Constant]:
+    """{canonical name: Constant} for the tensors a file of this architecture may hold that the
+    model's configuration fixes (RT-DETRv2's `n_points_scale`): checked, never loaded. Other
+    architectures have none."""
+    if isinstance(model, RTDETR):
+        return rtdetr_targets.constants(model)
+    return {}
 
 
 def _is_deformable(model: tf_keras.Model) -> bool:

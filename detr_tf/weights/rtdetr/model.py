@@ -1,6 +1,7 @@
 """A whole RT-DETR's weight table: the backbone's, the encoder's and the decoder side's, in
 transformers 5.x key names (layouts.py renames 4.x files to them), with the variables a class
-count change re-initialises and the names a file may store once."""
+count change re-initialises, the names a file may store once, and the architecture's constants
+a file must agree with."""
 from typing import Dict, List, Tuple
 
 import tensorflow as tf
@@ -8,7 +9,7 @@ import tensorflow as tf
 from detr_tf.modeling.resnet_vd import ResNetVd
 from detr_tf.weights import ties
 from detr_tf.weights.rtdetr import backbone, decoder, encoder
-from detr_tf.weights.target import Target
+from detr_tf.weights.target import Constant, Target
 
 
 def torch_targets(model) -> Dict[str, Target]:
@@ -27,14 +28,17 @@ def torch_targets(model) -> Dict[str, Target]:
 
 
 def head_groups(model) -> Dict[str, List[tf.Variable]]:
-    """'class head': every class layer (the decoder's, the query selection's) and the denoising
-    label embedding, re-initialised together when the file's class count differs (fine-tuning
-    on other classes). 'query embedding': the learned content queries, if any."""
+    """Re-initialised together when the file's class count differs (fine-tuning on other
+    classes): every class layer (the decoder's, the query selection's) and the denoising label
+    embedding, the group named after both so the report says it. 'query embedding': the
+    learned content queries, if any."""
     dec = model.decoder
-    heads = list(dec.class_embed) + [dec.enc_score_head]
-    groups = {"class head": [v for head in heads for v in head.variables]}
-    if model.denoising is not None:
-        groups["class head"].append(model.denoising_class_embed)
+    heads = [v for head in list(dec.class_embed) + [dec.enc_score_head] for v in head.variables]
+    if model.denoising is None:
+        groups = {"class heads": heads}
+    else:
+        groups = {"class heads and denoising label embedding":
+                  heads + [model.denoising_class_embed]}
     if dec.weight_embedding is not None:
         groups["query embedding"] = list(dec.weight_embedding.variables)
     return groups
@@ -43,3 +47,17 @@ def head_groups(model) -> Dict[str, List[tf.Variable]]:
 def tie_rules(model) -> Tuple[ties.TieRule, ...]:
     del model  # one rule set for v1 and v2
     return ties.TIE_RULES["RT-DETR"]["v1 and v2"]
+
+
+def constants(model) -> Dict[str, Constant]:
+    """RT-DETRv2's `encoder_attn.n_points_scale` of each decoder layer, 1 / P_l for each point
+    of level l. A file from a model with other points per level (the same total, so every
+    shape fits) would load silently and sample wrongly; the importer checks these instead."""
+    layers = model.decoder.decoder_layers
+    if not layers:
+        return {}
+    points = layers[0].cross_attn.points_per_level
+    hint = (f"1 / the sampling points of each level; the model samples {tuple(points)} points "
+            "per level (NUM_POINTS, build_rtdetr.num_points): give it the file's")
+    return {name: Constant(value, hint)
+            for name, value in decoder.hf_constants(model.decoder).items()}
