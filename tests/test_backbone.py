@@ -222,3 +222,54 @@ def test_torch_conv_in_a_graph_with_static_shapes_equals_eager():
     graph = tf.function(conv.call)(x)
     assert eager.shape == graph.shape == (2, 7, 8, 4)
     np.testing.assert_array_equal(eager.numpy(), graph.numpy())
+
+
+def test_batch_norm_on_two_replicas_equals_one_device_with_the_whole_batch():
+    """Trainable batch norm under a 2-replica MirroredStrategy (the conftest's two logical CPUs)
+    normalizes with the global batch's statistics, and moves its moving mean and (unbiased)
+    variance, as Keras's fused layer does on one device given the whole batch; gradients too."""
+    from detr_tf.modeling.backbone import batch_norm
+
+    x = np.random.default_rng(0).normal(3.0, 2.0, size=(4, 5, 6, 3)).astype(np.float32)
+    upstream = np.random.default_rng(1).normal(size=x.shape).astype(np.float32)
+    one = batch_norm("bn")
+    one.build(x.shape)
+    with tf.GradientTape() as tape:
+        tape.watch(one.trainable_variables)
+        y = one(x, training=True)
+        loss = tf.reduce_sum(y * upstream)
+    want_grads = tape.gradient(loss, one.trainable_variables)
+
+    # Reduction to one device: no collective keys shared with other tests' strategies.
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        two = batch_norm("bn")
+        two.build(x.shape)
+    halves = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (x[2 * ctx.replica_id_in_sync_group:][:2],
+                     upstream[2 * ctx.replica_id_in_sync_group:][:2]))
+
+    @tf.function
+    def step(per_replica):
+        def replica_fn(inputs):
+            x_part, up_part = inputs
+            with tf.GradientTape() as tape:
+                y_part = two(x_part, training=True)
+                part = tf.reduce_sum(y_part * up_part)
+            grads = tape.gradient(part, two.trainable_variables)
+            ctx = tf.distribute.get_replica_context()
+            return y_part, ctx.all_reduce("sum", grads)
+        return strategy.run(replica_fn, args=(per_replica,))
+
+    y_parts, grads = step(halves)
+    got = np.concatenate([t.numpy() for t in strategy.experimental_local_results(y_parts)])
+    np.testing.assert_allclose(got, y.numpy(), atol=1e-5)
+    for a, b in zip(strategy.experimental_local_results(grads)[0], want_grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
+    for name in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(getattr(two, name).numpy(), getattr(one, name).numpy(),
+                                   rtol=1e-6, err_msg=name)
+    n = 4 * 5 * 6  # the unbiased variance, as torch keeps it
+    np.testing.assert_allclose(one.moving_variance.numpy(),
+                               0.9 + 0.1 * x.reshape(-1, 3).var(0) * n / (n - 1), rtol=1e-5)

@@ -91,6 +91,14 @@ def test_coco_label_map_is_identity():
     np.testing.assert_array_equal(out, [1, 90, -1, -1, -1, -1])
 
 
+def test_coco80_label_map_is_contiguous_in_id_order():
+    lm = label_map_lib.coco80_label_map()
+    assert lm.num_classes == 80 and lm.class_names[0] == "person"
+    assert lm.class_names[11] == "stop sign" and lm.class_names[79] == "toothbrush"
+    out = lm.lookup(tf.constant([1, 13, 90, 12, 0, 91], tf.int64)).numpy()
+    np.testing.assert_array_equal(out, [0, 11, 79, -1, -1, -1])
+
+
 def test_contiguous_label_map_from_json(tmp_path):
     path = tmp_path / "ann.json"
     path.write_text(json.dumps({"categories": [{"id": 7, "name": "b"}, {"id": 3, "name": "a"}]}))

@@ -340,6 +340,33 @@ def test_model_outputs_and_build_size():
     assert out["enc_outputs"]["pred_boxes"].shape == [2, 10, 4]
 
 
+def test_boxes_are_normalized_to_the_image_the_mask_marks():
+    """The network works on the canvas; its boxes come out normalized to each image's part of
+    it (and denoising boxes go in so): on a zero-padded canvas the outputs with the mask are the
+    canvas-normalized ones (no mask) divided by the image's share of the canvas."""
+    model = h.tiny_model(num_classes=4, input_normalization="unit")
+    model.denoising.box_noise_scale = 0.0  # the noise draws differ between two calls
+    images = np.zeros([2, 64, 96, 3], np.float32)
+    images[0, :48, :64] = np.random.default_rng(5).uniform(size=[48, 64, 3])
+    images[1] = np.random.default_rng(6).uniform(size=[64, 96, 3])  # fills its canvas
+    mask = np.zeros([2, 64, 96], bool)
+    mask[0, :48, :64] = mask[1] = True
+    ratio = np.array([[64 / 96, 48 / 64] * 2, [1.0] * 4], np.float32)[:, None]  # [B, 1, 4]
+    on_canvas = {**_targets(), "boxes": _targets()["boxes"] * ratio}
+    tf.random.set_seed(7)
+    image_frame = model(images, mask, training=True, targets=_targets())
+    tf.random.set_seed(7)
+    canvas_frame = model(images, None, training=True, targets=on_canvas)
+    for out in (lambda o: o, lambda o: o["enc_outputs"], lambda o: o["aux_outputs"][0]):
+        np.testing.assert_allclose(out(image_frame)["pred_logits"],
+                                   out(canvas_frame)["pred_logits"], atol=1e-5)
+        np.testing.assert_allclose(out(image_frame)["pred_boxes"] * ratio,
+                                   out(canvas_frame)["pred_boxes"], rtol=1e-5, atol=1e-6)
+    dn, dn_canvas = image_frame["dn_outputs"], canvas_frame["dn_outputs"]
+    np.testing.assert_allclose(dn["pred_boxes"] * ratio, dn_canvas["pred_boxes"], atol=1e-5)
+    np.testing.assert_allclose(dn["boxes"] * ratio, dn_canvas["boxes"], atol=1e-6)
+
+
 @pytest.mark.slow
 def test_xla_training_step_gives_the_eager_result():
     """The decoder with denoising queries, forward and gradients, compiled by XLA (the train

@@ -54,7 +54,9 @@ def _bound(name: str, default):
 
 def main(argv):
     cli.reject_positional("benchmark.py", argv, "; use --gin_file/--gin_param")
-    cli.parse_gin_or_exit("benchmark.py", FLAGS.gin_file, FLAGS.gin_param)
+    # Only the model and criterion are read (and the data with --input pipeline): an
+    # experiment file's data and weights macros may stay unset.
+    cli.parse_gin_or_exit("benchmark.py", FLAGS.gin_file, FLAGS.gin_param, defer_required=True)
     from detr_tf import run as run_lib
     from detr_tf.benchmarks import step_benchmark
 

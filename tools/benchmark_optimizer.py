@@ -25,7 +25,9 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     cli.reject_positional("benchmark_optimizer.py", argv, "; use --gin_file/--gin_param")
-    cli.parse_gin_or_exit("benchmark_optimizer.py", FLAGS.gin_file, FLAGS.gin_param)
+    # Only the model is read: an experiment file's data and weights macros may stay unset.
+    cli.parse_gin_or_exit("benchmark_optimizer.py", FLAGS.gin_file, FLAGS.gin_param,
+                          defer_required=True)
     from detr_tf import run as run_lib
     from detr_tf.benchmarks import optimizer, timing
 

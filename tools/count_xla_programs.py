@@ -57,7 +57,10 @@ def _count(run, engine, jit, optimizer, batch):
 
 def main(argv):
     cli.reject_positional("count_xla_programs.py", argv, "; use --gin_file/--gin_param")
-    cli.parse_gin_or_exit("count_xla_programs.py", FLAGS.gin_file, FLAGS.gin_param)
+    # Only the model and criterion are read: an experiment file's data and weights macros may
+    # stay unset.
+    cli.parse_gin_or_exit("count_xla_programs.py", FLAGS.gin_file, FLAGS.gin_param,
+                          defer_required=True)
     engines = _engines()
     from detr_tf import run as run_lib
     from detr_tf.benchmarks import step_benchmark

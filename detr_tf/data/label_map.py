@@ -1,10 +1,12 @@
 """Label maps: dataset category ids -> training class indices, plus class names.
 
 A label map turns the category ids stored in the data (COCO ids in TFRecords and, after the
-TFDS source's conversion, in TFDS) into the integer class the model predicts. Two kinds:
+TFDS source's conversion, in TFDS) into the integer class the model predicts. Three kinds:
 
 * `coco_label_map()`: the identity on COCO's 91-id space (ids 1..90 used, 0 and the 10 retired
   ids unused), `num_classes = 91`, as the reference DETR trains COCO.
+* `coco80_label_map()`: COCO's 80 categories as contiguous classes 0..79 in id order
+  (`num_classes = 80`), the label space of RT-DETR's and most detectors' published weights.
 * `label_map_from_coco_json(path)`: contiguous classes 0..K-1 from a COCO json's `categories`,
   sorted by id; `num_classes = K`. Used for the shapes dataset and any custom dataset.
 
@@ -81,6 +83,15 @@ def coco_label_map() -> LabelMap:
     for cat_id, name in COCO_CATEGORIES:
         names[cat_id] = name
     return LabelMap({cat_id: cat_id for cat_id, _ in COCO_CATEGORIES}, 91, names)
+
+
+@gin.configurable
+def coco80_label_map() -> LabelMap:
+    """COCO's 80 categories as contiguous classes 0..79 in id order: class 0 is 'person' (id
+    1), class 11 'stop sign' (id 13), class 79 'toothbrush' (id 90). Evaluation maps a class
+    back to its id through the pipeline's DatasetInfo.category_ids."""
+    return LabelMap({cat_id: i for i, (cat_id, _) in enumerate(COCO_CATEGORIES)},
+                    len(COCO_CATEGORIES), [name for _, name in COCO_CATEGORIES])
 
 
 @gin.configurable

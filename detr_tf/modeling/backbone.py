@@ -81,13 +81,53 @@ NORMS = ("frozen", "batch")
 
 def make_norm(kind: str, name: str) -> tf_keras.layers.Layer:
     """'frozen': DETR's FrozenBatchNorm (for pretrained weights); 'batch': a trainable batch norm
-    with batch statistics, for a backbone trained from scratch (identity-initialised frozen
-    norms would leave such a network with no normalization at all)."""
+    with batch statistics (`batch_norm`), for a backbone trained from scratch
+    (identity-initialised frozen norms would leave such a network with no normalization)."""
     if kind == "frozen":
         return FrozenBatchNorm(name=name)
     if kind == "batch":
-        return tf_keras.layers.BatchNormalization(epsilon=1e-5, momentum=0.9, name=name)
+        return batch_norm(name)
     raise ValueError(f"ResNet.norm={kind!r} is not one of {NORMS}")
+
+
+def batch_norm(name: str) -> "BatchNorm":
+    """A trainable batch norm with torch's BatchNorm2d defaults: epsilon 1e-5, momentum 0.1
+    (Keras counts it the other way: 0.9). See `BatchNorm`."""
+    return BatchNorm(epsilon=1e-5, momentum=0.9, name=name)
+
+
+class BatchNorm(tf_keras.layers.BatchNormalization):
+    """Keras's batch norm, with the statistics of the global batch across tf.distribute replicas.
+
+    In training, under a strategy of several replicas (Mirrored, MultiWorkerMirrored), the mean
+    and variance are those of every replica's positions together, as torch's SyncBatchNorm
+    (RT-DETR's reference trains with it), so that N replicas train like one device with the
+    whole batch: the sums, then the squared deviations from the global mean, all-reduced (two
+    passes, as exact as the one-device op). The moving variance moves by the unbiased variance
+    (x n / (n - 1)), as Keras's fused one-device op and torch do. On one replica and in
+    inference it is Keras's own (fused) layer. Horovod runs one process per device, each its own
+    replica: there each process normalizes with its own part of the batch.
+    """
+
+    def call(self, inputs, training=None):
+        context = tf.distribute.get_replica_context()
+        static = None if training is None else tf.get_static_value(training)
+        if not static or context is None or context.num_replicas_in_sync == 1:
+            return super().call(inputs, training=training)
+        x = tf.cast(inputs, self.moving_mean.dtype)  # float32 statistics in mixed precision
+        axes = list(range(len(x.shape) - 1))
+        count = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), x.dtype)
+        total, n = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                      [tf.reduce_sum(x, axes), count])
+        mean = total / n  # [C]
+        squares = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                     tf.reduce_sum(tf.square(x - mean), axes))
+        variance = squares / n
+        unbiased = squares / tf.maximum(n - 1.0, 1.0)
+        for moving, value in ((self.moving_mean, mean), (self.moving_variance, unbiased)):
+            moving.assign_sub((moving - tf.stop_gradient(value)) * (1.0 - self.momentum))
+        y = tf.nn.batch_normalization(x, mean, variance, self.beta, self.gamma, self.epsilon)
+        return tf.cast(y, inputs.dtype)
 
 
 class TorchConv2D(tf_keras.layers.Conv2D):

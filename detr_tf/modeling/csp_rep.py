@@ -4,16 +4,12 @@ Padding is torch's: k // 2 zeros on every side, then a 'valid' conv (backbone.To
 TF's 'same' pads a stride-2 conv with more zeros at the bottom/right, which would shift the
 PAN's downsampled grid by one pixel against the reference.
 
-Batch norm. Every norm here is an ordinary trainable Keras BatchNormalization with torch's
-epsilon 1e-5 and momentum 0.1 (Keras counts it the other way: 0.9). In training mode each
-replica normalises with the mean and variance of its own batch, over B_replica * H * W
-positions: plain per-replica batch norm, whereas the reference trains with SyncBatchNorm
-(statistics over the global batch of all GPUs). Each replica also updates its own copy of the
-moving statistics; Keras keeps them on-read under a tf.distribute strategy, so what a
-checkpoint saves is their mean over replicas. torch updates the running variance with the
-unbiased batch variance and Keras with the biased one, a factor n / (n - 1) over
-n = B * H * W positions. In inference mode both use the moving statistics, and the outputs
-match the reference.
+Batch norm. Every norm here is a trainable batch norm with torch's epsilon 1e-5 and momentum 0.1
+(`backbone.batch_norm`). In training mode it normalises with the mean and variance of the global
+batch, over B * H * W positions: under Mirrored and MultiWorkerMirrored the replicas all-reduce
+them, as the reference's SyncBatchNorm does over its GPUs (Horovod's processes each keep their
+own). The moving variance moves by the unbiased batch variance, as torch's. In inference mode
+the moving statistics are used, and the outputs match the reference.
 
 The RepVGG block (Ding et al. 2021) trains as two branches, a 3x3 conv-BN and a 1x1 conv-BN,
 summed before the activation. Both are linear in the input once the norms use their moving
@@ -25,14 +21,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.backbone import TorchConv2D
+from detr_tf.modeling.backbone import TorchConv2D, batch_norm
 
 Activation = Union[str, Callable[[tf.Tensor], tf.Tensor], None]
-
-
-def batch_norm(name: str) -> tf_keras.layers.BatchNormalization:
-    """torch's BatchNorm2d defaults (epsilon 1e-5, momentum 0.1) in Keras's terms."""
-    return tf_keras.layers.BatchNormalization(epsilon=1e-5, momentum=0.9, name=name)
 
 
 class ConvNorm(tf_keras.layers.Layer):

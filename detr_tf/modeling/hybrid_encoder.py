@@ -17,8 +17,8 @@ attention see the whole canvas, padding included.
 The fusion concatenates a map upsampled 2x with the next finer one, so every level must be
 exactly twice the next coarser one in height and width: canvases that are multiples of 32.
 
-Batch norm is trainable and per replica; csp_rep.py's docstring says what that means across
-replicas and against the reference's SyncBatchNorm.
+Batch norm is trainable, with the global batch's statistics across Mirrored replicas as the
+reference's SyncBatchNorm; csp_rep.py's docstring says more.
 """
 from typing import Optional, Sequence
 

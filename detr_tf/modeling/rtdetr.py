@@ -12,7 +12,13 @@ sampling) and its inference depth, all arguments of `build_rtdetr`.
 
 RT-DETR has no pixel mask: its convolutions and attention see the whole canvas, padding
 included, as the reference does on a padded batch. `pixel_mask` is accepted for the family's
-contract, and used for one thing only: padded pixels are set to 0, as the reference pads.
+contract, and used for two things only: padded pixels are set to 0, as the reference pads; and
+boxes change frame at the model's boundary. Inside, as in the reference, anchors and boxes are
+normalized to the whole canvas; detr_tf's boxes (targets, outputs, evaluation and export) are
+normalized to the image, the canvas's top-left part that the mask marks. So the outputs are
+divided by the image's share of the canvas (its valid ratio) and the denoising queries' boxes
+multiplied by it. An image that fills its canvas (ratio 1) is unchanged; without this, a
+model trained on unpadded images (the Hub weights) would place boxes wrongly on any padded one.
 
 Input scale. RT-DETR's weights expect [0, 1] pixels, while detr_tf's data pipeline, evaluation,
 prediction and export feed every detector ImageNet-normalized images. With
@@ -48,7 +54,7 @@ class RTDETR(Detector):
         cxcywh, 'mask' [B, T] (the batch's padded targets).
     Returns, all float32:
       'pred_logits': [B, Q, num_classes] per-class sigmoid logits.
-      'pred_boxes': [B, Q, 4] normalized cx, cy, w, h.
+      'pred_boxes': [B, Q, 4] cx, cy, w, h normalized to the image (pixel_mask's real block).
       'aux_outputs': list of n-1 such dicts, the decoder layers before the last one run
         (empty without aux_loss; n = num_inference_layers at inference).
       'enc_outputs': {'pred_logits' [B, Q, num_classes], 'pred_boxes' [B, Q, 4]}: the Q
@@ -109,13 +115,17 @@ class RTDETR(Detector):
             images, pixel_mask = pad_to_canvas(images, pixel_mask, self.canvas_sizes,
                                                "build_rtdetr")
         images = self._unit_scale(images, pixel_mask)
+        ratio = image_ratio(pixel_mask, images)  # [B, 4]
         features = self.backbone(images, training=training)  # [C3, C4, C5]
         features = self.encoder(features, training=training)  # [P3, P4, P5]
-        dn = self._denoising(targets) if training else None
+        dn = self._denoising(targets, ratio) if training else None
         group_size = 0 if dn is None else dn["labels"].shape[1] // dn["num_groups"]
         out = self.decoder(features, training=training, dn=dn, dn_group_size=group_size)
-        logits, boxes = out["pred_logits"], out["pred_boxes"]  # [n, B, Q (+ N_dn), ...]
-        extra = {"enc_outputs": out["enc_outputs"]}
+        logits = out["pred_logits"]  # [n, B, Q (+ N_dn), C]
+        boxes = out["pred_boxes"] / tf.cast(ratio, out["pred_boxes"].dtype)[None, :, None]
+        enc = out["enc_outputs"]
+        extra = {"enc_outputs": {**enc, "pred_boxes": enc["pred_boxes"] / tf.cast(
+            ratio, enc["pred_boxes"].dtype)[:, None]}}
         if dn is not None:
             q = self.num_queries
             extra["dn_outputs"] = {"pred_logits": logits[:, :, q:], "pred_boxes": boxes[:, :, q:],
@@ -134,14 +144,31 @@ class RTDETR(Detector):
                               tf.zeros_like(images))
         return images
 
-    def _denoising(self, targets: Optional[Dict[str, tf.Tensor]]) -> Optional[Dict]:
-        """The denoising queries of a training batch (None without denoising or targets)."""
+    def _denoising(self, targets: Optional[Dict[str, tf.Tensor]],
+                   ratio: tf.Tensor) -> Optional[Dict]:
+        """The denoising queries of a training batch (None without denoising or targets): noised
+        on the canvas (ratio [B, 4], `image_ratio`), reconstructing the image-normalized boxes."""
         if self.denoising is None or targets is None or not targets["labels"].shape[1]:
             return None
-        dn = self.denoising(targets)
+        on_canvas = tf.cast(targets["boxes"], tf.float32) * ratio[:, None]
+        dn = self.denoising({**targets, "boxes": on_canvas})
+        dn["boxes"] = dn["boxes"] / ratio[:, None]
         dn["num_groups"] = self.denoising.groups(targets["labels"].shape[1])
         dn["parts"] = self.denoising.parts
         return dn
+
+
+def image_ratio(pixel_mask: Optional[tf.Tensor], images: tf.Tensor) -> tf.Tensor:
+    """[B, 4] float32 (w, h, w, h): each image's share of its canvas's width and height (the
+    mask's first row and column, the image being its top-left block); 1 without a mask, and
+    for an all-padding image (the eval pipeline's filler), which has no extent."""
+    if pixel_mask is None:
+        return tf.ones([tf.shape(images)[0], 4])
+    mask = tf.cast(pixel_mask, tf.float32)
+    w = tf.reduce_mean(mask[:, 0, :], 1)  # [B]
+    h = tf.reduce_mean(mask[:, :, 0], 1)
+    ratio = tf.stack([w, h, w, h], -1)
+    return tf.where(ratio > 0, ratio, tf.ones_like(ratio))
 
 
 @gin.configurable
