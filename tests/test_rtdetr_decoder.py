@@ -422,3 +422,23 @@ def test_training_step_with_the_hybrid_encoder_and_the_criterion():
     grads = tape.gradient(losses["loss"], model.trainable_variables)
     missing = [v.name for v, g in zip(model.trainable_variables, grads) if g is None]
     assert not missing, missing
+
+
+def test_a_batch_of_unknown_size_keeps_the_static_canvas():
+    """Serving traces the model with [None, H, W, 3]: the hybrid encoder and the decoder keep
+    the canvas's static sizes (query selection needs the cell count) and give eager's values."""
+    from detr_tf.modeling.hybrid_encoder import HybridEncoder
+    from detr_tf.modeling.rtdetr import build_rtdetr
+
+    model = build_rtdetr(num_classes=4, num_queries=10, hidden_dim=16,
+                         backbone=h.StandInBackbone(),
+                         encoder=HybridEncoder(hidden_dim=8, num_heads=2, dim_feedforward=16),
+                         num_decoder_layers=2, num_heads=2, dim_feedforward=32)
+    images = tf.random.stateless_uniform([2, 64, 64, 3], [0, 3])
+    mask = tf.ones([2, 64, 64], tf.bool)
+    eager = model(images, mask, training=False)
+    serve = tf.function(lambda x, m: model(x, m, training=False), input_signature=[
+        tf.TensorSpec([None, 64, 64, 3]), tf.TensorSpec([None, 64, 64], tf.bool)])
+    out = serve(images, mask)
+    np.testing.assert_allclose(out["pred_logits"], eager["pred_logits"], atol=1e-5)
+    np.testing.assert_allclose(out["pred_boxes"], eager["pred_boxes"], atol=1e-6)

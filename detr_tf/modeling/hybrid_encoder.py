@@ -82,7 +82,8 @@ class AIFI(tf_keras.layers.Layer):
         seq = tf.reshape(x, [b, h * w, self.d_model])  # [B, S, d], row-major like pos
         for layer in self.layers:
             seq = layer(seq, pos, training=training)
-        return tf.reshape(seq, tf.shape(x))
+        # Keeps x's static sizes (a dynamic batch would otherwise erase them all).
+        return tf.ensure_shape(tf.reshape(seq, tf.shape(x)), x.shape)
 
 
 def _upsample2x(x: tf.Tensor) -> tf.Tensor:

@@ -89,8 +89,10 @@ def generate_anchors(shapes: Sequence[Tuple[int, int]], grid_size: float = 0.05,
 
 def _flatten(maps: Sequence[tf.Tensor]) -> tf.Tensor:
     """[B, h_l, w_l, d] maps -> [B, S, d], level after level, each row-major."""
-    b = tf.shape(maps[0])[0]
-    return tf.concat([tf.reshape(m, [b, -1, m.shape[-1]]) for m in maps], 1)
+    # -1 is the batch: the cells' count stays static when the batch size is not (serving).
+    return tf.concat([tf.reshape(m, [-1, m.shape[1] * m.shape[2], m.shape[-1]]) if
+                      m.shape[1] is not None and m.shape[2] is not None else
+                      tf.reshape(m, [tf.shape(m)[0], -1, m.shape[-1]]) for m in maps], 1)
 
 
 class RTDetrDecoder(tf_keras.layers.Layer):
