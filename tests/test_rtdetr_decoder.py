@@ -340,6 +340,20 @@ def test_model_outputs_and_build_size():
     assert out["enc_outputs"]["pred_boxes"].shape == [2, 10, 4]
 
 
+def test_unknown_batch_size_as_a_serving_signature_traces_it():
+    """Export and prediction trace the model with the batch size unknown ([None, H, W, 3]):
+    the memory's length stays static, and the outputs are the eager ones."""
+    model = h.tiny_model()
+    images = tf.random.stateless_uniform([2, 64, 96, 3], [0, 8])
+    mask = tf.ones([2, 64, 96], tf.bool)
+    eager = model(images, mask, training=False)
+    serve = tf.function(lambda x, m: model(x, m, training=False), input_signature=[
+        tf.TensorSpec([None, 64, 96, 3]), tf.TensorSpec([None, 64, 96], tf.bool)])
+    traced = serve(images, mask)
+    for key in ("pred_logits", "pred_boxes"):
+        np.testing.assert_allclose(traced[key], eager[key], atol=1e-5)
+
+
 def test_boxes_are_normalized_to_the_image_the_mask_marks():
     """The network works on the canvas; its boxes come out normalized to each image's part of
     it (and denoising boxes go in so): on a zero-padded canvas the outputs with the mask are the

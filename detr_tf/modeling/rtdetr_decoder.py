@@ -88,9 +88,10 @@ def generate_anchors(shapes: Sequence[Tuple[int, int]], grid_size: float = 0.05,
 
 
 def _flatten(maps: Sequence[tf.Tensor]) -> tf.Tensor:
-    """[B, h_l, w_l, d] maps -> [B, S, d], level after level, each row-major."""
+    """[B, h_l, w_l, d] maps -> [B, S, d], level after level, each row-major. The sizes are
+    static: S stays known when B is not (a serving signature's batch)."""
     b = tf.shape(maps[0])[0]
-    return tf.concat([tf.reshape(m, [b, -1, m.shape[-1]]) for m in maps], 1)
+    return tf.concat([tf.reshape(m, [b, m.shape[1] * m.shape[2], m.shape[-1]]) for m in maps], 1)
 
 
 class RTDetrDecoder(tf_keras.layers.Layer):
