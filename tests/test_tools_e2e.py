@@ -2,9 +2,10 @@
 
 One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module; the train, eval,
 predict and export tests also run on a second tiny model built like the quickstart's (anchor
-queries, two-stage proposals). The runs also bind the quickstart's end-of-training hooks (COCO
-evaluation, prediction images, next steps), so the path every new user takes is exercised too. Each script runs in a subprocess, as a user
-runs it, and is judged by its exit status, its files and its message.
+queries, two-stage proposals) and on a tiny RT-DETR (rtdetr_tiny.gin). The runs also bind the
+quickstart's end-of-training hooks (COCO evaluation, prediction images, next steps), so the path
+every new user takes is exercised too. Each script runs in a subprocess, as a user runs it, and
+is judged by its exit status, its files and its message.
 """
 import json
 import os
@@ -41,12 +42,15 @@ def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-# The quickstart's model pieces on tiny.gin (stride 16 so that every bucket has >= 8 cells).
+# Each variant's Gin flags: tiny.gin, the quickstart's model pieces on it (stride 16 so that
+# every bucket has >= 8 cells), and RT-DETR's tiny file.
 VARIANTS = {
-    "detr": [],
-    "two_stage": ["--gin_param=build_model.transformer = @AnchorTransformer()",
+    "detr": ["--gin_file=gin_configs/tiny.gin"],
+    "two_stage": ["--gin_file=gin_configs/tiny.gin",
+                  "--gin_param=build_model.transformer = @AnchorTransformer()",
                   "--gin_param=build_model.two_stage = True",
                   "--gin_param=ResNet.layers = (1, 1, 1)", "--gin_param=NUM_QUERIES = 8"],
+    "rtdetr": ["--gin_file=gin_configs/rtdetr_tiny.gin"],
 }
 _TRAINED = {}
 
@@ -57,7 +61,10 @@ def _trained(tmp_path_factory, variant: str) -> dict:
     return _TRAINED[variant]
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+# RT-DETR's tiny run traces a larger graph: its variant is slow (`pytest -m slow -k rtdetr
+# tests/test_tools_e2e.py`).
+@pytest.fixture(scope="module", params=[
+    pytest.param(v, marks=pytest.mark.slow) if v == "rtdetr" else v for v in sorted(VARIANTS)])
 def trained(request, tmp_path_factory):
     """A trained tiny model_dir per model variant."""
     yield _trained(tmp_path_factory, request.param)
@@ -74,8 +81,7 @@ def _train(tmp_path_factory, variant: str) -> dict:
     root = tmp_path_factory.mktemp(f"e2e_{variant}")
     cache = root / "shapes_cache"
     cache_binding = f"SHAPES_CACHE_DIR = '{cache}'"
-    gin_flags = ["--gin_file=gin_configs/tiny.gin", f"--gin_param={cache_binding}",
-                 *VARIANTS[variant]]
+    gin_flags = [f"--gin_param={cache_binding}", *VARIANTS[variant]]
     model_dir = root / "model"
     train = _ok(_run("train.py", *gin_flags, f"--model_dir={model_dir}",
                      "--gin_param=train.num_steps = 4",
@@ -150,9 +156,30 @@ def test_export_loads_and_matches_predict(trained, predicted, tmp_path):
     export_dir = tmp_path / "export"
     # Without --gin_file: the run's config.gin.
     _ok(_run("export.py", f"--model_dir={trained['model_dir']}", f"--export_dir={export_dir}"))
+    _assert_export_matches_predict(export_dir, predicted, trained["images"], tmp_path)
+
+
+@pytest.mark.slow
+def test_rtdetr_discrete_sampler_exports_and_matches_predict(tmp_path_factory, tmp_path):
+    """RT-DETRv2's discrete sampler (nearest cell, no interpolation) on the trained tiny
+    RT-DETR's weights, which it shares with the bilinear one."""
+    trained = _trained(tmp_path_factory, "rtdetr")
+    discrete = "--gin_param=SAMPLING_METHOD = 'discrete'"
+    predicted = tmp_path / "predicted"
+    _ok(_run("predict.py", f"--model_dir={trained['model_dir']}", discrete,
+             f"--images={trained['images']}", f"--output_dir={predicted}",
+             "--score_threshold=0"))
+    export_dir = tmp_path / "export"
+    _ok(_run("export.py", f"--model_dir={trained['model_dir']}", discrete,
+             f"--export_dir={export_dir}"))
+    _assert_export_matches_predict(export_dir, predicted, trained["images"], tmp_path)
+
+
+def _assert_export_matches_predict(export_dir, predicted, images, tmp_path):
+    """The SavedModel's detections of `images` are predict.py's (in `predicted`)."""
     loaded = tf.saved_model.load(str(export_dir))
     assert {"serving_default", "serving_images"} <= set(loaded.signatures)
-    files = predict.list_images(trained["images"])
+    files = predict.list_images(images)
     from_export = predict.predict_images(loaded, files, tmp_path / "out", score_threshold=0.0,
                                          draw=False)
     from_tool = json.loads((predicted / "detections.json").read_text())

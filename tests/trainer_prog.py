@@ -2,7 +2,10 @@
 
     python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR   (2 logical CPUs: default, mirrored)
     python tests/trainer_prog.py engines_pair OUT_DIR SHAPES_CACHE_DIR   (default, mirrored only)
-    TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising)
+    python tests/trainer_prog.py engines_jit OUT_DIR SHAPES_CACHE_DIR   (jit='step' on one device,
+        default, mirrored; OUT_DIR/restored/ckpt: the model tools restore from 'default')
+    TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising;
+        rtdetr: RT-DETR, tf_keras: tf_keras's AdamW)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
@@ -26,7 +29,7 @@ MODE, OUT, CACHE = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, GLOBAL_BATCH = 2, 4
 REF_STEPS = 12  # the reference run for resumed multi-process runs: one checkpoint per step
 
-if MODE in ("engines", "engines_pair"):
+if MODE in ("engines", "engines_pair", "engines_jit"):
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -42,17 +45,25 @@ from detr_tf.training import trainer  # noqa: E402
 # TRAINER_PROG_VARIANT=group_dn: the same runs with 2 query groups and denoising queries. Their
 # noise is off for the same reason as dropout: random streams differ per replica by design.
 # TRAINER_PROG_VARIANT=tf_keras: with tf_keras's AdamW instead of the fused update.
-VARIANTS = {"": [], "tf_keras": ["build_optimizers.fused = False"], "group_dn": [
-    "build_model.transformer = @AnchorTransformer()",
-    "build_model.num_groups = 2", "SetCriterion.num_groups = 2",
-    "build_model.denoising = True", "DenoisingQueries.num_groups = 2",
-    "DenoisingQueries.box_noise_scale = 0.0", "DenoisingQueries.label_noise_ratio = 0.0",
-]}
-config.parse_gin_config(["tiny.gin"], [
+# TRAINER_PROG_VARIANT=rtdetr: RT-DETR (rtdetr_tiny.gin: trainable batch norms in the backbone
+# and the encoder, contrastive denoising with its noise off, the varifocal criterion).
+# Each variant: (Gin file, its extra bindings).
+VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fused = False"]),
+            "group_dn": ("tiny.gin", [
+                "build_model.transformer = @AnchorTransformer()",
+                "build_model.num_groups = 2", "SetCriterion.num_groups = 2",
+                "build_model.denoising = True", "DenoisingQueries.num_groups = 2",
+                "DenoisingQueries.box_noise_scale = 0.0",
+                "DenoisingQueries.label_noise_ratio = 0.0"]),
+            "rtdetr": ("rtdetr_tiny.gin", [
+                "DenoisingQueries.box_noise_scale = 0.0",
+                "DenoisingQueries.label_noise_ratio = 0.0"])}
+GIN_FILE, GIN_PARAMS = VARIANTS[os.environ.get("TRAINER_PROG_VARIANT", "")]
+config.parse_gin_config([GIN_FILE], [
     f"SHAPES_CACHE_DIR = '{CACHE}'",
     "Transformer.dropout = 0.0",  # dropout streams differ per replica by design
     "train.log_every = 1",
-] + VARIANTS[os.environ.get("TRAINER_PROG_VARIANT", "")], finalize=False)
+] + GIN_PARAMS, finalize=False)
 
 
 ACCUM = 1  # micro-batches per step: each global batch is then fed in ACCUM slices
@@ -116,6 +127,22 @@ if MODE == "engines":
 elif MODE == "engines_pair":  # one device and mirrored only
     for name in ("default", "mirrored"):
         print(name, run(os.path.join(OUT, name), name), flush=True)
+elif MODE == "engines_jit":  # jit='step' on one device, then engines_pair's runs
+    import tf_keras
+
+    from detr_tf.evaluation import restore
+
+    # First, before the deterministic runs turn on op determinism for the process (it refuses
+    # XLA's max-pool gradient); the seed the deterministic runs set gives the same weights.
+    tf_keras.utils.set_random_seed(0)
+    print("step", run(os.path.join(OUT, "step"), "default", jit="step", deterministic=False),
+          flush=True)
+    for name in ("default", "mirrored"):
+        print(name, run(os.path.join(OUT, name), name), flush=True)
+    # What evaluation and the tools restore from the run (moving statistics of the batch norms
+    # included), written under the trainer checkpoint's own keys (model/...).
+    model, _ = restore.load_trained_model(os.path.join(OUT, "default"), use_ema=False)
+    tf.train.Checkpoint(model=model).write(os.path.join(OUT, "restored", "ckpt"))
 elif MODE == "multi_worker":
     import json as _json
 
