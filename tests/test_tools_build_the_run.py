@@ -98,3 +98,16 @@ def test_model_garden_comparisons_take_the_runs_model(monkeypatch):
         assert (type(model_fn()).__name__, type(criterion).__name__) == (MODEL, CRITERION)
     finally:
         gin.clear_config()
+
+
+def test_benchmark_configs_builds_each_configs_run(received, monkeypatch, tmp_path):
+    """tools/benchmark_configs.py: each --config's own model and criterion, side by side."""
+    monkeypatch.setattr(timing, "interleaved", lambda calls, rounds: {n: [1.0] for n in calls})
+    out = tmp_path / "report.json"
+    _run_tool("benchmark_configs.py", "--config=deformable_tiny.gin",
+              "--config=tiny.gin;NUM_QUERIES = 5", "--image_size=64", "--batch_size=1",
+              "--rounds=1", f"--json_out={out}")
+    rows = json.loads(out.read_text())["configs"]
+    assert [(r["model"], r["criterion"]) for r in rows.values()] == [
+        (MODEL, CRITERION), ("DETR", "SetCriterion")]
+    assert rows["tiny.gin;NUM_QUERIES = 5"]["gin_params"] == ["NUM_QUERIES = 5"]

@@ -81,7 +81,10 @@ def train_step_flops(ts: TrainStep, batch) -> Dict[str, int]:
     # Count through a fresh builder-free closure so the criterion is traced un-jitted inside.
     def losses_and_grads(features, targets, num_boxes):
         with tf.GradientTape() as tape:
-            outputs = b.model(features["images"], features["pixel_mask"], training=True)
+            # As the step: a model with training-only queries (denoising) gets the targets.
+            extra = {"targets": targets} if getattr(b.model, "trains_on_targets", False) else {}
+            outputs = b.model(features["images"], features["pixel_mask"], training=True,
+                              **extra)
             losses = ts.criterion(outputs, targets, num_boxes=num_boxes)
         return tape.gradient(tf.cast(losses["loss"], tf.float32), b.variables)
 

@@ -124,8 +124,8 @@ def _count_flops(ts: ours.TrainStep, first, count_flops: bool, step_s: float, pr
     features = first[0]
     batch_size = int(features["images"].shape[0])
     hw = tuple(int(d) for d in features["images"].shape[1:3])
-    analytic = flops_lib.detr_flops(flops_lib.shape_from_model(ts.model, hw, batch_size))
-    report = {"flops_per_step_analytic": analytic["train_step"],
+    analytic = _analytic_flops(ts.model, hw, batch_size)
+    report = {"flops_per_step_analytic": analytic and analytic["train_step"],
               "flops_analytic_breakdown": analytic, "flops_shape": list(hw),
               "flops_per_step": None}
     if count_flops:
@@ -133,12 +133,22 @@ def _count_flops(ts: ours.TrainStep, first, count_flops: bool, step_s: float, pr
         hlo = ours.train_step_flops(ts, first)
         report["flops_per_step"] = hlo["total"]
         report["flops_hlo_breakdown"] = hlo
-        report["flops_hlo_over_analytic"] = hlo["total"] / analytic["train_step"]
-    used = report["flops_per_step"] or analytic["train_step"]
+        if analytic:
+            report["flops_hlo_over_analytic"] = hlo["total"] / analytic["train_step"]
+    used = report["flops_per_step"] or report["flops_per_step_analytic"]
     peak, device = ours.peak_tflops_for_device(precision, peak_tflops)
-    report.update(device=device, achieved_tflops=used / step_s / 1e12, peak_tflops=peak,
-                  mfu=flops_lib.mfu(used, step_s, peak))
+    report.update(device=device, achieved_tflops=used / step_s / 1e12 if used else None,
+                  peak_tflops=peak, mfu=flops_lib.mfu(used, step_s, peak))
     return report
+
+
+def _analytic_flops(model, hw: Tuple[int, int], batch_size: int) -> Optional[Dict[str, int]]:
+    """flops.detr_flops of the model's shape, or None for a model whose shape it cannot read
+    (the analytic count knows DETR's ResNet and transformer only; RT-DETR has neither)."""
+    try:
+        return flops_lib.detr_flops(flops_lib.shape_from_model(model, hw, batch_size))
+    except AttributeError:
+        return None
 
 
 def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequence[int],
@@ -166,11 +176,12 @@ def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequenc
             timing.timed_call(infer, images, mask)
         lat = [timing.timed_call(infer, images, mask) for _ in range(steps)]
         summary = timing.latency_summary(lat)
-        fwd = flops_lib.detr_flops(flops_lib.shape_from_model(model, image_size, bs))["forward"]
+        analytic = _analytic_flops(model, image_size, bs)
+        fwd = analytic and analytic["forward"]
         mean_s = summary["mean_ms"] / 1e3
         row = {"batch_size": bs, **summary, "images_per_sec": bs / mean_s,
                "first_call_s": first, "flops_per_batch": fwd,
-               "achieved_tflops": fwd / mean_s / 1e12,
+               "achieved_tflops": fwd / mean_s / 1e12 if fwd else None,
                "mfu": flops_lib.mfu(fwd, mean_s, peak)}
         log(f"  batch {bs}: mean {summary['mean_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms, "
             f"{row['images_per_sec']:.2f} images/s")
@@ -193,8 +204,13 @@ def train_table(report: Dict[str, object]) -> str:
             f"{r['images_per_sec_median_step']:.1f} / {r['images_per_sec']:.1f} | "
             f"{r['step_time_ms']:.0f} | {r['compile_time_s']:.1f} | "
             f"{100 * r['input_wait_share']:.1f}% | {100 * r['matching_share']:.1f}% | "
-            f"{(r['flops_per_step'] or 0) / 1e9:.1f} / {r['flops_per_step_analytic'] / 1e9:.1f}"
-            f" | {r['achieved_tflops']:.3f} | {mfu} | {r['peak_host_memory_mb']:.0f} |")
+            f"{_giga(r['flops_per_step'])} / {_giga(r['flops_per_step_analytic'])} | "
+            f"{'-' if r['achieved_tflops'] is None else format(r['achieved_tflops'], '.3f')} | "
+            f"{mfu} | {r['peak_host_memory_mb']:.0f} |")
+
+
+def _giga(flops: Optional[float]) -> str:
+    return "-" if flops is None else f"{flops / 1e9:.1f}"
 
 
 def infer_table(report: Dict[str, object]) -> str:
