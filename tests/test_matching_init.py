@@ -152,7 +152,10 @@ def test_checked_greedy_start_against_numpy(shape):
 _VARIANTS = [(None, 1), (1, 2), (4, 4)]  # (arr_passes, unroll); (None, 1) = no JV
 
 
-@pytest.mark.parametrize("shape", [(64, 6, 6), (32, 30, 12), (64, 4, 7)])
+# Each shape compiles four matchers (about 25 s): the square one runs by default, the others
+# in the slow set.
+@pytest.mark.parametrize("shape", [(64, 6, 6), pytest.param((32, 30, 12), marks=pytest.mark.slow),
+                                   pytest.param((64, 4, 7), marks=pytest.mark.slow)])
 def test_with_and_without_jv_start_give_the_optimum(shape):
     cost, mask = _batch(sum(shape), shape, _KINDS, "random")
     mask[0] = True

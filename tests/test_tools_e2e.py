@@ -1,8 +1,8 @@
 """End to end through the entry scripts: train (tiny), eval, predict, export, and their errors.
 
-One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module; the train, eval,
+One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module; the train,
 predict and export tests also run on a second tiny model built like the quickstart's (anchor
-queries, two-stage proposals) and on a tiny RT-DETR (rtdetr_tiny.gin). The runs also bind the
+queries, two-stage proposals), and those and eval on a tiny RT-DETR (rtdetr_tiny.gin, slow). The runs also bind the
 quickstart's end-of-training hooks (COCO evaluation, prediction images, next steps), so the path
 every new user takes is exercised too. Each script runs in a subprocess, as a user runs it, and
 is judged by its exit status, its files and its message.
@@ -70,6 +70,13 @@ def trained(request, tmp_path_factory):
     yield _trained(tmp_path_factory, request.param)
 
 
+# eval.py on the plain and RT-DETR runs: the two-stage model's evaluation runs in its training
+# run's end-of-training hook, through the same code.
+@pytest.fixture(scope="module", params=["detr", pytest.param("rtdetr", marks=pytest.mark.slow)])
+def trained_for_eval(request, tmp_path_factory):
+    yield _trained(tmp_path_factory, request.param)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The plain tiny DETR run, for the error-path tests."""
@@ -112,7 +119,8 @@ def test_train_ends_with_metrics_predictions_and_next_steps(trained):
     assert "after-train" in last, last
 
 
-def test_eval_writes_exactly_the_six_metrics(trained):
+def test_eval_writes_exactly_the_six_metrics(trained_for_eval):
+    trained = trained_for_eval
     model_dir = trained["model_dir"]
     shutil.rmtree(model_dir / "eval")
     ckpt = model_dir / "checkpoints" / "ckpt-4"
