@@ -237,3 +237,22 @@ def test_benchmark_train_and_infer_reports_on_the_tiny_model():
         assert row["p50_ms"] <= row["p90_ms"] <= row["p95_ms"] <= row["p99_ms"]
         assert inf["peak_tflops"] is None and row["mfu"] is None
     gin.clear_config()
+
+
+def test_steps_per_canvas_shape_leave_out_first_appearances():
+    """benchmark.py's per-canvas breakdown: shares and medians over the steps whose shape was
+    already compiled, most frequent shape first."""
+    from detr_tf.benchmarks import step_benchmark
+
+    a, b = (128, 128), (128, 192)
+    step_shapes = [(a, True), (b, False), (a, True), (b, True), (a, True), (b, True)]
+    totals = [0.10, 9.0, 0.12, 0.20, 0.11, 0.22]
+    rows = step_benchmark._by_shape(step_shapes, totals)
+    assert [r["shape"] for r in rows] == [list(a), list(b)]
+    assert [r["share"] for r in rows] == [0.6, 0.4]
+    assert rows[0]["step_median_ms"] == pytest.approx(110.0)
+    assert rows[1]["step_median_ms"] == pytest.approx(210.0)  # 9 s (the compile) left out
+    assert rows[1]["step_mean_ms"] == pytest.approx(210.0)
+    table = step_benchmark.shape_table({"by_shape": rows, "step_time_ms": 120.0})
+    # The share-weighted mean: 0.6 * 110 + 0.4 * 210 = 150 ms.
+    assert table.splitlines()[-1] == "| all | 100% | 120 | 150 |"

@@ -77,7 +77,7 @@ def _time_steps(step: Callable, first, batches: Iterator, steps: int, warmup: in
         batch = next(batches)
         seen.add(shape_of(batch))
         timing.timed_call(step, batch)
-    waits, computes, shapes, new_shape_steps = [], [], set(), 0
+    waits, computes, shapes, new_shape_steps, step_shapes = [], [], set(), 0, []
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = next(batches)
@@ -90,17 +90,48 @@ def _time_steps(step: Callable, first, batches: Iterator, steps: int, warmup: in
         # A canvas bucket seen for the first time retraces (and recompiles) the step: a real
         # one-off cost that the mean includes and the median ignores.
         new_shape_steps += shape_of(batch) not in seen
+        step_shapes.append((shape_of(batch), shape_of(batch) in seen))
         seen.add(shape_of(batch))
     totals = [w + c for w, c in zip(waits, computes)]
     step_s = statistics.median(totals)
     return {
         "image_shapes": sorted(list(s) for s in shapes), "new_shape_steps": new_shape_steps,
+        "by_shape": _by_shape(step_shapes, totals),
         "images_per_sec": batch_size * len(totals) / sum(totals),
         "images_per_sec_median_step": batch_size / step_s,
         "step_time_ms": step_s * 1e3, "compute_time_ms": statistics.median(computes) * 1e3,
         "step_times_ms": [t * 1e3 for t in totals],
         "input_wait_share": sum(waits) / sum(totals),
     }
+
+
+def _by_shape(step_shapes: List[Tuple[Tuple[int, int], bool]], totals: List[float]
+              ) -> List[Dict[str, object]]:
+    """Per canvas shape: its share of the timed steps and its median step. The overall median
+    is the most frequent shape's step; with several canvases the mean step (what a training
+    run's wall time follows) is the share-weighted one. Steps on a shape's first appearance
+    (retrace and compile) are left out of both."""
+    groups: Dict[Tuple[int, int], List[float]] = {}
+    for (shape, was_seen), t in zip(step_shapes, totals):
+        if was_seen:
+            groups.setdefault(shape, []).append(t)
+    n = sum(len(ts) for ts in groups.values())
+    return [{"shape": list(shape), "share": len(ts) / n,
+             "step_median_ms": statistics.median(ts) * 1e3,
+             "step_mean_ms": statistics.fmean(ts) * 1e3}
+            for shape, ts in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+
+
+def shape_table(report: Dict[str, object]) -> str:
+    """The timed steps per canvas shape, and the mean step over all compiled shapes."""
+    rows = ["| canvas (H x W) | share of steps | step median (ms) | step mean (ms) |",
+            "|---|---|---|---|"]
+    for r in report["by_shape"]:
+        rows.append(f"| {r['shape'][0]} x {r['shape'][1]} | {100 * r['share']:.1f}% | "
+                    f"{r['step_median_ms']:.0f} | {r['step_mean_ms']:.0f} |")
+    mean = sum(r["share"] * r["step_mean_ms"] for r in report["by_shape"])
+    rows.append(f"| all | 100% | {report['step_time_ms']:.0f} | {mean:.0f} |")
+    return "\n".join(rows)
 
 
 def _time_matching(ts: ours.TrainStep, first, rounds: int, step_s: float) -> Dict[str, float]:
