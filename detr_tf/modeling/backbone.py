@@ -131,15 +131,16 @@ class BatchNorm(tf_keras.layers.BatchNormalization):
 
 
 class TorchConv2D(tf_keras.layers.Conv2D):
-    """Conv2D without bias with torch's symmetric padding `dilation * (kernel // 2)`."""
+    """Conv2D without bias with torch's symmetric padding `dilation * (kernel // 2)`, or `pad`
+    pixels on every side when given (HGNetV2's 2x2 stem convs pad (kernel - 1) // 2 = 0)."""
 
     def __init__(self, filters: int, kernel_size: int, strides: int = 1, dilation: int = 1,
-                 **kwargs):
+                 pad: Optional[int] = None, **kwargs):
         super().__init__(filters, kernel_size, strides=strides, dilation_rate=dilation,
                          padding="valid", use_bias=False,
                          kernel_initializer=tf_keras.initializers.VarianceScaling(
                              2.0, "fan_out", "untruncated_normal"), **kwargs)
-        self._pad = dilation * (kernel_size // 2)
+        self._pad = dilation * (kernel_size // 2) if pad is None else pad
 
     def compute_output_shape(self, input_shape):
         # Keras sizes (and, when building, validates) a 'valid' conv of the unpadded input,
