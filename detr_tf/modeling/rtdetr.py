@@ -121,6 +121,12 @@ class RTDETR(Detector):
         dn = self._denoising(targets, ratio) if training else None
         group_size = 0 if dn is None else dn["labels"].shape[1] // dn["num_groups"]
         out = self.decoder(features, training=training, dn=dn, dn_group_size=group_size)
+        return self.assemble_outputs(out, ratio, dn)
+
+    def assemble_outputs(self, out: Dict[str, object], ratio: tf.Tensor,
+                dn: Optional[Dict]) -> Dict[str, object]:
+        """The outputs dict (class docstring) from the decoder's, whose boxes are on the canvas
+        (ratio [B, 4], `image_ratio`); dn: the denoising queries, or None."""
         logits = out["pred_logits"]  # [n, B, Q (+ N_dn), C]
         boxes = out["pred_boxes"] / tf.cast(ratio, out["pred_boxes"].dtype)[None, :, None]
         enc = out["enc_outputs"]
