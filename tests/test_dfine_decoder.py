@@ -196,7 +196,8 @@ def test_model_denoising_outputs():
     dn = out["dn_outputs"]
     n_dn = dn["labels"].shape[1]
     assert out["pred_corners"].shape == (2, 10, 36) and out["ref_points"].shape == (2, 10, 4)
-    assert dn["pred_corners"].shape == (2, 2, n_dn, 36) and dn["ref_points"].shape == (2, 2, n_dn, 4)
+    assert dn["pred_corners"].shape == (2, 2, n_dn, 36)
+    assert dn["ref_points"].shape == (2, 2, n_dn, 4)
     assert dn["pre_outputs"]["pred_logits"].shape == (2, n_dn, 5)
     assert out["pre_outputs"]["pred_logits"].shape == (2, 10, 5)
 
@@ -212,3 +213,4 @@ def test_model_table_covers_every_variable():
     assert {t.variable.ref() for t in table.values()} == ours
     with pytest.raises(ValueError, match="backbone and encoder are required"):
         build_dfine(encoder=StandInEncoder())
+

@@ -38,6 +38,8 @@ class DFINE(RTDETR):
         'pre_outputs' as above for N_dn.
     """
 
+    builder = "build_dfine"
+
     def __init__(self, backbone: tf_keras.layers.Layer, encoder: tf_keras.layers.Layer,
                  decoder: DFineDecoder, **kwargs):
         kwargs.setdefault("name", "dfine")

@@ -68,6 +68,8 @@ class RTDETR(Detector):
     `model.backbone.trainable_variables` take the backbone learning rate.
     """
 
+    builder = "build_rtdetr"  # the Gin function an error tells to bind
+
     def __init__(self, backbone: tf_keras.layers.Layer, encoder: tf_keras.layers.Layer,
                  decoder: RTDetrDecoder, aux_loss: bool = True,
                  denoising: Optional[DenoisingQueries] = None,
@@ -113,7 +115,7 @@ class RTDETR(Detector):
             if pixel_mask is None:
                 pixel_mask = tf.ones(tf.shape(images)[:3], tf.bool)
             images, pixel_mask = pad_to_canvas(images, pixel_mask, self.canvas_sizes,
-                                               "build_rtdetr")
+                                               self.builder)
         images = self._unit_scale(images, pixel_mask)
         ratio = image_ratio(pixel_mask, images)  # [B, 4]
         features = self.backbone(images, training=training)  # [C3, C4, C5]
