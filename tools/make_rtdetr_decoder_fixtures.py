@@ -245,6 +245,15 @@ def hf_outputs(model, features: Sequence[np.ndarray], dn: Dict[str, np.ndarray] 
                     out = model.model(labels=[{}] * batch, **args)
             finally:
                 model.eval()
+    return {"logits": out.intermediate_logits.numpy().transpose(1, 0, 2, 3),
+            "boxes": out.intermediate_reference_points.numpy().transpose(1, 0, 2, 3),
+            "enc_logits": out.enc_topk_logits.numpy(), "enc_boxes": out.enc_topk_bboxes.numpy(),
+            **topk_margins(out, k), "discrete_margin": discrete.margin}
+
+
+def topk_margins(out, k: int) -> Dict[str, float]:
+    """'topk_margin' and 'boundary_margin' of a transformers run's encoder scores (hf_outputs)
+    for top-k selection (RT-DETR's and D-FINE's outputs name them alike)."""
     scores = np.sort(out.enc_outputs_class.max(-1).values.numpy(), -1)[:, ::-1]
     window = scores[:, :k + 1]  # the top k and the first one left out
     gaps = window[:, :-1] - window[:, 1:]
@@ -257,12 +266,7 @@ def hf_outputs(model, features: Sequence[np.ndarray], dn: Dict[str, np.ndarray] 
         identical = _ties_identical(out, k)
         topk_margin = topk_margin if identical else 0.0
         boundary = np.where(boundary == 0, np.inf if identical else 0.0, boundary)
-    boundary_margin = float(boundary.min())
-    return {"logits": out.intermediate_logits.numpy().transpose(1, 0, 2, 3),
-            "boxes": out.intermediate_reference_points.numpy().transpose(1, 0, 2, 3),
-            "enc_logits": out.enc_topk_logits.numpy(), "enc_boxes": out.enc_topk_bboxes.numpy(),
-            "topk_margin": topk_margin, "boundary_margin": boundary_margin,
-            "discrete_margin": discrete.margin}
+    return {"topk_margin": topk_margin, "boundary_margin": float(boundary.min())}
 
 
 def _ties_identical(out, k: int) -> bool:

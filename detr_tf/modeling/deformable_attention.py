@@ -71,11 +71,13 @@ class MultiScaleDeformableAttention(tf_keras.layers.Layer):
             offset_scale / P_l of the box's size (0.5: Deformable DETR; RT-DETRv2's option).
         method: 'bilinear' sampling, or RT-DETRv2's 'discrete' nearest-cell sampling (whose
             locations get no gradient, so the offsets are frozen, as RT-DETRv2 does).
+        projections: the value and output projections; D-FINE's decoder has neither (it
+            samples the memory as it is and returns the weighted sum).
     """
 
     def __init__(self, d_model: int = 256, num_heads: int = 8, num_levels: int = 4,
                  num_points: Union[int, Sequence[int]] = 4, offset_scale: float = 0.5,
-                 method: str = "bilinear", **kwargs):
+                 method: str = "bilinear", projections: bool = True, **kwargs):
         super().__init__(**kwargs)
         if d_model % num_heads:
             raise ValueError(f"MultiScaleDeformableAttention: d_model={d_model} is not "
@@ -87,6 +89,7 @@ class MultiScaleDeformableAttention(tf_keras.layers.Layer):
         self.num_levels, self.num_points = num_levels, num_points
         self.points_per_level = _points_per_level(num_levels, num_points)
         self.offset_scale, self.method = offset_scale, method
+        self.projections = projections
         samples = num_heads * sum(self.points_per_level)
         bias = directional_grid_bias(num_heads, num_levels, num_points)
         # float32 sublayers: the sampling positions and weights keep full precision (see above).
@@ -98,10 +101,12 @@ class MultiScaleDeformableAttention(tf_keras.layers.Layer):
             samples, kernel_initializer="zeros", dtype="float32", name="attention_weights")
         # The projections follow this layer's policy (sublayers would otherwise take the global
         # one).
-        self.value_proj = tf_keras.layers.Dense(d_model, kernel_initializer="glorot_uniform",
-                                                dtype=self.dtype_policy, name="value_proj")
-        self.output_proj = tf_keras.layers.Dense(d_model, kernel_initializer="glorot_uniform",
-                                                 dtype=self.dtype_policy, name="output_proj")
+        self.value_proj = tf_keras.layers.Dense(
+            d_model, kernel_initializer="glorot_uniform", dtype=self.dtype_policy,
+            name="value_proj") if projections else None
+        self.output_proj = tf_keras.layers.Dense(
+            d_model, kernel_initializer="glorot_uniform", dtype=self.dtype_policy,
+            name="output_proj") if projections else None
 
     def _sampling_locations(self, reference_points: tf.Tensor, offsets: tf.Tensor,
                             spatial_shapes: Sequence[Tuple[int, int]]) -> tf.Tensor:
@@ -145,7 +150,7 @@ class MultiScaleDeformableAttention(tf_keras.layers.Layer):
                              f"shape {reference_points.shape}")
         heads, samples = self.num_heads, sum(self.points_per_level)
         batch, queries = tf.shape(query)[0], tf.shape(query)[1]
-        v = self.value_proj(value)  # [B, S, C]
+        v = self.value_proj(value) if self.projections else tf.cast(value, self.compute_dtype)
         if padding_mask is not None:
             v = tf.where(padding_mask[..., None], tf.zeros_like(v), v)
         v = tf.reshape(v, [batch, tf.shape(v)[1], heads, self.d_model // heads])  # [B, S, H, Dh]
@@ -155,9 +160,10 @@ class MultiScaleDeformableAttention(tf_keras.layers.Layer):
         locations = self._sampling_locations(reference_points, offsets, shapes)
         out = deformable_sampling(v, shapes, self.points_per_level, locations, weights,
                                   self.method)  # [B, Q, C]
-        return self.output_proj(out)
+        return self.output_proj(out) if self.projections else out
 
     def get_config(self) -> dict:
         return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,
                 "num_levels": self.num_levels, "num_points": self.num_points,
-                "offset_scale": self.offset_scale, "method": self.method}
+                "offset_scale": self.offset_scale, "method": self.method,
+                "projections": self.projections}

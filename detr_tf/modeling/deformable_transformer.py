@@ -74,23 +74,49 @@ class DeformableEncoderLayer(tf_keras.layers.Layer):
         return self.norm2(src + self.dropout2(x, training=training))
 
 
+class Gate(tf_keras.layers.Layer):
+    """D-FINE's gate in place of a residual add: norm(g1 * residual + g2 * x), with
+    (g1, g2) = sigmoid(Dense([residual, x])) split in halves, [B, Q, d] each. It starts (zero
+    kernel and bias) at g1 = g2 = 0.5, and learns per channel how much of the cross-attention
+    to let in."""
+
+    def __init__(self, d_model: int, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = tf_keras.layers.Dense(2 * d_model, kernel_initializer="zeros", name="gate")
+        self.norm = layer_norm("norm")
+
+    def call(self, residual: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
+        g1, g2 = tf.split(tf.sigmoid(self.gate(tf.concat([residual, x], -1))), 2, -1)
+        return self.norm(g1 * residual + g2 * x)
+
+
+# float16's largest value: D-FINE clamps the FFN's sum to it so half precision stays finite.
+FLOAT16_MAX = 65504.0
+
+
 class DeformableDecoderLayer(tf_keras.layers.Layer):
     """Self-attention among queries, deformable cross-attention to the memory, FFN.
 
     `offset_scale` and `method` are the cross-attention's RT-DETRv2 options, and `num_points`
-    may give a count per level (MultiScaleDeformableAttention).
+    may give a count per level (MultiScaleDeformableAttention). D-FINE's layer is `gated`: a
+    `Gate` (`gateway`) merges the cross-attention into the queries instead of norm2's residual
+    add, its cross-attention has no value and output projections (`cross_attn_projections`),
+    and the FFN's sum is clamped to float16's range before norm3.
     """
 
     def __init__(self, d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
-                 offset_scale: float = 0.5, method: str = "bilinear", **kwargs):
+                 offset_scale: float = 0.5, method: str = "bilinear", gated: bool = False,
+                 cross_attn_projections: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
         self.cross_attn = MultiScaleDeformableAttention(
             d_model=d_model, num_heads=num_heads, num_levels=num_levels, num_points=num_points,
-            offset_scale=offset_scale, method=method, name="cross_attn")
+            offset_scale=offset_scale, method=method, projections=cross_attn_projections,
+            name="cross_attn")
         self.ffn = FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
         self.norm1 = layer_norm("norm1")
-        self.norm2 = layer_norm("norm2")
+        self.norm2 = None if gated else layer_norm("norm2")
+        self.gateway = Gate(d_model, name="gateway") if gated else None
         self.norm3 = layer_norm("norm3")
         self.dropouts = [Dropout(dropout) for _ in range(3)]
 
@@ -103,9 +129,12 @@ class DeformableDecoderLayer(tf_keras.layers.Layer):
         x = self.self_attn(qk, qk, tgt, training=training, attn_mask=self_attn_mask)
         tgt = self.norm1(tgt + self.dropouts[0](x, training=training))
         x = self.cross_attn(tgt + query_pos, reference_points, memory, shapes, padding_mask)
-        tgt = self.norm2(tgt + self.dropouts[1](x, training=training))
-        x = self.ffn(tgt, training=training)
-        return self.norm3(tgt + self.dropouts[2](x, training=training))
+        x = self.dropouts[1](x, training=training)
+        tgt = self.norm2(tgt + x) if self.gateway is None else self.gateway(tgt, x)
+        x = tgt + self.dropouts[2](self.ffn(tgt, training=training), training=training)
+        if self.gateway is not None:
+            x = tf.clip_by_value(x, -FLOAT16_MAX, FLOAT16_MAX)
+        return self.norm3(x)
 
 
 def _scale_reference(reference: tf.Tensor, ratios: tf.Tensor) -> tf.Tensor:

@@ -68,6 +68,8 @@ class RTDETR(Detector):
     `model.backbone.trainable_variables` take the backbone learning rate.
     """
 
+    builder = "build_rtdetr"  # the Gin function an error tells to bind
+
     def __init__(self, backbone: tf_keras.layers.Layer, encoder: tf_keras.layers.Layer,
                  decoder: RTDetrDecoder, aux_loss: bool = True,
                  denoising: Optional[DenoisingQueries] = None,
@@ -113,7 +115,7 @@ class RTDETR(Detector):
             if pixel_mask is None:
                 pixel_mask = tf.ones(tf.shape(images)[:3], tf.bool)
             images, pixel_mask = pad_to_canvas(images, pixel_mask, self.canvas_sizes,
-                                               "build_rtdetr")
+                                               self.builder)
         images = self._unit_scale(images, pixel_mask)
         ratio = image_ratio(pixel_mask, images)  # [B, 4]
         features = self.backbone(images, training=training)  # [C3, C4, C5]
@@ -121,6 +123,12 @@ class RTDETR(Detector):
         dn = self._denoising(targets, ratio) if training else None
         group_size = 0 if dn is None else dn["labels"].shape[1] // dn["num_groups"]
         out = self.decoder(features, training=training, dn=dn, dn_group_size=group_size)
+        return self.assemble_outputs(out, ratio, dn)
+
+    def assemble_outputs(self, out: Dict[str, object], ratio: tf.Tensor,
+                dn: Optional[Dict]) -> Dict[str, object]:
+        """The outputs dict (class docstring) from the decoder's, whose boxes are on the canvas
+        (ratio [B, 4], `image_ratio`); dn: the denoising queries, or None."""
         logits = out["pred_logits"]  # [n, B, Q (+ N_dn), C]
         boxes = out["pred_boxes"] / tf.cast(ratio, out["pred_boxes"].dtype)[None, :, None]
         enc = out["enc_outputs"]

@@ -118,6 +118,12 @@ class RTDetrDecoder(tf_keras.layers.Layer):
       learn_initial_query: content queries from a learned embedding (`weight_embedding`)
         instead of the selected cells' memory.
       num_inference_layers: decoder layers run at inference (None: all), see module doc.
+      identity_input_proj: the encoder levels enter the memory as they are, without
+        `decoder_input_proj` (D-FINE's when the encoder's width is d_model); extra levels are
+        still convolved.
+      layer_options: more DeformableDecoderLayer arguments for every layer (D-FINE's gate).
+      box_outputs: the width of each layer's box head `bbox_embed.i` (4: a box correction;
+        D-FINE's edge distributions are 4 * (reg_max + 1)).
     """
 
     def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
@@ -125,7 +131,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                  dropout: float = 0.0, num_levels: int = 3, encoder_levels: int = 3,
                  num_points: Union[int, Sequence[int]] = 4, offset_scale: float = 0.5,
                  method: str = "bilinear", learn_initial_query: bool = False,
-                 num_inference_layers: Optional[int] = None, **kwargs):
+                 num_inference_layers: Optional[int] = None, identity_input_proj: bool = False,
+                 layer_options: Optional[dict] = None, box_outputs: int = 4, **kwargs):
         kwargs.setdefault("name", "rtdetr_decoder")
         super().__init__(**kwargs)
         if not 1 <= encoder_levels <= num_levels:
@@ -138,6 +145,7 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         self.num_levels, self.encoder_levels = num_levels, encoder_levels
         self.num_layers, self.num_inference_layers = num_layers, num_inference_layers
         self.decoder_input_proj = [
+            None if identity_input_proj and i < encoder_levels else
             ConvNorm(d_model, 1 if i < encoder_levels else 3, 1 if i < encoder_levels else 2,
                      conv_name="0", norm_name="1", name=f"decoder_input_proj.{i}")
             for i in range(num_levels)]
@@ -150,12 +158,15 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             name="weight_embedding") if learn_initial_query else None
         self.decoder_layers = [DeformableDecoderLayer(
             d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
-            offset_scale=offset_scale, method=method, name=f"decoder.layers.{i}")
-            for i in range(num_layers)]
+            offset_scale=offset_scale, method=method, name=f"decoder.layers.{i}",
+            **(layer_options or {})) for i in range(num_layers)]
         self.query_pos_head = MLP(2 * d_model, d_model, 2, name="decoder.query_pos_head")
         self.class_embed = [prior_class_head(num_classes, f"decoder.class_embed.{i}")
                             for i in range(num_layers)]
-        self.bbox_embed = [box_head(d_model, 0.0, f"decoder.bbox_embed.{i}")
+        # Zero last layers: every layer starts at its reference (D-FINE: uniform distributions).
+        self.bbox_embed = [box_head(d_model, 0.0, f"decoder.bbox_embed.{i}") if box_outputs == 4
+                           else MLP(d_model, box_outputs, 3, last_initializer="zeros",
+                                    name=f"decoder.bbox_embed.{i}")
                            for i in range(num_layers)]
 
     def memory(self, features: Sequence[tf.Tensor],
@@ -164,7 +175,12 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         if len(features) != self.encoder_levels:
             raise ValueError(f"RTDetrDecoder: expected {self.encoder_levels} encoder maps "
                              f"(encoder_levels), got {len(features)}")
-        maps = [proj(x, training=training)
+        if any(proj is None and x.shape[-1] != self.d_model
+               for proj, x in zip(self.decoder_input_proj, features)):
+            raise ValueError(f"RTDetrDecoder: identity_input_proj needs encoder maps of "
+                             f"d_model={self.d_model} channels, got "
+                             f"{[x.shape[-1] for x in features]}")
+        maps = [x if proj is None else proj(x, training=training)
                 for proj, x in zip(self.decoder_input_proj, features)]
         for proj in self.decoder_input_proj[self.encoder_levels:]:
             # The first extra level reads the last encoder map, each next one the level before.
@@ -280,7 +296,15 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                 [reference_logits, tf.cast(dn["anchor_logits"], tf.float32)], 1)
             mask = query_groups.self_attention_mask(1, self.num_queries, dn_group_size,
                                                     dn["valid"])
-        logits, boxes = self.decode(content, reference_logits, memory, shapes, mask, training)
-        return {"pred_logits": logits, "pred_boxes": boxes,
-                "enc_outputs": {"pred_logits": queries["enc_logits"],
-                                "pred_boxes": queries["enc_boxes"]}}
+        out = self.decoder_outputs(content, reference_logits, memory, shapes, mask, training)
+        return {**out, "enc_outputs": {"pred_logits": queries["enc_logits"],
+                                       "pred_boxes": queries["enc_boxes"]}}
+
+    def decoder_outputs(self, content: tf.Tensor, reference_logits: tf.Tensor,
+                        memory: tf.Tensor, shapes: Sequence[Tuple[int, int]],
+                        self_attn_mask: Optional[tf.Tensor], training=None) -> Dict[str, tf.Tensor]:
+        """`decode`'s stacked per-layer 'pred_logits' and 'pred_boxes' (a subclass's decoder
+        may return more, see D-FINE's)."""
+        logits, boxes = self.decode(content, reference_logits, memory, shapes, self_attn_mask,
+                                    training)
+        return {"pred_logits": logits, "pred_boxes": boxes}

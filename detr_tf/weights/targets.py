@@ -8,6 +8,7 @@ import tf_keras
 
 from detr_tf.modeling.backbone import ResNet, torchvision_variables
 from detr_tf.modeling.deformable_detr import DeformableDETR
+from detr_tf.modeling.dfine import DFINE
 from detr_tf.modeling.rtdetr import RTDETR
 from detr_tf.weights import deformable_targets, target
 from detr_tf.weights.rtdetr import model as rtdetr_targets
@@ -54,6 +55,9 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
     """
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
+    if isinstance(model, DFINE):  # an RTDETR subclass whose names RT-DETR's table lacks
+        raise ValueError("load_pretrained: D-FINE has per-part tables (detr_tf/weights/dfine/) "
+                         "but no whole-model table yet")
     if isinstance(model, RTDETR):
         return rtdetr_targets.torch_targets(model)
     if _is_deformable(model):

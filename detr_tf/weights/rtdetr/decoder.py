@@ -33,8 +33,22 @@ def decoder_targets(prefix: str, decoder: RTDetrDecoder) -> Dict[str, Target]:
     """
     if not decoder.built:
         raise ValueError("decoder_targets: build the decoder first (call the model once)")
+    out = query_selection_targets(prefix, decoder)
+    out.update(decoder_layers(decoder, f"{prefix}.decoder"))
+    out.update(mlp(f"{prefix}.decoder.query_pos_head", decoder.query_pos_head))
+    for i, (cls, box) in enumerate(zip(decoder.class_embed, decoder.bbox_embed)):
+        out.update(dense(f"{prefix}.decoder.class_embed.{i}", cls))
+        out.update(mlp(f"{prefix}.decoder.bbox_embed.{i}", box))
+    return out
+
+
+def query_selection_targets(prefix: str, decoder: RTDetrDecoder) -> Dict[str, Target]:
+    """The input projections (none for identity levels), the query selection heads and the
+    learned content queries of a built RTDetrDecoder (or a subclass: D-FINE's)."""
     out = {}
     for i, proj in enumerate(decoder.decoder_input_proj):
+        if proj is None:
+            continue
         out[f"{prefix}.decoder_input_proj.{i}.0.weight"] = Target(proj.conv.kernel, "conv")
         out.update(batch_norm(f"{prefix}.decoder_input_proj.{i}.1", proj.norm))
     out.update(dense(f"{prefix}.enc_output.0", decoder.enc_output))
@@ -43,11 +57,6 @@ def decoder_targets(prefix: str, decoder: RTDetrDecoder) -> Dict[str, Target]:
     out.update(mlp(f"{prefix}.enc_bbox_head", decoder.enc_bbox_head))
     if decoder.weight_embedding is not None:
         out[f"{prefix}.weight_embedding.weight"] = Target(decoder.weight_embedding.embeddings)
-    out.update(decoder_layers(decoder, f"{prefix}.decoder"))
-    out.update(mlp(f"{prefix}.decoder.query_pos_head", decoder.query_pos_head))
-    for i, (cls, box) in enumerate(zip(decoder.class_embed, decoder.bbox_embed)):
-        out.update(dense(f"{prefix}.decoder.class_embed.{i}", cls))
-        out.update(mlp(f"{prefix}.decoder.bbox_embed.{i}", box))
     return out
 
 
