@@ -14,13 +14,15 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-_TO_TF = {"conv": (2, 3, 1, 0), "dense": (1, 0)}
-_TO_TORCH = {"conv": (3, 2, 0, 1), "dense": (1, 0)}
+# A depthwise kernel is [C, 1, kh, kw] in torch (groups = C) and [kh, kw, C, 1] here.
+_TO_TF = {"conv": (2, 3, 1, 0), "depthwise": (2, 3, 0, 1), "dense": (1, 0)}
+_TO_TORCH = {"conv": (3, 2, 0, 1), "depthwise": (2, 3, 0, 1), "dense": (1, 0)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A model variable and the torch layout of what loads into it ('conv', 'dense', 'same')."""
+    """A model variable and the torch layout of what loads into it ('conv', 'depthwise',
+    'dense', 'same')."""
     variable: tf.Variable
     kind: str = "same"
 
