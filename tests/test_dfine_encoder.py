@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Dict
 
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -196,3 +197,32 @@ def test_rtdetr_table_is_refused():
     enc([tf.zeros([1, 64 // s, 64 // s, 4]) for s in (8, 16, 32)])
     with pytest.raises(ValueError, match="RepNCSPELAN4"):
         hf_targets("model.", enc)
+
+
+def test_gin_binds_the_dfine_parts():
+    """HybridEncoder's parts bound by reference in Gin give dfine_hybrid_encoder's layers."""
+    bindings = """
+        import detr_tf.modeling.dfine_encoder
+        HybridEncoder.fusion_block = @RepNCSPELAN4
+        HybridEncoder.downsample = @SCDown
+        HybridEncoder.lateral_activation = False
+        HybridEncoder.hidden_expansion = 0.5
+        HybridEncoder.num_blocks = 1
+    """
+    gin.clear_config()
+    try:
+        gin.parse_config(bindings)
+        bound = HybridEncoder(hidden_dim=8)
+    finally:
+        gin.clear_config()
+    direct = dfine_hybrid_encoder(hidden_expansion=0.5, depth_mult=0.34, hidden_dim=8)
+
+    def layout(enc):  # what the bindings decide, per layer name (no variables needed)
+        return [(layer.name, type(layer).__name__, getattr(layer, "activation", "-") is None,
+                 len(getattr(getattr(layer, "csp_rep1", None), "bottlenecks", ())))
+                for layer in enc.lateral_convs + enc.fpn_blocks + enc.downsample_convs
+                + enc.pan_blocks]
+
+    assert layout(bound) == layout(direct)
+    assert layout(bound)[0][2] and layout(bound)[2] == (
+        "encoder.fpn_blocks.0", "RepNCSPELAN4", False, 1)
