@@ -34,6 +34,57 @@ def rel_diff(outs: List[tf.Tensor], expected: List[np.ndarray]) -> float:
                for o, e in zip(outs, expected))
 
 
+def randomize_norms(layer: tf_keras.layers.Layer, rng: np.random.Generator) -> None:
+    """Every batch norm in `layer` gets random scales, shifts and moving statistics (so a fused
+    form that ignores one shows)."""
+    for norm in layer.submodules:
+        if isinstance(norm, tf_keras.layers.BatchNormalization):
+            c = norm.gamma.shape[0]
+            for var, value in ((norm.gamma, rng.uniform(0.5, 1.5, c)),
+                               (norm.beta, rng.normal(0, 0.2, c)),
+                               (norm.moving_mean, rng.normal(0, 0.2, c)),
+                               (norm.moving_variance, rng.uniform(0.5, 2.0, c))):
+                var.assign(value)
+
+
+def assert_table_covers(table: Dict[str, Target], tensors: Dict[str, np.ndarray],
+                        layer: tf_keras.layers.Layer) -> None:
+    """Every key of `tensors` but the BN step counters has a target of its shape, and every
+    variable of `layer` is the target of exactly one key."""
+    assert set(table) == {k for k in tensors if not k.endswith("num_batches_tracked")}
+    for key, target in table.items():
+        assert target.torch_shape == tensors[key].shape, key
+    refs = [t.variable.ref() for t in table.values()]
+    assert len(set(refs)) == len(refs) == len(layer.variables)
+    assert set(refs) == {v.ref() for v in layer.variables}
+
+
+def renamed(keys, renames) -> set:
+    """`keys` with each (pattern, replacement) of `renames` applied in order."""
+    out = set()
+    for key in keys:
+        for pattern, repl in renames:
+            key = re.sub(pattern, repl, str(key))
+        out.add(key)
+    return out
+
+
+def assert_fixture_current(state: Dict[str, np.ndarray], arrays: Dict[str, np.ndarray],
+                           weights: Path, arrays_path: Path) -> None:
+    """The committed fixture files hold what an oracle's fixture_arrays() gives now."""
+    tensors = load_file(str(weights))
+    data = np.load(arrays_path)
+    assert set(state) == set(tensors)
+    for key, value in state.items():
+        np.testing.assert_array_equal(tensors[key], value, err_msg=key)
+    assert sorted(arrays) == sorted(data.files)
+    for key, value in arrays.items():
+        if value.dtype.kind in "US":
+            np.testing.assert_array_equal(data[key], value, err_msg=key)
+        else:
+            np.testing.assert_allclose(data[key], value, rtol=0, atol=1e-5, err_msg=key)
+
+
 # --- float64 numpy transcriptions -------------------------------------------------------------
 
 def np_conv(x, weight, stride=1, bias=None):
@@ -155,14 +206,7 @@ def test_fused_encoder_matches_unfused():
     feats = [tf.constant(rng.normal(size=(2, 64 // s, 96 // s, c)), tf.float32)
              for s, c in ((8, 8), (16, 12), (32, 16))]
     enc(feats)
-    for layer in enc.submodules:
-        if isinstance(layer, tf_keras.layers.BatchNormalization):
-            c = layer.gamma.shape[0]
-            for var, value in ((layer.gamma, rng.uniform(0.5, 1.5, c)),
-                               (layer.beta, rng.normal(0, 0.2, c)),
-                               (layer.moving_mean, rng.normal(0, 0.2, c)),
-                               (layer.moving_variance, rng.uniform(0.5, 2.0, c))):
-                var.assign(value)
+    randomize_norms(enc, rng)
     unfused = enc(feats)
     enc.fuse()
     assert rel_diff(enc(feats), [o.numpy() for o in unfused]) < 1e-5
@@ -194,26 +238,14 @@ def test_table_covers_every_key_and_variable_once(hf_fixture):
     """Every fixture key but the BN step counters has a target of its shape, and every
     encoder variable is the target of exactly one key."""
     enc, _, tensors, _ = hf_fixture
-    table = hf_targets(enc)
-    keys = {k for k in tensors if not k.endswith("num_batches_tracked")}
-    assert set(table) == keys
-    for key, target in table.items():
-        assert target.torch_shape == tensors[key].shape, key
-    refs = [t.variable.ref() for t in table.values()]
-    assert len(set(refs)) == len(refs) == len(enc.variables)
-    assert set(refs) == {v.ref() for v in enc.variables}
+    assert_table_covers(hf_targets(enc), tensors, enc)
 
 
 def test_4x_names_rename_to_5x():
     """The names transformers' save_pretrained writes (4.x's) rename to the 5.x keys."""
     data = np.load(FIXTURES / "encoder_io.npz")
     tensors = load_file(str(FIXTURES / "encoder_hf5.safetensors"))
-    renamed = set()
-    for key in data["hf4_keys"]:
-        for pattern, repl in HF4_TO_HF5:
-            key = re.sub(pattern, repl, str(key))
-        renamed.add(key)
-    assert renamed == set(tensors)
+    assert renamed(data["hf4_keys"], HF4_TO_HF5) == set(tensors)
 
 
 def test_levels_that_do_not_halve_are_named():

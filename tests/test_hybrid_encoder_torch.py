@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from safetensors.numpy import load_file
 
 # TensorFlow (imported first, by conftest) and triton's LLVM library crash the process when both
 # are loaded; triton only serves GPUs, so the torch oracles run without it.
@@ -21,7 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from detr_tf.modeling.hybrid_encoder import HybridEncoder  # noqa: E402
-from tests.test_hybrid_encoder import FIXTURES, load_hf, rel_diff  # noqa: E402
+from tests.test_hybrid_encoder import (FIXTURES, assert_fixture_current,  # noqa: E402
+                                       load_hf, rel_diff)
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location(
@@ -74,15 +74,5 @@ def test_r50vd_size_encoder_matches_transformers():
 
 def test_fixture_is_current():
     """The committed fixture is what the oracle writes with the installed transformers."""
-    state, arrays = oracle.fixture_arrays()
-    tensors = load_file(str(FIXTURES / "encoder_hf5.safetensors"))
-    data = np.load(FIXTURES / "encoder_io.npz")
-    assert set(state) == set(tensors)
-    for key, value in state.items():
-        np.testing.assert_array_equal(tensors[key], value, err_msg=key)
-    assert sorted(arrays) == sorted(data.files)
-    for key, value in arrays.items():
-        if value.dtype.kind in "US":
-            np.testing.assert_array_equal(data[key], value, err_msg=key)
-        else:
-            np.testing.assert_allclose(data[key], value, rtol=0, atol=1e-5, err_msg=key)
+    assert_fixture_current(*oracle.fixture_arrays(), FIXTURES / "encoder_hf5.safetensors",
+                           FIXTURES / "encoder_io.npz")

@@ -117,13 +117,13 @@ def random_features(rng: np.random.Generator, batch: int, canvas: Sequence[int],
             for s, c in zip((8, 16, 32), in_channels)]
 
 
-def fixture_arrays(seed: int = 0):
-    """(safetensors tensors, npz arrays), see the module docstring."""
+def io_arrays(model, config: dict, in_channels: Sequence[int], seed: int = 0):
+    """(safetensors tensors, npz arrays) for `model`, built from `config` (the detr_tf
+    encoder's arguments) with `in_channels`: see the module docstring."""
     rng = np.random.default_rng(seed)
-    model = hf_model(IN_CHANNELS, **CONFIG)
     state = random_state(model, rng)
-    feats = random_features(rng, BATCH, CANVAS, IN_CHANNELS)
-    arrays = dict(config=np.array(json.dumps(CONFIG)), hf4_keys=np.array(saved_keys(model)))
+    feats = random_features(rng, BATCH, CANVAS, in_channels)
+    arrays = dict(config=np.array(json.dumps(config)), hf4_keys=np.array(saved_keys(model)))
     arrays.update({f"c{i + 3}": f for i, f in enumerate(feats)})
     for mode, training in (("", False), ("train_", True)):
         outs = hf_forward(model, state, feats, training=training)
@@ -131,15 +131,25 @@ def fixture_arrays(seed: int = 0):
     return state, arrays
 
 
-def main() -> None:
+def fixture_arrays(seed: int = 0):
+    """(safetensors tensors, npz arrays), see the module docstring."""
+    return io_arrays(hf_model(IN_CHANNELS, **CONFIG), CONFIG, IN_CHANNELS, seed)
+
+
+def write(state: Dict[str, np.ndarray], arrays: Dict[str, np.ndarray], weights: str,
+          arrays_path: str) -> None:
+    """The tensors to `weights` (safetensors), the arrays to `arrays_path` (npz)."""
     from safetensors.numpy import save_file
 
-    state, arrays = fixture_arrays()
-    os.makedirs(FIXTURE_DIR, exist_ok=True)
-    save_file(state, WEIGHTS)
-    np.savez_compressed(ARRAYS, **arrays)
-    for path in (WEIGHTS, ARRAYS):
+    os.makedirs(os.path.dirname(weights), exist_ok=True)
+    save_file(state, weights)
+    np.savez_compressed(arrays_path, **arrays)
+    for path in (weights, arrays_path):
         print(f"wrote {path} ({os.path.getsize(path) / 1024:.0f} KB)")
+
+
+def main() -> None:
+    write(*fixture_arrays(), WEIGHTS, ARRAYS)
 
 
 if __name__ == "__main__":

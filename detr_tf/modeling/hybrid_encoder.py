@@ -9,6 +9,9 @@
          stride-2 conv-norm-act, concat [downsampled, FPN map], CSPRep layer)
       -> [P3, P4, P5] NHWC, `hidden_dim` channels each, the input maps' sizes
 
+D-FINE's encoder is this one with other CCFF parts injected (dfine_encoder.py: RepNCSPELAN4
+blocks, SCDown downsampling, lateral convs without activation).
+
 Layer names are the transformers 5.x module paths of RTDetrModel (`encoder_input_proj.0`,
 `encoder.aifi.0`, `encoder.fpn_blocks.1`, ...); detr_tf.weights.rtdetr.encoder maps every
 tensor of theirs to a variable here. RT-DETR has no pixel mask: the convolutions and AIFI's
@@ -20,7 +23,7 @@ exactly twice the next coarser one in height and width: canvases that are multip
 Batch norm is trainable, with the global batch's statistics across Mirrored replicas as the
 reference's SyncBatchNorm; csp_rep.py's docstring says more.
 """
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import gin
 import tensorflow as tf
@@ -112,6 +115,14 @@ class HybridEncoder(tf_keras.layers.Layer):
     (activation_function, of every conv block), hidden_expansion, num_blocks (RepVGG blocks per
     CSPRep layer; transformers fixes 3), temperature (positional_encoding_temperature).
     Activations are Keras names ('gelu' is exact, erf-based, as torch's) or callables.
+
+    The CCFF's parts are injected, so D-FINE's variant (dfine_encoder.py) is this class with
+    other parts: `fusion_block` builds the FPN and PAN blocks as
+    `fusion_block(hidden_dim, hidden_expansion=, num_blocks=, activation=, name=)` (RT-DETR's
+    CSPRepLayer; D-FINE's RepNCSPELAN4); `downsample`, if given, builds the PAN's stride-2
+    downsamplings as `downsample(hidden_dim, name=)` (None: RT-DETR's 3x3 stride-2
+    conv-norm-act; D-FINE's SCDown); `lateral_activation` False drops the activation of the
+    FPN's lateral 1x1 conv-norms (D-FINE's have none).
     """
 
     def __init__(self, hidden_dim: int = 256, num_levels: int = 3,
@@ -119,7 +130,10 @@ class HybridEncoder(tf_keras.layers.Layer):
                  dim_feedforward: int = 1024, dropout: float = 0.0,
                  activation_dropout: float = 0.0, encoder_activation: Activation = "gelu",
                  activation: Activation = "silu", hidden_expansion: float = 1.0,
-                 num_blocks: int = 3, temperature: float = 10000.0, **kwargs):
+                 num_blocks: int = 3, temperature: float = 10000.0,
+                 fusion_block: Callable[..., tf_keras.layers.Layer] = CSPRepLayer,
+                 downsample: Optional[Callable[..., tf_keras.layers.Layer]] = None,
+                 lateral_activation: bool = True, **kwargs):
         kwargs.setdefault("name", "hybrid_encoder")
         super().__init__(**kwargs)
         bad = [i for i in encode_levels if not 0 <= i < num_levels]
@@ -136,16 +150,22 @@ class HybridEncoder(tf_keras.layers.Layer):
                           dim_feedforward=dim_feedforward, dropout=dropout,
                           activation_dropout=activation_dropout, activation=encoder_activation,
                           name=f"encoder.aifi.{i}") for i in range(len(self.encode_levels))]
-        csp = dict(hidden_expansion=hidden_expansion, num_blocks=num_blocks,
-                   activation=activation)
+        block = dict(hidden_expansion=hidden_expansion, num_blocks=num_blocks,
+                     activation=activation)
         stages = range(num_levels - 1)
-        self.lateral_convs = [ConvNorm(hidden_dim, 1, activation=activation,
-                                       name=f"encoder.lateral_convs.{i}") for i in stages]
-        self.fpn_blocks = [CSPRepLayer(hidden_dim, name=f"encoder.fpn_blocks.{i}", **csp)
+        self.lateral_convs = [
+            ConvNorm(hidden_dim, 1, activation=activation if lateral_activation else None,
+                     name=f"encoder.lateral_convs.{i}") for i in stages]
+        self.fpn_blocks = [fusion_block(hidden_dim, name=f"encoder.fpn_blocks.{i}", **block)
                            for i in stages]
-        self.downsample_convs = [ConvNorm(hidden_dim, 3, strides=2, activation=activation,
-                                          name=f"encoder.downsample_convs.{i}") for i in stages]
-        self.pan_blocks = [CSPRepLayer(hidden_dim, name=f"encoder.pan_blocks.{i}", **csp)
+        if downsample is None:
+            self.downsample_convs = [
+                ConvNorm(hidden_dim, 3, strides=2, activation=activation,
+                         name=f"encoder.downsample_convs.{i}") for i in stages]
+        else:
+            self.downsample_convs = [downsample(hidden_dim, name=f"encoder.downsample_convs.{i}")
+                                     for i in stages]
+        self.pan_blocks = [fusion_block(hidden_dim, name=f"encoder.pan_blocks.{i}", **block)
                            for i in stages]
 
     def call(self, features: Sequence[tf.Tensor], training: Optional[bool] = None):
@@ -188,6 +208,7 @@ class HybridEncoder(tf_keras.layers.Layer):
 
     def fuse(self) -> None:
         """Every RepVGG block to its inference form (csp_rep.RepVggBlock.fuse): one 3x3 conv
-        with bias in place of two conv-BN branches. Call after the weights are final."""
+        with bias in place of two conv-BN branches. Call after the weights are final. Each
+        fusion block fuses its own (CSPRepLayer.fuse, RepNCSPELAN4.fuse)."""
         for block in self.fpn_blocks + self.pan_blocks:
             block.fuse()

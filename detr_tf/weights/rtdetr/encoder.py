@@ -12,7 +12,7 @@ renames transformers 5.x's loader applies:
 Batch norms' `num_batches_tracked` counters have no variable (the importer skips them). A fused
 encoder's RepVGG convs (HybridEncoder.fuse) are not in the table: transformers has no fused form.
 """
-from typing import Dict
+from typing import Callable, Dict
 
 from detr_tf.modeling.csp_rep import ConvNorm, CSPRepLayer
 from detr_tf.modeling.hybrid_encoder import AIFILayer, HybridEncoder
@@ -57,8 +57,15 @@ def _aifi_layer(prefix: str, layer: AIFILayer) -> Dict[str, Target]:
     return out
 
 
-def hf_targets(encoder: HybridEncoder, prefix: str = "model.") -> Dict[str, Target]:
-    """{transformers 5.x key: Target} for every variable of a built, unfused HybridEncoder."""
+def hf_targets(encoder: HybridEncoder, prefix: str = "model.",
+               aifi_layer: Callable = _aifi_layer, fusion_block: Callable = _csp,
+               downsample: Callable = _conv_norm) -> Dict[str, Target]:
+    """{transformers 5.x key: Target} for every variable of a built, unfused HybridEncoder.
+
+    The last three map one AIFI layer, fusion block or downsampling `(key prefix, layer) ->
+    {key: Target}`: RT-DETR's by default; a variant's table passes its own
+    (weights/dfine/encoder.py).
+    """
     if not encoder.built:
         raise ValueError("hf_targets: the HybridEncoder has no variables yet; call it once")
     out = {}
@@ -67,11 +74,10 @@ def hf_targets(encoder: HybridEncoder, prefix: str = "model.") -> Dict[str, Targ
     p = f"{prefix}encoder"
     for i, aifi in enumerate(encoder.aifi):
         for j, layer in enumerate(aifi.layers):
-            out.update(_aifi_layer(f"{p}.aifi.{i}.layers.{j}", layer))
+            out.update(aifi_layer(f"{p}.aifi.{i}.layers.{j}", layer))
     for i in range(encoder.num_levels - 1):
         out.update(_conv_norm(f"{p}.lateral_convs.{i}", encoder.lateral_convs[i]))
-        out.update(_csp(f"{p}.fpn_blocks.{i}", encoder.fpn_blocks[i]))
-        out.update(_conv_norm(f"{p}.downsample_convs.{i}", encoder.downsample_convs[i]))
-        out.update(_csp(f"{p}.pan_blocks.{i}", encoder.pan_blocks[i]))
+        out.update(fusion_block(f"{p}.fpn_blocks.{i}", encoder.fpn_blocks[i]))
+        out.update(downsample(f"{p}.downsample_convs.{i}", encoder.downsample_convs[i]))
+        out.update(fusion_block(f"{p}.pan_blocks.{i}", encoder.pan_blocks[i]))
     return out
-
