@@ -19,6 +19,7 @@ gradients under `{case}/grad/{input}`.
 
 The module doubles as the torch-side oracle of tests/test_dfine_loss_torch.py.
 """
+import functools
 import os
 import sys
 from typing import Dict, Tuple
@@ -101,7 +102,12 @@ def hf_loss(case: Dict[str, np.ndarray]) -> Tuple[Dict[str, float], Dict[str, np
     # inputs: the oracle takes the bin targets (no gradient) from float32 copies.
     float64_targets = loss_d_fine.bbox2distance
     float32_targets = lambda p, b, *a: float64_targets(p.float(), b.float(), *a)  # noqa: E731
-    with mock.patch.object(loss_d_fine, "bbox2distance", float32_targets):
+    # Its union keeps each query's most frequent target, but breaks ties with torch's default
+    # (unstable) argsort, an order torch does not define; with a stable one a tie goes to the
+    # lowest target index, detr_tf's rule.
+    stable_argsort = functools.partial(torch.argsort, stable=True)
+    with mock.patch.object(loss_d_fine, "bbox2distance", float32_targets), \
+            mock.patch.object(torch, "argsort", stable_argsort):
         losses = criterion(outputs, labels)
     total = sum(losses.values())
     total.backward()
