@@ -15,7 +15,7 @@ with detr_tf's names (unweighted) and the total's gradients under `{case}/grad/{
 The module doubles as the torch-side oracle of tests/test_rtdetr_loss_torch.py.
 """
 import os
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -120,14 +120,17 @@ def hf_loss(case: Dict[str, np.ndarray]) -> Tuple[Dict[str, float], Dict[str, np
     return named, {k: v.grad.numpy() for k, v in x.items()}
 
 
-def detr_tf_names(hf_losses: Dict[str, object], num_layers: int) -> Dict[str, float]:
-    """transformers' weighted losses -> detr_tf's unweighted names: 'loss_vfl' -> 'loss_vfl';
+def detr_tf_names(hf_losses: Dict[str, object], num_layers: int,
+                  weights: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    """transformers' weighted losses -> detr_tf's unweighted names (weights: {term: weight},
+    RT-DETR's when None): 'loss_vfl' -> 'loss_vfl';
     '_aux_{i}' -> '_{i}' for decoder layer i < L-1 and '_enc' for i = L-1 (transformers puts
     the encoder's top-K last among the aux outputs); '_dn_{i}' -> 'loss_dn_*' with '_{i}' for
     i < L-1 and no suffix for the final layer."""
+    weights = WEIGHTS if weights is None else weights
     out = {}
     for key, value in hf_losses.items():
-        term = next(n for n in WEIGHTS if key.startswith(f"loss_{n}"))
+        term = next(n for n in weights if key.startswith(f"loss_{n}"))
         suffix = key[len(f"loss_{term}"):]
         layer = int(suffix.rsplit("_", 1)[1]) if suffix else num_layers - 1
         tail = "" if layer == num_layers - 1 else f"_{layer}"
@@ -137,22 +140,25 @@ def detr_tf_names(hf_losses: Dict[str, object], num_layers: int) -> Dict[str, fl
             name = f"loss_dn_{term}{tail}"
         else:
             name = f"loss_{term}"
-        out[name] = float(value.detach()) / WEIGHTS[term]
+        out[name] = float(value.detach()) / weights[term]
     return out
 
 
-def main() -> None:
+def write_fixture(path: str, specs: Dict[str, Dict], make_case: Callable,
+                  oracle: Callable) -> None:
+    """Writes each case `make_case(**spec)` with its oracle's losses and gradients to `path`
+    (the layout the module docstring describes)."""
     arrays = {}
-    for name, spec in CASES.items():
-        case = random_case(**spec)
-        losses, grads = hf_loss(case)
+    for name, spec in specs.items():
+        case = make_case(**spec)
+        losses, grads = oracle(case)
         arrays.update({f"{name}/{k}": v for k, v in case.items()})
         arrays.update({f"{name}/hf/{k}": np.float64(v) for k, v in losses.items()})
         arrays.update({f"{name}/grad/{k}": v.astype(np.float32) for k, v in grads.items()})
-    os.makedirs(os.path.dirname(FIXTURE), exist_ok=True)
-    np.savez_compressed(FIXTURE, **arrays)
-    print(f"wrote {FIXTURE}: {', '.join(CASES)} ({os.path.getsize(FIXTURE)} bytes)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez_compressed(path, **arrays)
+    print(f"wrote {path}: {', '.join(specs)} ({os.path.getsize(path)} bytes)")
 
 
 if __name__ == "__main__":
-    main()
+    write_fixture(FIXTURE, CASES, random_case, hf_loss)

@@ -5,7 +5,12 @@
     focal.py          FocalSetCriterion: sigmoid focal classification (Deformable DETR)
     rtdetr.py         RTDetrCriterion: the varifocal loss, the encoder's top-K matched with
                       the decoder layers, contrastive denoising (RT-DETR)
-    vfl.py            the varifocal loss
+    dfine.py          DFineCriterion: RT-DETR's plus the edge distributions' FGL and DDF and the
+                      union matching of the box losses (D-FINE; DEIM with the MAL)
+    vfl.py            the varifocal loss, and the IoU-target class losses' common part
+    mal.py            the matchability-aware loss (DEIM)
+    fgl.py            D-FINE's fine-grained localization loss and its weighting function
+    ddf.py            D-FINE's decoupled distillation of the final layer's edge distributions
     denoising.py      the denoising queries' reconstruction losses (DN-DETR, DINO)
     dense.py          two-stage encoder proposals under the centre-cell assignment
     boxes.py          what they share: stacked layers, the box-count normalizer, the targets
@@ -16,7 +21,10 @@ has `local_normalizers(targets, num_queries)` for the trainer to all-reduce.
 """
 from detr_tf.losses.boxes import box_normalizer  # noqa: F401
 from detr_tf.losses.dense import center_assignment  # noqa: F401
+from detr_tf.losses.dfine import DFineCriterion  # noqa: F401
 from detr_tf.losses.focal import (  # noqa: F401
     FocalSetCriterion, focal_match_cost, sigmoid_focal_loss)
+from detr_tf.losses.mal import MatchabilityAwareLoss  # noqa: F401
 from detr_tf.losses.rtdetr import RTDetrCriterion  # noqa: F401
 from detr_tf.losses.set_criterion import SetCriterion  # noqa: F401
+from detr_tf.losses.vfl import VarifocalLoss  # noqa: F401

@@ -51,21 +51,26 @@ class RTDetrCriterion(focal.FocalSetCriterion):
         denoising queries too.
       matcher: `matcher(cost [..., Q, T], target_mask [..., T]) -> [..., Q]` (Gin reference;
         the exact HungarianMatcher when None).
+      class_loss: the class loss in place of the VFL (Gin reference, e.g.
+        `@MatchabilityAwareLoss()`; losses/vfl.py's VarifocalLoss(vfl_alpha, vfl_gamma) when
+        None); its `name` names the logged loss ('loss_vfl', 'loss_mal'), weighted by
+        weight_vfl.
     """
 
     def __init__(self, num_classes: int, cost_class: float = 2.0, cost_bbox: float = 5.0,
                  cost_giou: float = 2.0, matcher_alpha: float = 0.25,
                  matcher_gamma: float = 2.0, vfl_alpha: float = 0.75, vfl_gamma: float = 2.0,
                  weight_vfl: float = 1.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
-                 aux_loss: bool = True, matcher: Optional[Callable] = None):
+                 aux_loss: bool = True, matcher: Optional[Callable] = None,
+                 class_loss: Optional[Callable] = None):
         # The parent's focal alpha / gamma serve its matching cost only; its focal class loss
         # is never used here.
         super().__init__(num_classes, focal_alpha=matcher_alpha, focal_gamma=matcher_gamma,
                          cost_class=cost_class, cost_bbox=cost_bbox, cost_giou=cost_giou,
                          weight_ce=weight_vfl, weight_bbox=weight_bbox,
                          weight_giou=weight_giou, aux_loss=aux_loss, matcher=matcher)
-        self.vfl_alpha = vfl_alpha
-        self.vfl_gamma = vfl_gamma
+        self.class_loss = (vfl_lib.VarifocalLoss(vfl_alpha, vfl_gamma) if class_loss is None
+                           else class_loss)
 
     def match_layers(self, logits: tf.Tensor, boxes: tf.Tensor,
                      enc: Optional[Dict[str, tf.Tensor]],
@@ -89,7 +94,7 @@ class RTDetrCriterion(focal.FocalSetCriterion):
     def query_losses(self, logits: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
                      tgt_boxes: tf.Tensor, positive: tf.Tensor, normalizer: tf.Tensor,
                      valid: Optional[tf.Tensor] = None) -> Losses:
-        """(loss_vfl, loss_bbox, loss_giou), each [N], of queries with known targets.
+        """(class loss, loss_bbox, loss_giou), each [N], of queries with known targets.
 
         Args:
           logits: [N, B, Q, C]; boxes: [N, B, Q, 4] normalized cxcywh.
@@ -98,8 +103,8 @@ class RTDetrCriterion(focal.FocalSetCriterion):
           normalizer: float scalar.
           valid: optional [N, B, Q] {0, 1}, the queries that count in the VFL (None: all).
         """
-        loss_vfl = vfl_lib.vfl_loss(logits, boxes, labels, tgt_boxes, positive, normalizer,
-                                    [1, 2], self.vfl_alpha, self.vfl_gamma, valid)
+        loss_vfl = self.class_loss(logits, boxes, labels, tgt_boxes, positive, normalizer,
+                                   [1, 2], valid)
         loss_bbox, loss_giou = box_losses.matched_box_losses(
             boxes, tgt_boxes, tf.cast(positive, tf.float32), normalizer, [1, 2])
         return loss_vfl, loss_bbox, loss_giou
@@ -173,10 +178,11 @@ class RTDetrCriterion(focal.FocalSetCriterion):
 
     def _add(self, prefix: str, losses: Losses, out: Dict[str, tf.Tensor],
              suffix: str = "") -> Dict[str, tf.Tensor]:
-        """Adds one part's [N] losses to `out` as prefix + 'vfl' / 'bbox' / 'giou' (+ '_{i}'
-        for layer i < N-1) + suffix, and their weighted sum to out['loss']."""
-        named = box_losses.per_layer({f"{prefix}{n}": v
-                                      for n, v in zip(("vfl", "bbox", "giou"), losses)})
+        """Adds one part's [N] losses to `out` as prefix + 'vfl' (the class loss's name) /
+        'bbox' / 'giou' (+ '_{i}' for layer i < N-1) + suffix, and their weighted sum to
+        out['loss']."""
+        names = (self.class_loss.name, "bbox", "giou")
+        named = box_losses.per_layer({f"{prefix}{n}": v for n, v in zip(names, losses)})
         out.update({k + suffix: v for k, v in named.items()})
         total = tf.reduce_sum(sum(w * v for w, v in zip(self.weights, losses)))
         out["loss"] = out["loss"] + total if "loss" in out else total

@@ -13,8 +13,10 @@ the focal loss the positive term has no alpha and no (1 - p)^gamma factor. RT-DE
 over queries and classes and divides by the box count (its "mean over queries, summed over
 classes, times Q / num_boxes" is that sum).
 """
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence
 
+import gin
 import tensorflow as tf
 
 from detr_tf.ops import box_ops
@@ -49,14 +51,16 @@ def paired_iou(pred: tf.Tensor, target: tf.Tensor) -> tf.Tensor:
                            box_ops.box_cxcywh_to_xyxy(target)[..., None, :])[..., 0, 0]
 
 
-def vfl_loss(logits: tf.Tensor, pred_boxes: tf.Tensor, labels: tf.Tensor,
-             target_boxes: tf.Tensor, positive: tf.Tensor, normalizer: tf.Tensor,
-             axes: Sequence[int], alpha: float = 0.75, gamma: float = 2.0,
-             query_weight: Optional[tf.Tensor] = None) -> tf.Tensor:
-    """The varifocal classification loss of queries with known targets (after a matching, or
-    denoising queries), summed over classes and `axes` and divided by `normalizer`.
+def iou_target_loss(elementwise: Callable, logits: tf.Tensor, pred_boxes: tf.Tensor,
+                    labels: tf.Tensor, target_boxes: tf.Tensor, positive: tf.Tensor,
+                    normalizer: tf.Tensor, axes: Sequence[int],
+                    query_weight: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """A classification loss whose soft target is the IoU a positive's box reaches (VFL, MAL)
+    for queries with known targets (after a matching, or denoising queries), summed over
+    classes and `axes` and divided by `normalizer`.
 
     Args:
+      elementwise: `elementwise(logits, score, onehot) -> [...]`, e.g. `varifocal_loss`.
       logits: [..., Q, C] per-class logits (no no-object class).
       pred_boxes: [..., Q, 4] normalized cxcywh (only the IoU target is taken from them; no
         gradient flows through it).
@@ -65,7 +69,6 @@ def vfl_loss(logits: tf.Tensor, pred_boxes: tf.Tensor, labels: tf.Tensor,
       positive: [..., Q] bool or {0, 1}: queries with a target (matched / positive).
       normalizer: float scalar, the box count.
       axes: the query axes of `positive` to sum over (e.g. [1, 2] for [L, B, Q]).
-      alpha, gamma: as `varifocal_loss`.
       query_weight: optional [..., Q] {0, 1}, the queries that count at all (None: all).
 
     Returns:
@@ -79,8 +82,34 @@ def vfl_loss(logits: tf.Tensor, pred_boxes: tf.Tensor, labels: tf.Tensor,
     # negative) inside one_hot's range.
     onehot = tf.one_hot(tf.clip_by_value(tf.cast(labels, tf.int32), 0, num_classes - 1),
                         num_classes) * positive[..., None]  # [..., Q, C]
-    per_query = tf.reduce_sum(
-        varifocal_loss(logits, iou[..., None] * onehot, onehot, alpha, gamma), -1)  # [..., Q]
+    per_query = tf.reduce_sum(elementwise(logits, iou[..., None] * onehot, onehot), -1)
     if query_weight is not None:
         per_query = per_query * tf.cast(query_weight, tf.float32)
     return tf.reduce_sum(per_query, axes) / normalizer
+
+
+def vfl_loss(logits: tf.Tensor, pred_boxes: tf.Tensor, labels: tf.Tensor,
+             target_boxes: tf.Tensor, positive: tf.Tensor, normalizer: tf.Tensor,
+             axes: Sequence[int], alpha: float = 0.75, gamma: float = 2.0,
+             query_weight: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """The varifocal loss of queries with known targets: `iou_target_loss` (see there for the
+    arguments) of `varifocal_loss` with alpha, gamma."""
+    return iou_target_loss(functools.partial(varifocal_loss, alpha=alpha, gamma=gamma),
+                           logits, pred_boxes, labels, target_boxes, positive, normalizer,
+                           axes, query_weight)
+
+
+@gin.configurable
+class VarifocalLoss:
+    """A set criterion's class loss (RTDetrCriterion's `class_loss`): `vfl_loss` with alpha,
+    gamma, logged as 'loss_vfl'."""
+    name = "vfl"
+
+    def __init__(self, alpha: float = 0.75, gamma: float = 2.0):
+        self.alpha = alpha
+        self.gamma = gamma
+
+    def __call__(self, logits, pred_boxes, labels, target_boxes, positive, normalizer, axes,
+                 query_weight=None) -> tf.Tensor:
+        return vfl_loss(logits, pred_boxes, labels, target_boxes, positive, normalizer, axes,
+                        self.alpha, self.gamma, query_weight)

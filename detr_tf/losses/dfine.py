@@ -1,0 +1,222 @@
+"""D-FINE's set criterion (Peng et al. 2025), and DEIM's with the MAL as its class loss.
+
+RTDetrCriterion's matching (one batched matcher call over every decoder layer and the
+encoder's top-K) and its parts (decoder layers, encoder top-K, contrastive denoising), with
+D-FINE's losses added to every part that predicts edge distributions:
+- 'loss_fgl' (losses/fgl.py): the edge distributions of the matched queries against their
+  targets' two-bin distributions, weighted by IoU, / box count; weight 0.15;
+- 'loss_ddf' (losses/ddf.py): every decoder layer before the last distils the final layer's
+  distributions; weight 1.5. The final layer's is 0 (it is the teacher) and logged as such.
+The class loss is the VFL (weight 1), or DEIM's MAL with `class_loss=@MatchabilityAwareLoss()`;
+L1 and GIoU weigh 5 and 2, as in RT-DETR.
+
+Union matching (D-FINE's "uni set", DEIMv2's dense one-to-one; `union_boxes`): the box losses
+(L1, GIoU) and FGL / DDF of the decoder layers and the encoder's top-K use one matching for
+all: each query takes the target it was matched to in most layers (the final layer, the
+earlier ones, the encoder's top-K; ties to the lowest target index), so a query matched in
+any layer learns its box in every layer. Those losses are then divided by the number of
+matched (image, query) pairs of the union instead of the box count. The class loss keeps each
+layer's own matching. transformers' DFineLoss matches every layer on its own (union_boxes
+False); its Deimv2Loss takes the union. The denoising part has its fixed targets either way.
+
+Outputs the criterion reads, per decoder layer (the final one and each 'aux_outputs' entry)
+and in 'dn_outputs' (stacked [L, B, N, *]): 'pred_corners' [B, Q, 4 * (reg_max + 1)] the edge
+distributions' logits (left, top, right, bottom) and 'ref_points' [B, Q, 4] the reference
+boxes they are relative to (normalized cxcywh); optionally 'up' and 'reg_scale' on the
+top-level dict (the decoder's values of the weighting function; the criterion's own when
+absent). A part without 'pred_corners' (the encoder's top-K) gets no FGL / DDF.
+"""
+from typing import Callable, Dict, Optional, Tuple
+
+import gin
+import tensorflow as tf
+
+from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import ddf as ddf_lib
+from detr_tf.losses import fgl as fgl_lib
+from detr_tf.losses import focal
+from detr_tf.losses import rtdetr
+from detr_tf.losses import vfl as vfl_lib
+
+
+def union_matching(idx: tf.Tensor, num_targets) -> tf.Tensor:
+    """One matching from several: idx [N, B, Q] (-1 unmatched) -> [B, Q], each query's most
+    frequent target over the N matchings (the lowest index among ties), -1 if never matched.
+
+    The reference collects the distinct (query, target) pairs in (query, target) order and
+    keeps each query's first pair by descending count, which is this choice.
+    """
+    counts = tf.reduce_sum(tf.one_hot(idx, num_targets), 0)  # [B, Q, T]; -1 adds nothing
+    best = tf.argmax(counts, -1, output_type=tf.int32)  # the first maximum
+    return tf.where(tf.reduce_max(counts, -1) > 0, best, -1)
+
+
+@gin.configurable
+class DFineCriterion(rtdetr.RTDetrCriterion):
+    """Callable `criterion(outputs, targets, num_boxes=None) -> dict of scalar float32`.
+
+    Args:
+      num_classes, cost_class, cost_bbox, cost_giou, matcher_alpha, matcher_gamma,
+        vfl_alpha, vfl_gamma, weight_vfl, weight_bbox, weight_giou, aux_loss, matcher,
+        class_loss: as RTDetrCriterion's (weight_vfl weighs the class loss, MAL too).
+      reg_max: the edge distributions' last bin (D-FINE: 32, so 33 bins).
+      reg_scale, up: the weighting function's (D-FINE: 4, 0.5); outputs' 'reg_scale' / 'up'
+        override them.
+      weight_fgl, weight_ddf: the loss weights (D-FINE: 0.15, 1.5).
+      ddf_temperature: the distillation temperature (D-FINE: 5).
+      union_boxes: the box, FGL and DDF losses under the union of the layers' matchings.
+    """
+
+    def __init__(self, num_classes: int, cost_class: float = 2.0, cost_bbox: float = 5.0,
+                 cost_giou: float = 2.0, matcher_alpha: float = 0.25,
+                 matcher_gamma: float = 2.0, vfl_alpha: float = 0.75, vfl_gamma: float = 2.0,
+                 weight_vfl: float = 1.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
+                 aux_loss: bool = True, matcher: Optional[Callable] = None,
+                 class_loss: Optional[Callable] = None, reg_max: int = 32,
+                 reg_scale: float = 4.0, up: float = 0.5, weight_fgl: float = 0.15,
+                 weight_ddf: float = 1.5, ddf_temperature: float = 5.0,
+                 union_boxes: bool = True):
+        super().__init__(num_classes, cost_class, cost_bbox, cost_giou, matcher_alpha,
+                         matcher_gamma, vfl_alpha, vfl_gamma, weight_vfl, weight_bbox,
+                         weight_giou, aux_loss, matcher, class_loss)
+        self.reg_max = reg_max
+        self.reg_scale = reg_scale
+        self.up = up
+        self.weight_fgl = weight_fgl
+        self.weight_ddf = weight_ddf
+        self.ddf_temperature = ddf_temperature
+        self.union_boxes = union_boxes
+
+    def box_matching(self, idx: tf.Tensor, enc_idx: Optional[tf.Tensor],
+                     mask: tf.Tensor, n_box: tf.Tensor
+                     ) -> Tuple[tf.Tensor, Optional[tf.Tensor], tf.Tensor]:
+        """The matching of the box losses: (decoder [L, B, Q], encoder [B, K] or None,
+        normalizer); the layers' own and n_box without union_boxes. An encoder top-K of
+        another size than Q stays out of the union (D-FINE selects Q)."""
+        if not self.union_boxes:
+            return idx, enc_idx, n_box
+        joint = idx if enc_idx is None or enc_idx.shape[1] != idx.shape[2] else tf.concat(
+            [idx, enc_idx[None]], 0)
+        union = union_matching(joint, tf.shape(mask)[1])  # [B, Q]
+        if enc_idx is not None and enc_idx.shape[1] == idx.shape[2]:
+            enc_idx = union
+        # The union's pair count, averaged over the replicas as the box count is.
+        return (tf.broadcast_to(union[None], tf.shape(idx)), enc_idx,
+                box_losses.box_normalizer(union >= 0, None))
+
+    def part_losses(self, pred: Dict[str, tf.Tensor], cls_t: Tuple, box_t: Tuple,
+                    n_cls: tf.Tensor, n_box: tf.Tensor, geometry: Tuple,
+                    valid: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+        """The [N] losses of one part by name.
+
+        Args:
+          pred: 'logits' [N, B, Q, C], 'boxes' [N, B, Q, 4], optionally 'corners'
+            [N, B, Q, 4 (R+1)] and 'refs' [N, B, Q, 4], N >= 1, the last the DDF's teacher.
+          cls_t, box_t: (labels [N, B, Q], boxes [N, B, Q, 4], positive [N, B, Q] float), the
+            targets of the class loss and of the box losses (the union's or the same).
+          n_cls, n_box: their normalizers.
+          geometry: (up, reg_scale).
+          valid: optional [B, Q], the queries that count in the class loss and the DDF.
+        """
+        logits, boxes = pred["logits"], pred["boxes"]
+        every_layer = None if valid is None else tf.broadcast_to(valid[None], tf.shape(boxes)[:-1])
+        out = {self.class_loss.name: self.class_loss(logits, boxes, *cls_t, n_cls, [1, 2],
+                                                     every_layer)}
+        _, tgt_boxes, positive = box_t
+        out["bbox"], out["giou"] = box_losses.matched_box_losses(boxes, tgt_boxes, positive,
+                                                                 n_box, [1, 2])
+        if "corners" not in pred:
+            return out
+        out["fgl"] = fgl_lib.fgl_loss(pred["corners"], pred["refs"], boxes, tgt_boxes,
+                                      positive, n_box, [1, 2], self.reg_max, *geometry)
+        iou = vfl_lib.paired_iou(tf.stop_gradient(boxes[:-1]), tgt_boxes[:-1])
+        students = ddf_lib.ddf_loss(pred["corners"][:-1], pred["corners"][-1], logits[-1], iou,
+                                    positive[:-1], self.ddf_temperature, valid)
+        out["ddf"] = tf.concat([students, tf.zeros([1])], 0)  # the teacher's own is 0
+        return out
+
+    def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
+                 num_boxes: Optional[tf.Tensor] = None,
+                 ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+        """Computes the losses.
+
+        Args:
+          outputs: RTDetrCriterion's, with 'pred_corners' and 'ref_points' in every decoder
+            layer's dict and in 'dn_outputs' (see the module docstring).
+          targets: 'labels' int [B, T], 'boxes' [B, T, 4] normalized cxcywh, 'mask' bool
+            [B, T] (T may be 0).
+          num_boxes: the (global, per replica) box count to normalize by; computed when None.
+          ce_weight: unused (accepted for the trainer's common call).
+
+        Returns:
+          RTDetrCriterion's losses (the class loss named by `class_loss`), plus 'loss_fgl',
+          'loss_ddf' (+ '_{i}' for decoder layer i < L-1) and 'loss_dn_fgl', 'loss_dn_ddf'
+          (+ '_{i}'); 'loss' the weighted sum of all.
+        """
+        del ce_weight
+        logits, boxes = box_losses.stack_layers(outputs, self.aux_loss)  # [L, B, Q, *]
+        if logits.shape[-1] != self.num_classes:
+            raise ValueError(f"DFineCriterion: pred_logits has {logits.shape[-1]} classes "
+                             f"but DFineCriterion.num_classes={self.num_classes}")
+        layers = [*(outputs.get("aux_outputs", []) if self.aux_loss else []), outputs]
+        pred = {"logits": logits, "boxes": boxes,
+                "corners": tf.stack([_float32(o["pred_corners"]) for o in layers]),
+                "refs": tf.stack([_float32(o["ref_points"]) for o in layers])}
+        geometry = (outputs.get("up", self.up), outputs.get("reg_scale", self.reg_scale))
+        targets = box_losses.padded_targets(targets)
+        n_box = box_losses.box_normalizer(targets["mask"], num_boxes)
+        enc = outputs.get("enc_outputs") if self.aux_loss else None
+        idx, enc_idx = self.match_layers(logits, boxes, enc, targets)
+        box_idx, enc_box_idx, n_union = self.box_matching(idx, enc_idx, targets["mask"], n_box)
+        out = self._add_part("loss_", self.part_losses(
+            pred, _matched(targets, idx), _matched(targets, box_idx), n_box, n_union,
+            geometry), {})
+        if enc is not None:
+            enc_pred = {"logits": _float32(enc["pred_logits"])[None],
+                        "boxes": _float32(enc["pred_boxes"])[None]}
+            self._add_part("loss_", self.part_losses(
+                enc_pred, _matched(targets, enc_idx[None]), _matched(targets, enc_box_idx[None]),
+                n_box, n_union, geometry), out, suffix="_enc")
+        if self.aux_loss and "dn_outputs" in outputs:
+            self._add_part("loss_dn_", self.denoising_part(outputs["dn_outputs"], n_box,
+                                                           geometry), out)
+        out["class_error"] = focal.class_error(logits[-1], targets["labels"], idx[-1])
+        return out
+
+    def denoising_part(self, dn: Dict[str, object], n_box: tf.Tensor,
+                       geometry: Tuple) -> Dict[str, tf.Tensor]:
+        """`part_losses` of the denoising queries ('dn_outputs', RTDetrCriterion's layout with
+        'pred_corners' [L, B, N, 4 (R+1)] and 'ref_points' [L, B, N, 4]), / n_box * G."""
+        pred = {"logits": _float32(dn["pred_logits"]), "boxes": _float32(dn["pred_boxes"])}
+        if "pred_corners" in dn:
+            pred.update(corners=_float32(dn["pred_corners"]), refs=_float32(dn["ref_points"]))
+        lead = tf.shape(pred["logits"])[:-1]  # [L, B, N]
+        every_layer = lambda x: tf.broadcast_to(x[None], lead)  # noqa: E731
+        dn_t = (every_layer(tf.cast(dn["labels"], tf.int32)),
+                tf.broadcast_to(_float32(dn["boxes"])[None], tf.shape(pred["boxes"])),
+                every_layer(tf.cast(dn["positive"], tf.float32)))
+        norm = n_box * float(dn["num_groups"])
+        return self.part_losses(pred, dn_t, dn_t, norm, norm, geometry,
+                                tf.cast(dn["valid"], tf.float32))
+
+    def _add_part(self, prefix: str, losses: Dict[str, tf.Tensor], out: Dict[str, tf.Tensor],
+                  suffix: str = "") -> Dict[str, tf.Tensor]:
+        """Adds one part's [N] losses to `out` as prefix + name (+ '_{i}' for layer i < N-1)
+        + suffix, and their weighted sum to out['loss']."""
+        weights = dict(zip((self.class_loss.name, "bbox", "giou"), self.weights),
+                       fgl=self.weight_fgl, ddf=self.weight_ddf)
+        named = box_losses.per_layer({prefix + k: v for k, v in losses.items()})
+        out.update({k + suffix: v for k, v in named.items()})
+        total = tf.reduce_sum(sum(weights[k] * v for k, v in losses.items()))
+        out["loss"] = out["loss"] + total if "loss" in out else total
+        return out
+
+
+def _matched(targets: Dict[str, tf.Tensor], idx: tf.Tensor) -> Tuple:
+    """(labels [N, B, Q], boxes [N, B, Q, 4], positive [N, B, Q] float) under idx [N, B, Q]."""
+    return (box_losses.gather_matched(targets["labels"], idx),
+            box_losses.gather_matched(targets["boxes"], idx), tf.cast(idx >= 0, tf.float32))
+
+
+def _float32(x) -> tf.Tensor:
+    return tf.cast(x, tf.float32)
