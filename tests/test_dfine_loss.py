@@ -229,7 +229,7 @@ def criterion(case, **kwargs):
 @pytest.mark.parametrize("reg_max,up,reg_scale", [(32, 0.5, 4.0), (8, 0.5, 4.0),
                                                   (16, -1.5, 2.0)])
 def test_weighting_function_matches_numpy(reg_max, up, reg_scale):
-    got = fgl_lib.weighting_function(reg_max, tf.constant([up]), reg_scale)
+    got = fgl_lib.weighting_function(reg_max, tf.constant([up]), reg_scale)  # eager tensors too
     np.testing.assert_allclose(got, np_weighting_function(reg_max, up, reg_scale), rtol=1e-6,
                                atol=1e-6)
 

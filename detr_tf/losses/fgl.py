@@ -15,39 +15,29 @@ The FGL target of a matched edge is its true offset spread over the two bins aro
 
 summed over the matched edges and divided by the box count.
 
-`weighting_function` is the formula the decoder's distribution integral uses too; it lives here
-until the modeling side's copy lands and one of the two is dropped.
+The bins (`weighting_function`) are the decoder's own, from detr_tf/ops/fdr_bins.py.
 """
 from typing import Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from detr_tf.losses import vfl as vfl_lib
-from detr_tf.ops import box_ops
+from detr_tf.ops import box_ops, fdr_bins
 
 Scalar = Union[float, tf.Tensor]
 
 
 def weighting_function(reg_max: int, up: Scalar, reg_scale: Scalar) -> tf.Tensor:
-    """W(n), the reg_max + 1 bin centres, increasing and odd around W(reg_max / 2) = 0.
-
-    W(0) = -2 |up| |reg_scale|, W(reg_max) = +2 |up| |reg_scale|, and in between
-    W(reg_max / 2 +- k) = +-(step^k - 1), k = 1 .. reg_max / 2 - 1, with
-    step = (|up| |reg_scale| + 1)^(2 / (reg_max - 2)).
-
-    Args:
-      reg_max: the last bin index (even; D-FINE: 32).
-      up, reg_scale: scalars (float or tensor); D-FINE: 0.5, 4.
-
-    Returns:
-      [reg_max + 1] float32.
-    """
-    bound = tf.abs(tf.cast(tf.reshape(up, []), tf.float32)) * tf.abs(
-        tf.cast(tf.reshape(reg_scale, []), tf.float32))
-    step = (bound + 1.0) ** (2.0 / (reg_max - 2))
-    k = tf.range(1, reg_max // 2, dtype=tf.float32)  # 1 .. reg_max/2 - 1
-    right = step ** k - 1.0
-    return tf.concat([[-2.0 * bound], -tf.reverse(right, [0]), [0.0], right, [2.0 * bound]], 0)
+    """W(n) as a float32 tensor: detr_tf/ops/fdr_bins.py's bins, the decoder's own. `up` and
+    `reg_scale` are D-FINE's fixed constants, so they must be known numbers (Python floats or
+    eager tensors), not values computed inside a traced step."""
+    try:
+        up_f, scale_f = float(np.reshape(up, [])), float(np.reshape(reg_scale, []))
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise ValueError(f"weighting_function: up={up!r} and reg_scale={reg_scale!r} must be "
+                         "known numbers (D-FINE's constants)") from e
+    return tf.constant(fdr_bins.weighting_function(reg_max, up_f, scale_f))
 
 
 def edge_targets(ref_points: tf.Tensor, target_boxes: tf.Tensor, reg_max: int, up: Scalar,

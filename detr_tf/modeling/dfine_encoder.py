@@ -22,34 +22,9 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.backbone import batch_norm
+from detr_tf.modeling.backbone import TorchDepthwiseConv2D, batch_norm
 from detr_tf.modeling.csp_rep import Activation, ConvNorm, CSPRepLayer
 from detr_tf.modeling.hybrid_encoder import HybridEncoder
-
-
-class TorchDepthwiseConv2D(tf_keras.layers.Layer):
-    """A depthwise conv without bias (torch's Conv2d with groups = channels), torch's padding
-    kernel // 2 on every side. Kernel [k, k, channels, 1]."""
-
-    def __init__(self, channels: int, kernel_size: int, strides: int = 1, **kwargs):
-        super().__init__(**kwargs)
-        self.channels = channels
-        self.kernel_size = kernel_size
-        self.strides = strides
-
-    def build(self, input_shape):
-        k = self.kernel_size
-        self.kernel = self.add_weight(
-            name="kernel", shape=[k, k, self.channels, 1],
-            initializer=tf_keras.initializers.VarianceScaling(2.0, "fan_out",
-                                                              "untruncated_normal"))
-        super().build(input_shape)
-
-    def call(self, x: tf.Tensor) -> tf.Tensor:
-        """[B, H, W, C] -> [B, ceil(H / s), ceil(W / s), C] (odd kernels)."""
-        p, s = self.kernel_size // 2, self.strides
-        x = tf.pad(x, [[0, 0], [p, p], [p, p], [0, 0]])
-        return tf.nn.depthwise_conv2d(x, tf.cast(self.kernel, x.dtype), [1, s, s, 1], "VALID")
 
 
 class DepthwiseConvNorm(tf_keras.layers.Layer):

@@ -11,31 +11,12 @@ reg_scale, from a point half a box (0.5 * reg_scale units) out of the centre: a 
 every edge gives back the reference box.
 
 Everything here is plain math (no variables), float32 in TensorFlow; `weighting_function` is
-numpy, so the losses can build the same bins.
+numpy, in detr_tf/ops/fdr_bins.py, so the losses build the same bins.
 """
 import numpy as np
 import tensorflow as tf
 
-
-def weighting_function(reg_max: int, up: float, reg_scale: float) -> np.ndarray:
-    """W(n), n = 0 .. reg_max: [reg_max + 1] float32, increasing, W(reg_max / 2) = 0.
-
-    With u = |up| * |reg_scale| and step = (u + 1)^(2 / (reg_max - 2)), the inner bins are
-    -(step^i - 1) for i = reg_max/2 - 1 .. 1, 0, then step^i - 1 for i = 1 .. reg_max/2 - 1 (the
-    last inner one is u), and the outer bins are -2u and 2u.
-
-    Args:
-      reg_max: bins minus one (32 in D-FINE), even and at least 4.
-      up: the bins' upper bound in units of reg_scale (0.5).
-      reg_scale: the bins' curvature and unit (4; 8 for D-FINE-X).
-    """
-    if reg_max < 4 or reg_max % 2:
-        raise ValueError(f"weighting_function: reg_max={reg_max} must be even and >= 4")
-    bound = abs(up) * abs(reg_scale)
-    step = (bound + 1.0) ** (2.0 / (reg_max - 2))
-    right = [step ** i - 1.0 for i in range(1, reg_max // 2)]
-    values = [-2.0 * bound] + [-v for v in right[::-1]] + [0.0] + right + [2.0 * bound]
-    return np.array(values, np.float64).astype(np.float32)
+from detr_tf.ops.fdr_bins import weighting_function  # noqa: F401  (re-exported)
 
 
 def integral(corners: tf.Tensor, project: np.ndarray) -> tf.Tensor:

@@ -27,7 +27,8 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.backbone import NORMS, TorchConv2D, conv_norm, make_norm
+from detr_tf.modeling.backbone import (NORMS, TorchConv2D, TorchDepthwiseConv2D, conv_norm,
+                                      make_norm)
 
 
 class StageSpec(NamedTuple):
@@ -85,37 +86,6 @@ class LearnableAffine(tf_keras.layers.Layer):
 
     def call(self, x: tf.Tensor) -> tf.Tensor:
         return x * tf.cast(self.scale, x.dtype) + tf.cast(self.bias, x.dtype)
-
-
-class TorchDepthwiseConv2D(tf_keras.layers.Layer):
-    """A depthwise conv without bias (torch's Conv2d with groups = channels), padding
-    (kernel - 1) // 2 on every side. Kernel [k, k, channels, 1]."""
-
-    def __init__(self, channels: int, kernel_size: int, strides: int = 1, **kwargs):
-        super().__init__(**kwargs)
-        self.filters = channels  # what FrozenBatchNorm.after builds itself for
-        self.kernel_size = kernel_size
-        self.strides = strides
-
-    def build(self, input_shape):
-        k = self.kernel_size
-        self.kernel = self.add_weight(
-            name="kernel", shape=[k, k, self.filters, 1],
-            initializer=tf_keras.initializers.VarianceScaling(2.0, "fan_out",
-                                                              "untruncated_normal"))
-        super().build(input_shape)
-
-    def call(self, x: tf.Tensor, kernel_scale: Optional[tf.Tensor] = None) -> tf.Tensor:
-        """[B, h, w, C] -> [B, ceil(h / s), ceil(w / s), C] (odd kernels); with kernel_scale
-        ([C]), by the kernel times it."""
-        p = (self.kernel_size - 1) // 2
-        if p:
-            x = tf.pad(x, [[0, 0], [p, p], [p, p], [0, 0]])
-        kernel = tf.cast(self.kernel, x.dtype)
-        if kernel_scale is not None:
-            kernel = kernel * tf.cast(kernel_scale, x.dtype)[:, None]
-        s = self.strides
-        return tf.nn.depthwise_conv2d(x, kernel, [1, s, s, 1], "VALID")
 
 
 class ConvLayer(tf_keras.layers.Layer):
