@@ -18,6 +18,12 @@ and `.proj/.norm`, holds each decoder layer's `cross_attn.num_points_scale` and,
 with an evaluation size (as the releases are), the anchors of that size
 (`decoder.anchors` [1, N, 4] float, `decoder.valid_mask` [1, N, 1] bool). The backbone's
 frozen batch norms have no `num_batches_tracked`; the encoder's and decoder's batch norms do.
+
+One name follows transformers, not the original: the narrow backbone's second stage keeps its
+width (4 -> 4), where transformers' basic block takes a strided 1x1 shortcut without the vd
+pool (`short.conv.*` here) and the original always pools first (`short.conv.conv.*`, as the
+third and fourth stages have it). At the releases' widths every downsampling stage widens, so
+the two agree.
 """
 import gzip
 import os
