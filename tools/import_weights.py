@@ -7,7 +7,8 @@
         --output_dir=/tmp/detr_r50_3classes
 
 Reads a reference DETR checkpoint, a Hugging Face DETR model.safetensors (transformers 4.x or
-5.x), an ImageNet ResNet (backbone only) or another detr_tf run; the format comes from the
+5.x), an original RT-DETR / RT-DETRv2 .pth, an ImageNet ResNet (backbone only) or another
+detr_tf run; the format comes from the
 file's keys (docs/WEIGHTS.md). The model is the config's `train.model_fn` (an experiment file)
 or `build_model` (a model file), in float32. Prints the import report (tensors loaded, file
 tensors not used, model variables left at their initial values, heads re-initialised) and

@@ -135,11 +135,18 @@ def reference_name(hf_key: str) -> Tuple[str, int]:
 
 def to_reference(hf_state: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """A transformers DETR state dict under the reference DETR's names (in_proj stacked)."""
+    return stack_qkv({k: v for k, v in hf_state.items() if not k.endswith("num_batches_tracked")},
+                     reference_name)
+
+
+def stack_qkv(state: Dict[str, np.ndarray], name_of) -> Dict[str, np.ndarray]:
+    """`state` renamed by `name_of` (key -> (name, chunk) as `reference_name` gives; an empty
+    name drops the key), the q, k and v chunks of one name stacked along the first axis."""
     out, chunks = {}, {}
-    for key, value in hf_state.items():
-        if key.endswith("num_batches_tracked"):
+    for key, value in state.items():
+        name, chunk = name_of(key)
+        if not name:
             continue
-        name, chunk = reference_name(key)
         if chunk < 0:
             out[name] = value
         else:

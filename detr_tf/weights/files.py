@@ -27,7 +27,7 @@ def convert_command(path: str) -> str:
     out = os.path.splitext(path)[0] + ".safetensors"
     return ('python -c "import sys, torch, safetensors.torch as st; '
             "sd = torch.load(sys.argv[1], map_location='cpu', weights_only=True); "
-            "sd = sd.get('model', sd); "
+            "sd = sd['ema']['module'] if 'ema' in sd else sd.get('model', sd); "
             "st.save_file({k: v.contiguous() for k, v in sd.items()}, sys.argv[2])\" "
             f"{path} {out}")
 
@@ -40,8 +40,9 @@ def _is_safetensors(head: bytes) -> bool:
 def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
     """Reads a safetensors file or a torch checkpoint into {key: float32 array}.
 
-    A torch file holding `{'model': state_dict}` (the reference DETR's releases) or
-    `{'state_dict': ...}` is unwrapped.
+    A torch file holding `{'ema': {'module': state_dict}}` (the original RT-DETR's releases),
+    `{'model': state_dict}` (the reference DETR's) or `{'state_dict': ...}` is unwrapped, the
+    EMA weights first (`_state_dict`).
 
     Raises:
       WeightImportError: the file is missing, of an unknown kind, or a torch file without torch.
@@ -99,12 +100,26 @@ def _read_torch(path: str) -> Dict[str, np.ndarray]:
             f"tensors ({type(e).__name__}). If you trust it, convert its weights with "
             "weights_only=False:\n  " + convert_command(path).replace(
                 "weights_only=True", "weights_only=False")) from e
-    for wrapper in ("model", "state_dict"):
-        if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
-            obj = obj[wrapper]
+    obj = _state_dict(obj)
     if not isinstance(obj, dict):
         raise WeightImportError(f"{path!r} holds a {type(obj).__name__}, expected a state dict")
     return {k: v.detach().float().numpy() for k, v in obj.items() if torch.is_tensor(v)}
+
+
+def _state_dict(obj):
+    """The state dict inside a torch checkpoint: its EMA weights `{'ema': {'module': ...}}`
+    when it has them (the original RT-DETR releases, and their training checkpoints beside
+    the raw 'model'; the EMA weights are the ones evaluated), else `{'model': ...}` (the
+    reference DETR's releases) or `{'state_dict': ...}`, else the object itself."""
+    if not isinstance(obj, dict):
+        return obj
+    ema = obj.get("ema")
+    if isinstance(ema, dict) and isinstance(ema.get("module"), dict):
+        return ema["module"]
+    for wrapper in ("model", "state_dict"):
+        if isinstance(obj.get(wrapper), dict):
+            return obj[wrapper]
+    return obj
 
 
 def find_tf_checkpoint(path: str) -> Optional[str]:

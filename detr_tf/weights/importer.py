@@ -186,7 +186,8 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
 
     The file's format is detected from its keys (docs/WEIGHTS.md): a reference DETR state dict,
     a Hugging Face DetrForObjectDetection, DeformableDetr or RTDetr / RTDetrV2 ForObjectDetection
-    (transformers 4.x or 5.x names), an ImageNet ResNet (backbone only), as safetensors or
+    (transformers 4.x or 5.x names), an original RT-DETR / RT-DETRv2 checkpoint (lyuwenyu/RT-DETR's
+    names), an ImageNet ResNet (backbone only), as safetensors or
     torch pickle (needs torch); or a detr_tf checkpoint
     (a model_dir, its checkpoints/ directory or a ckpt prefix; the model weights, not the EMA).
 

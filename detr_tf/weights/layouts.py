@@ -14,6 +14,8 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
+from detr_tf.weights.rtdetr import original as rtdetr_original
+
 Tensors = Dict[str, np.ndarray]
 
 
@@ -35,8 +37,9 @@ class Layout:
     backbone_only: bool = False
 
 
-def _rename(tensors: Tensors, rules: List[Tuple[str, str]]) -> Dict[str, Tuple[str, np.ndarray]]:
-    """Applies regex substitutions in order to every key."""
+def _rename(tensors: Tensors, rules: List[Tuple[str, object]]) -> Dict[str, Tuple[str, np.ndarray]]:
+    """Applies regex substitutions in order to every key (a replacement: a string or a
+    function of the match, as re.sub takes)."""
     out = {}
     for key, value in tensors.items():
         name = key
@@ -117,6 +120,13 @@ HF_RTDETR = Layout(
     "Hugging Face RTDetr / RTDetrV2 ForObjectDetection (transformers 4.x or 5.x names)",
     lambda t: _rename(t, _HF_RTDETR_4_TO_5),
     default_skip=("*.num_batches_tracked",))
+# The original RT-DETR / RT-DETRv2 state dicts (weights/rtdetr/original.py): renamed to the same
+# transformers 5.x keys, the stacked q, k, v of the encoder's and the decoder's self-attention
+# split as the reference DETR's are.
+ORIGINAL_RTDETR = Layout(
+    "original RT-DETR / RT-DETRv2 (lyuwenyu/RT-DETR rtdetr_pytorch / rtdetrv2_pytorch state "
+    "dict)", lambda t: _split_in_proj(_rename(t, rtdetr_original.TO_HF5)),
+    default_skip=rtdetr_original.DEFAULT_SKIP)
 RESNET = Layout("ImageNet ResNet (torchvision / timm names), backbone only",
                 lambda t: _rename(t, [(r"^", "backbone.")]),
                 default_skip=("fc.*", "*.num_batches_tracked"), backbone_only=True)
@@ -135,6 +145,9 @@ def detect(keys) -> Layout:
 
     if has("transformer.") and (has("backbone.0.") or "query_embed.weight" in keys):
         return REFERENCE_DETR
+    if rtdetr_original.is_original(keys):
+        rtdetr_original.check_backbone(keys)
+        return ORIGINAL_RTDETR
     if any(".enc_score_head." in k for k in keys):  # RT-DETR's query selection
         return HF_RTDETR
     if any(".sampling_offsets." in k for k in keys):  # deformable attention
@@ -149,6 +162,6 @@ def detect(keys) -> Layout:
     sample = ", ".join(sorted(keys)[:5])
     raise ValueError(f"unknown key layout (first keys: {sample}); expected a reference DETR "
                      "state dict (backbone.0.body.*, transformer.*), a Hugging Face DETR "
-                     "(model.backbone.*, model.encoder.*), Deformable DETR (*.sampling_offsets.*) "
-                     "or RT-DETR (model.enc_score_head.*), or an ImageNet ResNet (conv1.*, "
-                     "layer1.*)")
+                     "(model.backbone.*, model.encoder.*), Deformable DETR (*.sampling_offsets.*), "
+                     "RT-DETR (model.enc_score_head.*) or an original RT-DETR checkpoint "
+                     "(decoder.enc_score_head.*), or an ImageNet ResNet (conv1.*, layer1.*)")
