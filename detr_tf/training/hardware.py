@@ -87,8 +87,9 @@ def auto_jit(hw: Hardware, deterministic: bool = False) -> Tuple[str, str]:
     """(jit, why) for train.jit='auto' on `hw` (see detr_tf/training/step.py for the choices).
 
     'step' on a GPU or TPU, where XLA compiles convolutions into the vendor's kernels. On a CPU
-    'loss': XLA:CPU's convolutions lose to oneDNN's, while its fused matcher and losses win; the
-    choice was measured on AVX2-only and AVX-512 CPUs alike (docs/PERFORMANCE.md). A
+    'loss': XLA:CPU's convolutions lose to oneDNN's, while its fused matcher and losses win. On
+    an AVX2-only CPU the quickstart's float32 step measured the same under 'step', 'loss' and
+    'none' (within 5%, docs/PERFORMANCE.md), so no CPU kind gets another choice. A
     deterministic run cannot compile the backward pass (no deterministic XLA max-pool
     gradient), so it gets 'loss' everywhere.
     """
