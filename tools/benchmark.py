@@ -84,7 +84,7 @@ def main(argv):
                                                 FLAGS.count_flops)
         report["input"] = FLAGS.input
         table = step_benchmark.train_table(report)
-        if len(report["by_shape"]) > 1:  # several canvases: the median alone misleads
+        if len(report.get("by_shape", ())) > 1:  # several canvases: the median alone misleads
             table += "\n\n" + step_benchmark.shape_table(report)
     report["command"] = " ".join(sys.argv)
     report["gin_files"], report["gin_params"] = FLAGS.gin_file, FLAGS.gin_param
