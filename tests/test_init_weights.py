@@ -40,6 +40,7 @@ def _model_weights(ckpt):
             if name.startswith("model/") and "OPTIMIZER_SLOT" not in name}
 
 
+@pytest.mark.slow  # three tiny trainings (about 90 s); CI keeps the missing-file check
 def test_new_run_starts_from_init_weights_and_a_resume_ignores_them(shapes_cache, tmp_path,
                                                                      capsys):
     source, run = tmp_path / "source", tmp_path / "run"

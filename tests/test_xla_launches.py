@@ -24,7 +24,13 @@ def test_counter_counts_eager_and_nested_compiled_calls_both_ways():
         return looped(x) + looped(x * 2) + small(x)
 
     x = tf.ones([4])
-    counts = xla_launches.count_per_step(lambda: (looped(x), outer(x)), steps=2)
+    # The profiler can drop an event on a loaded machine (a CI run once counted 3.5 programs
+    # per step): a lost event only lowers a count, so a count is retried, never over 4.
+    for _ in range(3):
+        counts = xla_launches.count_per_step(lambda: (looped(x), outer(x)), steps=2)
+        assert counts["calls_per_step"] <= 4 and counts["programs_per_step"] <= 4
+        if counts["calls_per_step"] == 4 and counts["programs_per_step"] == 4:
+            break
     assert counts["calls_per_step"] == 4 and counts["programs_per_step"] == 4
     assert counts["distinct_programs"] == 3 and counts["compiles"] == 0
 
