@@ -68,7 +68,8 @@ def toy_dataset_fn(nan_at_step=None):
         targets[nan_at_step - 1, 0, 0] = np.nan
 
     def dataset_fn(is_training, global_batch_size, input_context=None, num_shards=None,
-                   shard_index=None, deterministic=False, seed=0):
+                   shard_index=None, deterministic=False, seed=0, start_batch=0):
+        del start_batch  # the seed places this source (above)
         replicas = input_context.num_replicas_in_sync if input_context else 1
         per = global_batch_size // replicas
         # One pipeline feeds every local replica in turn: batch k's slice r at k * replicas + r.

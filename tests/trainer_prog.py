@@ -70,8 +70,8 @@ ACCUM = 1  # micro-batches per step: each global batch is then fed in ACCUM slic
 
 
 def same_global_batches(is_training, global_batch_size, input_context=None, num_shards=None,
-                        shard_index=None, deterministic=False, seed=0):
-    del is_training, deterministic, seed
+                        shard_index=None, deterministic=False, seed=0, start_batch=0):
+    del is_training, deterministic, seed, start_batch
     if ACCUM > 1:
         replicas, mine = ACCUM, list(range(ACCUM))
         global_batch_size *= ACCUM  # the trainer's global batch is one micro-batch

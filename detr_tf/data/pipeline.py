@@ -37,6 +37,7 @@ import tensorflow as tf
 from detr_tf.data import augment
 from detr_tf.data import buckets as buckets_lib
 from detr_tf.data import sources as sources_lib
+from detr_tf.data import stages as stages_lib
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -151,14 +152,16 @@ def _filler_pad(batch: Dict[str, tf.Tensor], batch_size: int) -> Dict[str, tf.Te
 
 
 @gin.configurable(denylist=["is_training", "global_batch_size", "input_context", "num_shards",
-                            "shard_index", "deterministic", "seed"])
+                            "shard_index", "deterministic", "seed", "start_batch"])
 def build_dataset(is_training: bool, global_batch_size: int,
                   input_context: Optional[tf.distribute.InputContext] = None,
                   num_shards: Optional[int] = None, shard_index: Optional[int] = None,
                   deterministic: bool = False, seed: Optional[int] = None,
+                  start_batch: int = 0,
                   train_source=gin.REQUIRED, eval_source=gin.REQUIRED,
                   train_transform=augment.detr_train_transform,
                   eval_transform=augment.detr_eval_transform,
+                  stages: Optional[stages_lib.TrainStages] = None,
                   buckets: Sequence[Tuple[int, int]] = COCO_BUCKETS, max_boxes: int = 100,
                   shuffle_buffer: int = 1000, prefetch: int = AUTOTUNE) -> tf.data.Dataset:
     """Builds the train or eval dataset of batches (see the module docstring for the layout):
@@ -177,9 +180,14 @@ def build_dataset(is_training: bool, global_batch_size: int,
         hvd.rank()); the batch per pipeline is then global_batch_size // num_shards.
       deterministic: reproducible order and augmentation (tests, exact resume); slower.
       seed: seed for shuffles and augmentation; None draws a fresh one.
+      start_batch: batches of this pipeline a resumed run trained before this dataset's
+        first (given by the trainer when it does not replay the input): the stage schedule
+        counts its epochs from there.
       train_source, eval_source: sources (Gin references, e.g. @train/TFRecordSource()).
       train_transform: (image, boxes, labels, seed) -> (image, boxes, labels).
       eval_transform: (image, boxes, labels) -> (image, boxes, labels).
+      stages: mosaic, mixup and a tail transform by epoch (`stages.TrainStages`, e.g.
+        `@TrainStages()`); None: the train transform alone, at every epoch.
       buckets: canvas (height, width) list, multiples of 64.
       max_boxes: T, targets per image.
       shuffle_buffer: records in the train shuffle buffer (shuffled before decoding).
@@ -194,9 +202,14 @@ def build_dataset(is_training: bool, global_batch_size: int,
     if seed is None:
         seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
     ds = read_source(source, shard, is_training, deterministic, seed, shuffle_buffer)
+    staged = None
+    if is_training and stages is not None:
+        staged = StagedInputs(stages, source, shard, deterministic, seed, shuffle_buffer,
+                              first_index=start_batch * shard.batch_size,
+                              examples_per_epoch=source.num_examples() / shard.num_shards)
     ds = prepare_examples(ds, source.label_map, train_transform if is_training else eval_transform,
                           is_training, buckets, max_boxes, deterministic,
-                          seed=seed * 7919 + shard.shard_index)
+                          seed=seed * 7919 + shard.shard_index, staged=staged)
     ds = batch_by_bucket(ds, shard.batch_size, shard.replicas_per_pipeline, is_training)
     options = tf.data.Options()
     options.deterministic = deterministic
@@ -262,20 +275,53 @@ def read_source(source, shard: Sharding, is_training: bool, deterministic: bool,
     return ds
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedInputs:
+    """A train pipeline's stage schedule and what it reads beside the main stream: the image
+    index and the partner images of mosaic and mixup (`stages.TrainStages.inputs`)."""
+
+    stages: stages_lib.TrainStages
+    source: object
+    shard: Sharding
+    deterministic: bool
+    seed: int
+    shuffle_buffer: int
+    first_index: int  # the index of this dataset's first image in the run's stream
+    examples_per_epoch: float  # this pipeline's images per epoch
+
+    def dataset(self) -> tf.data.Dataset:
+        def read_partners():
+            # Another shuffle of the same shard, seeded apart from the main stream's.
+            raw = read_source(self.source, self.shard, True, self.deterministic,
+                              self.seed * 31 + 17, self.shuffle_buffer)
+            return raw.map(lambda r: raw_to_instance(r, self.source.label_map),
+                           num_parallel_calls=AUTOTUNE, deterministic=self.deterministic)
+
+        return self.stages.inputs(read_partners, self.examples_per_epoch, self.first_index)
+
+    def transform(self, transform, image, boxes, labels, seed, extra):
+        return self.stages.apply(transform, image, boxes, tf.cast(labels, tf.int32), seed,
+                                 extra, self.examples_per_epoch)
+
+
 def prepare_examples(ds: tf.data.Dataset, label_map, transform, is_training: bool,
                      buckets: Sequence[Tuple[int, int]], max_boxes: int, deterministic: bool,
-                     seed: int) -> tf.data.Dataset:
+                     seed: int, staged: Optional[StagedInputs] = None) -> tf.data.Dataset:
     """Raw examples -> one dict per image: decoded and checked (`raw_to_instance`), augmented
-    (`transform(image, boxes, labels, example_seed)` for training, `transform(image, boxes,
-    labels)` for evaluation), normalized and padded onto its canvas bucket, targets padded to
-    `max_boxes` (`pad_targets`), with the bucket's index under 'bucket'.
+    (`transform(image, boxes, labels, example_seed)` for training, after the stages when
+    `staged` is given; `transform(image, boxes, labels)` for evaluation), normalized and padded
+    onto its canvas bucket, targets padded to `max_boxes` (`pad_targets`), with the bucket's
+    index under 'bucket'.
 
     seed: the training examples' stateless seed pairs come from it.
     """
-    def prepare(raw, example_seed=None):
+    def prepare(raw, example_seed=None, extra=None):
         image, boxes, labels = raw_to_instance(raw, label_map)
         orig_size = tf.shape(image)[:2]
-        if is_training:
+        if staged is not None:
+            image, boxes, labels = staged.transform(transform, image, boxes, labels,
+                                                    example_seed, extra)
+        elif is_training:
             image, boxes, labels = transform(image, boxes, labels, example_seed)
         else:
             image, boxes, labels = transform(image, boxes, labels)
@@ -294,7 +340,8 @@ def prepare_examples(ds: tf.data.Dataset, label_map, transform, is_training: boo
     if is_training:
         # One stateless seed pair per example: reproducible in deterministic mode.
         seeds = tf.data.Dataset.random(seed=seed).batch(2)
-        ds = tf.data.Dataset.zip((ds, seeds))
+        parts = (ds, seeds) if staged is None else (ds, seeds, staged.dataset())
+        ds = tf.data.Dataset.zip(parts)
     return ds.map(prepare, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
 
 

@@ -60,35 +60,44 @@ class StepDecaySchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
 @gin.configurable(denylist=["base_lr", "total_steps"])
 class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup, a flat stretch at base_lr, then a half cosine down to
-    base_lr * final_factor at total_steps (the flat-then-cosine shape DEIM trains with).
+    base_lr * final_factor, held there for the last `tail_fraction` of the run (the
+    flat-then-cosine shape DEIM trains with; its tail is the run's no-augmentation epochs).
 
     Bind it as `build_optimizers.schedule = @FlatCosineSchedule`; build_optimizers gives the
     rate and the run's step count, the rest are this class's own bindings.
 
     Args:
       base_lr: the rate after warmup, held until the cosine starts.
-      total_steps: the run's optimizer steps; the rate reaches its floor there.
+      total_steps: the run's optimizer steps.
       warmup_steps: steps of linear warmup from base_lr / warmup_steps.
       flat_fraction: fraction of total_steps (counted from step 0) before the cosine starts;
         at least the warmup.
       final_factor: the floor, as a fraction of base_lr.
+      tail_fraction: fraction of total_steps at the end spent at the floor (DEIM's
+        no_aug_epoch / epoches); the cosine reaches the floor where the tail starts.
     """
 
     def __init__(self, base_lr: float, total_steps: int, warmup_steps: int = 0,
-                 flat_fraction: float = 0.0, final_factor: float = 0.0):
+                 flat_fraction: float = 0.0, final_factor: float = 0.0,
+                 tail_fraction: float = 0.0):
         if not total_steps or total_steps <= 0:
             raise ValueError(f"FlatCosineSchedule needs the run's step count, got {total_steps}")
         if not 0.0 <= flat_fraction < 1.0:
             raise ValueError(f"FlatCosineSchedule.flat_fraction={flat_fraction} is not in [0, 1)")
+        if not 0.0 <= tail_fraction < 1.0 - flat_fraction:
+            raise ValueError(f"FlatCosineSchedule.tail_fraction={tail_fraction} is not in "
+                             f"[0, 1 - flat_fraction={1.0 - flat_fraction:g}): the cosine "
+                             "needs a stretch between the flat part and the tail")
         self.base_lr = float(base_lr)
         self.total_steps = int(total_steps)
         self.warmup_steps = int(warmup_steps)
         self.flat_steps = max(int(round(flat_fraction * total_steps)), self.warmup_steps)
+        self.tail_steps = int(round(tail_fraction * total_steps))
         self.final_factor = float(final_factor)
 
     def __call__(self, step):
         step = tf.cast(step, tf.float32)
-        span = float(max(self.total_steps - self.flat_steps, 1))
+        span = float(max(self.total_steps - self.tail_steps - self.flat_steps, 1))
         progress = tf.clip_by_value((step - self.flat_steps) / span, 0.0, 1.0)
         cosine = 0.5 * (1.0 + tf.cos(math.pi * progress))
         lr = self.base_lr * (self.final_factor + (1.0 - self.final_factor) * cosine)
@@ -100,7 +109,7 @@ class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
     def get_config(self):
         return dict(base_lr=self.base_lr, total_steps=self.total_steps,
                     warmup_steps=self.warmup_steps, flat_steps=self.flat_steps,
-                    final_factor=self.final_factor)
+                    tail_steps=self.tail_steps, final_factor=self.final_factor)
 
 
 @gin.configurable(denylist=["steps_per_epoch", "total_steps"])

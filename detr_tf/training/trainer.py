@@ -121,7 +121,9 @@ def train(model_dir: str,
       model_fn: builds the model (e.g. `@build_model`, passed uncalled).
       criterion: the set criterion (e.g. `@SetCriterion()`).
       dataset_fn: fn(is_training, global_batch_size, input_context, num_shards, shard_index,
-        deterministic, seed) -> per-replica batches (e.g. `@build_dataset`, passed uncalled).
+        deterministic, seed, start_batch) -> per-replica batches (e.g. `@build_dataset`,
+        passed uncalled); start_batch: the pipeline's batches a resumed run already trained,
+        when it does not replay them (0 otherwise).
       global_batch_size: images per optimizer step over all replicas (per micro-batch when
         grad_accum_steps > 1).
       num_steps: total optimizer steps; overrides num_epochs when set.
@@ -277,13 +279,17 @@ def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, det
     """
     def replica_dataset_fn(input_context, num_shards, shard_index):
         replay = deterministic and start_step > 0
+        replicas = 1 if input_context is None else (
+            input_context.num_replicas_in_sync // input_context.num_input_pipelines)
+        trained = start_step * grad_accum_steps * replicas  # this pipeline's batches so far
+        # A reseeded pipeline is told where the run is (its stage schedule counts epochs); a
+        # replayed one starts at 0 and the skip below brings it there.
         ds = dataset_fn(is_training=True, global_batch_size=global_batch_size,
                         input_context=input_context, num_shards=num_shards,
                         shard_index=shard_index, deterministic=deterministic,
-                        seed=seed if (deterministic or not start_step) else seed + start_step)
-        replicas = 1 if input_context is None else (
-            input_context.num_replicas_in_sync // input_context.num_input_pipelines)
-        return ds.skip(start_step * grad_accum_steps * replicas) if replay else ds
+                        seed=seed if (deterministic or not start_step) else seed + start_step,
+                        start_batch=0 if replay else trained)
+        return ds.skip(trained) if replay else ds
 
     with engine.scope():
         return iter(engine.distribute_dataset(replica_dataset_fn))
