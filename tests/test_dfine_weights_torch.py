@@ -13,8 +13,6 @@ without them).
 - An HF state dict renamed to the original repository's layout imports identically.
 - The committed narrow fixtures regenerate identically (tools/make_dfine_fixtures.py).
 """
-import gzip
-import os
 import sys
 import time
 
@@ -35,29 +33,14 @@ import make_rtdetr_decoder_fixtures as rtdetr_oracle  # noqa: E402
 # The full-size comparison's machinery is RT-DETR's: the test images, the query alignment
 # after near-tied top-K scores swap, the restore as tools/eval.py does it.
 from tests.test_rtdetr_weights_torch import (  # noqa: E402
-    BOUNDARY_MARGIN, _aligned, _images, _restored)
+    BOUNDARY_MARGIN, _aligned, _images, _restored, check_regenerated)
 
 pytestmark = pytest.mark.torch
 
 
 def test_fixtures_regenerate_identically():
     """The committed files are what the script writes with the installed transformers."""
-    from safetensors.numpy import load
-
-    for name, fresh in oracle.fixtures().items():
-        path = helpers.FIXTURES / name
-        if isinstance(fresh, dict):
-            committed = np.load(path)
-            assert sorted(committed.files) == sorted(fresh), name
-            for key, array in fresh.items():
-                np.testing.assert_allclose(committed[key], array, atol=1e-6,
-                                           err_msg=f"{name}: {key}")
-        else:
-            with gzip.open(path, "rb") as f:
-                committed, fresh = load(f.read()), load(fresh)
-            assert sorted(committed) == sorted(fresh), name
-            for key, array in fresh.items():
-                np.testing.assert_array_equal(committed[key], array, err_msg=f"{name}: {key}")
+    check_regenerated(oracle.fixtures(), helpers.FIXTURES)
 
 
 def _backbone(preset: str) -> dict:

@@ -30,12 +30,11 @@ Files (float32):
 
 The module doubles as the torch-side oracle of tests/test_dfine_weights_torch.py.
 """
-import gzip
 import os
 import re
 import sys
 import tempfile
-from typing import Dict, Sequence
+from typing import Dict
 
 import numpy as np
 
@@ -233,20 +232,7 @@ def fixtures() -> Dict[str, object]:
 
 
 def main() -> None:
-    import transformers
-
-    os.makedirs(FIXTURES, exist_ok=True)
-    total = 0
-    for name, content in fixtures().items():
-        path = os.path.join(FIXTURES, name)
-        if isinstance(content, dict):
-            np.savez_compressed(path, **content)
-        else:
-            with open(path, "wb") as f:  # mtime 0: the same bytes every time
-                f.write(gzip.compress(content, compresslevel=9, mtime=0))
-        total += os.path.getsize(path)
-        print(f"wrote {path} ({os.path.getsize(path) / 1e3:.1f} KB)")
-    print(f"{total / 1e3:.1f} KB in all, transformers {transformers.__version__}")
+    rtdetr_fixtures.write_fixtures(fixtures(), FIXTURES)
     print("next: pytest tests/test_dfine_weights.py "
           "(and pytest -m torch tests/test_dfine_weights_torch.py)")
 
