@@ -67,17 +67,22 @@ def convert(saved_model_dir: str, mode: str = "float32",
 
 
 _OP = re.compile(r"'tf\.(\w+)' op is neither a custom op nor a flex op")
-_NODE = re.compile(r'fused\["(\w+)", "([^"@]+)')
 _FAILED_OP = re.compile(r"'(?:tf|tfl)\.(\w+)' op")
+
+
+def _layers_of(op: str, message: str) -> List[str]:
+    """The name scopes of the nodes of type `op` a message locates: a node is quoted as
+    "scope/.../Op", "scope/.../Op_3" or "scope/.../Op@function"."""
+    names = re.findall(r'"([^"@]*?)/%s(?:_\d+)?(?:@[^"]*)?"' % re.escape(op), message)
+    return sorted(set(names))
 
 
 def blocking_ops(message: str) -> List[str]:
     """'Op (in layer/path)' for each op a converter message says it cannot convert."""
     ops = list(dict.fromkeys(_OP.findall(message) or _FAILED_OP.findall(message)))
-    nodes = _NODE.findall(message)
     found = []
     for op in ops:
-        layers = sorted({name.rsplit("/", 1)[0] for kind, name in nodes if kind == op})
+        layers = _layers_of(op, message)
         found.append(f"{op} (in {', '.join(layers)})" if layers else op)
     return found
 

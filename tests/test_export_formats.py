@@ -1,0 +1,94 @@
+"""TFLite and ONNX exports of the quickstart model agree with its SavedModel.
+
+One export per module (tools/export.py's path: a run directory -> SavedModel -> .tflite and
+.onnx) of quickstart.gin's model with seeded random weights, compared on the shapes val images.
+"""
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from detr_tf import run as run_lib
+from detr_tf.evaluation import predict
+from detr_tf.export import formats, runtimes, saved_model, tflite
+from tests import export_helpers as eh
+
+pytest.importorskip("tf2onnx", reason="the export extra is not installed: pip install -e .[export]")
+pytest.importorskip("onnxruntime", reason="the export extra is not installed")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qs_export")
+    try:
+        run_dir = eh.random_run_dir(str(root / "run"), ["quickstart.gin"], eh.SMALL_DATA)
+        paths = formats.export_formats(run_dir, str(root / "export"),
+                                       ["saved_model", "tflite", "onnx"], ["float32"])
+        info = run_lib.assemble().eval_info()
+        files = predict.annotated_image_paths(info.annotations_file, 4)
+    finally:
+        gin.clear_config()
+    return paths, files
+
+
+def _inputs(files, size):
+    return [formats.fixed_input(f, size) for f in files]
+
+
+def test_all_three_formats_written(exported):
+    paths, _ = exported
+    saved, lite, onnx_file = paths
+    assert lite.endswith("detector_float32.tflite") and onnx_file.endswith("detector.onnx")
+    assert "serving_fixed" in saved_model.signature_keys(saved)
+
+
+@pytest.mark.parametrize("runner_cls,index", [(runtimes.TFLiteRunner, 1),
+                                              (runtimes.OnnxRunner, 2)])
+def test_parity_with_the_saved_model(exported, runner_cls, index):
+    paths, files = exported
+    loaded = tf.saved_model.load(paths[0])
+    runner = runner_cls(paths[index], num_threads=1)
+    compared = 0
+    for images, size in _inputs(files, (128, 128)):
+        assert tuple(size[0]) == (128, 128)  # the shapes images are the export's input size
+        ref = eh.served(loaded, images)
+        got = runner(images, size)
+        assert int(got["num_detections"][0]) == int(ref["num_detections"][0])
+        compared += eh.assert_same_detections({k: v[0] for k, v in got.items()},
+                                              {k: v[0] for k, v in ref.items()}, (128, 128))
+    assert compared >= 2 * len(files)  # the check did compare ranked detections
+
+
+def test_boxes_come_back_in_the_callers_pixels(exported):
+    paths, files = exported
+    runner = runtimes.TFLiteRunner(paths[1])
+    images, size = _inputs(files[:1], (128, 128))[0]
+    small = runner(images, size)
+    large = runner(images, np.array([[256, 384]], np.int32))
+    np.testing.assert_allclose(large["boxes"], small["boxes"] * [3, 2, 3, 2], rtol=1e-5,
+                               atol=1e-3)
+    np.testing.assert_array_equal(large["classes"], small["classes"])
+
+
+def test_the_tflite_graph_has_static_shapes_only(exported):
+    paths, _ = exported
+    interpreter = runtimes.TFLiteRunner(paths[1]).interpreter
+    dynamic = [t["name"] for t in interpreter.get_tensor_details()
+               if -1 in list(t["shape_signature"])]
+    assert not dynamic  # no dynamic reshape or tile anywhere: every shape is fixed
+    ops = {op["op_name"] for op in interpreter._get_ops_details()}
+    assert "TOPK_V2" in ops
+
+
+def test_unconvertible_op_is_named_with_its_layer(tmp_path):
+    class Blocked(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([1, 4], tf.float32)])
+        def serving_fixed(self, x):
+            with tf.name_scope("odd_layer"):
+                return {"y": tf.math.special.bessel_k1(x)}
+
+    module = Blocked()
+    tf.saved_model.save(module, str(tmp_path),
+                        signatures={"serving_fixed": module.serving_fixed})
+    with pytest.raises(tflite.ConversionError, match=r"BesselK1 \(in .*odd_layer"):
+        tflite.convert(str(tmp_path), "float32")
