@@ -28,15 +28,19 @@ def exported(tmp_path_factory):
         files = predict.annotated_image_paths(info.annotations_file, 4)
     finally:
         gin.clear_config()
-    return paths, files
+    # The val images stretched to the export's input size (128 x 128): the same uint8 pixels go
+    # to the SavedModel's serving_images and to each runner, with image_size = (128, 128).
+    images = [formats.fixed_input(f, (128, 128))[0] for f in files]
+    loaded = tf.saved_model.load(paths[0])
+    references = [eh.served(loaded, image) for image in images]
+    return paths, images, references
 
 
-def _inputs(files, size):
-    return [formats.fixed_input(f, size) for f in files]
+SIZE = np.array([[128, 128]], np.int32)
 
 
 def test_all_three_formats_written(exported):
-    paths, _ = exported
+    paths = exported[0]
     saved, lite, onnx_file = paths
     assert lite.endswith("detector_float32.tflite") and onnx_file.endswith("detector.onnx")
     assert "serving_fixed" in saved_model.signature_keys(saved)
@@ -45,34 +49,29 @@ def test_all_three_formats_written(exported):
 @pytest.mark.parametrize("runner_cls,index", [(runtimes.TFLiteRunner, 1),
                                               (runtimes.OnnxRunner, 2)])
 def test_parity_with_the_saved_model(exported, runner_cls, index):
-    paths, files = exported
-    loaded = tf.saved_model.load(paths[0])
+    paths, images, references = exported
     runner = runner_cls(paths[index], num_threads=1)
     compared = 0
-    for images, size in _inputs(files, (128, 128)):
-        assert tuple(size[0]) == (128, 128)  # the shapes images are the export's input size
-        ref = eh.served(loaded, images)
-        got = runner(images, size)
+    for image, ref in zip(images, references):
+        got = runner(image, SIZE)
         assert int(got["num_detections"][0]) == int(ref["num_detections"][0])
         compared += eh.assert_same_detections({k: v[0] for k, v in got.items()},
                                               {k: v[0] for k, v in ref.items()}, (128, 128))
-    assert compared >= 2 * len(files)  # the check did compare ranked detections
+    assert compared >= 2 * len(images)  # the check did compare ranked detections
 
 
 def test_boxes_come_back_in_the_callers_pixels(exported):
-    paths, files = exported
+    paths, images, _ = exported
     runner = runtimes.TFLiteRunner(paths[1])
-    images, size = _inputs(files[:1], (128, 128))[0]
-    small = runner(images, size)
-    large = runner(images, np.array([[256, 384]], np.int32))
+    small = runner(images[0], SIZE)
+    large = runner(images[0], np.array([[256, 384]], np.int32))  # boxes x 3 across, x 2 down
     np.testing.assert_allclose(large["boxes"], small["boxes"] * [3, 2, 3, 2], rtol=1e-5,
                                atol=1e-3)
     np.testing.assert_array_equal(large["classes"], small["classes"])
 
 
 def test_the_tflite_graph_has_static_shapes_only(exported):
-    paths, _ = exported
-    interpreter = runtimes.TFLiteRunner(paths[1]).interpreter
+    interpreter = runtimes.TFLiteRunner(exported[0][1]).interpreter
     dynamic = [t["name"] for t in interpreter.get_tensor_details()
                if -1 in list(t["shape_signature"])]
     assert not dynamic  # no dynamic reshape or tile anywhere: every shape is fixed

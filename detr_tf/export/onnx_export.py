@@ -24,20 +24,19 @@ def convert(saved_model_dir: str, output_path: str, opset: int = OPSET) -> str:
       ConversionError: ops ONNX has no translation for (named, with their layers).
     """
     import onnx
-    import tf2onnx
+    from tf2onnx import convert as tf2onnx_convert, tf_loader
 
     check_fixed_signature(saved_model_dir, "onnx.convert")
-    loaded = tf.saved_model.load(saved_model_dir)  # holds the variables while converting
-    signature = loaded.signatures[SERVING_FIXED]
-    specs = signature.structured_input_signature[1]  # {'images': spec, 'image_size': spec}
-    names = sorted(specs)
-
-    def call(*args):
-        return signature(**dict(zip(names, args)))
-
-    function = tf.function(call, input_signature=[specs[n] for n in names])
-    model, _ = tf2onnx.convert.from_function(function, input_signature=function.input_signature,
-                                             opset=opset)
+    # tf2onnx's own SavedModel path (its command line's): the signature's variables frozen,
+    # its inputs and outputs keeping the signature's names.
+    graph_def, inputs, outputs, tables, renames = tf_loader.from_saved_model(
+        saved_model_dir, None, None, signatures=[SERVING_FIXED],
+        return_initialized_tables=True, return_tensors_to_rename=True)
+    with tf.device("/cpu:0"):
+        model, _ = tf2onnx_convert._convert_common(
+            graph_def, name=saved_model_dir, opset=opset, input_names=inputs,
+            output_names=outputs, tensors_to_rename=renames, initialized_tables=tables,
+            continue_on_error=True)
     blocked = untranslated_nodes(model)
     if blocked:
         raise ConversionError(f"ONNX conversion failed: no ONNX translation for "

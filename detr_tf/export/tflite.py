@@ -60,6 +60,9 @@ def convert(saved_model_dir: str, mode: str = "float32",
         converter.representative_dataset = lambda: (dict(s) for s in representative())
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8,
                                                tf.lite.OpsSet.TFLITE_BUILTINS]
+        # The MLIR quantizer refuses the box clipping (a min and a max whose calibrated scales
+        # differ in the last digits: "same scale constraint"); the legacy one quantizes it.
+        converter.experimental_new_quantizer = False
     try:
         return converter.convert()
     except Exception as e:  # the converter raises its own ConverterError, or others
@@ -95,4 +98,7 @@ def describe_failure(message: str, mode: str) -> str:
                 f"{'; '.join(blocked)}. Replace that layer's op or bind an alternative "
                 "implementation of the layer in Gin")
     last = [line for line in message.strip().splitlines() if line.strip()]
-    return f"TFLite conversion ({mode}) failed: {last[-1] if last else message}"
+    if not last:  # the quantizer reports on stderr only, with the op and its layer
+        return (f"TFLite conversion ({mode}) failed in the converter; its log lines above "
+                "name the op and the layer")
+    return f"TFLite conversion ({mode}) failed: {last[-1]}"
