@@ -28,15 +28,13 @@ def exported(tmp_path_factory):
         files = predict.annotated_image_paths(info.annotations_file, 4)
     finally:
         gin.clear_config()
-    # The val images stretched to the export's input size (128 x 128): the same uint8 pixels go
-    # to the SavedModel's serving_images and to each runner, with image_size = (128, 128).
-    images = [formats.fixed_input(f, (128, 128))[0] for f in files]
+    # The val images stretched to the export's input size (the eval canvas): the same uint8
+    # pixels go to the SavedModel's serving_images and to each runner, with that size.
+    size = saved_model.fixed_input_size(paths[0])
+    images = [formats.fixed_input(f, size)[0] for f in files]
     loaded = tf.saved_model.load(paths[0])
     references = [eh.served(loaded, image) for image in images]
-    return paths, images, references
-
-
-SIZE = np.array([[128, 128]], np.int32)
+    return paths, images, references, np.array([size], np.int32)
 
 
 def test_all_three_formats_written(exported):
@@ -49,22 +47,22 @@ def test_all_three_formats_written(exported):
 @pytest.mark.parametrize("runner_cls,index", [(runtimes.TFLiteRunner, 1),
                                               (runtimes.OnnxRunner, 2)])
 def test_parity_with_the_saved_model(exported, runner_cls, index):
-    paths, images, references = exported
+    paths, images, references, size = exported
     runner = runner_cls(paths[index], num_threads=1)
     compared = 0
     for image, ref in zip(images, references):
-        got = runner(image, SIZE)
+        got = runner(image, size)
         assert int(got["num_detections"][0]) == int(ref["num_detections"][0])
         compared += eh.assert_same_detections({k: v[0] for k, v in got.items()},
-                                              {k: v[0] for k, v in ref.items()}, (128, 128))
+                                              {k: v[0] for k, v in ref.items()}, size[0])
     assert compared >= 2 * len(images)  # the check did compare ranked detections
 
 
 def test_boxes_come_back_in_the_callers_pixels(exported):
-    paths, images, _ = exported
+    paths, images, _, size = exported
     runner = runtimes.TFLiteRunner(paths[1])
-    small = runner(images[0], SIZE)
-    large = runner(images[0], np.array([[256, 384]], np.int32))  # boxes x 3 across, x 2 down
+    small = runner(images[0], size)
+    large = runner(images[0], size * [2, 3])  # boxes x 3 across, x 2 down
     np.testing.assert_allclose(large["boxes"], small["boxes"] * [3, 2, 3, 2], rtol=1e-5,
                                atol=1e-3)
     np.testing.assert_array_equal(large["classes"], small["classes"])

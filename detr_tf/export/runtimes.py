@@ -61,9 +61,14 @@ class TFLiteRunner:
 
         self.interpreter = tflite_interpreter_class()(model_path=path, num_threads=num_threads)
         self._runner = self.interpreter.get_signature_runner(SERVING_FIXED)
+        self.input_shape = tuple(self._runner.get_input_details()["images"]["shape"])
 
     def __call__(self, images: np.ndarray, image_size: np.ndarray) -> Detections:
         images, image_size = _check(images, image_size)
+        # The signature runner would silently resize its input to any shape given.
+        if images.shape != self.input_shape:
+            raise ValueError(f"TFLiteRunner: images {images.shape}, the model takes "
+                             f"{self.input_shape}")
         out = self._runner(images=images, image_size=image_size)
         return {k: np.asarray(out[k]) for k in OUTPUTS}
 
