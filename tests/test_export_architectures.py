@@ -29,8 +29,9 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Most COCO AP the quantized quickstart model may lose against the SavedModel (AP points, on a
-# 0-100 scale); the measured drops are in docs/EXPORT.md.
-AP_DROP_BOUND = {"float16": 0.5, "dynamic_int8": 3.0, "int8": 6.0}
+# 0-100 scale); the measured drops are in docs/EXPORT.md. Full-integer int8 is not here: its
+# file converts but aborts the LiteRT interpreter (docs/EXPORT.md#tflite-modes).
+AP_DROP_BOUND = {"float16": 0.5, "dynamic_int8": 3.0}
 
 
 def _compare(saved_dir, runner, images):
