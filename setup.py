@@ -1,6 +1,10 @@
 """detr_tf: DETR-family object detectors in TensorFlow 2, trained efficiently."""
 from setuptools import find_packages, setup
 
+# TFLite (LiteRT) and ONNX export and their runtimes (docs/EXPORT.md). The test extra includes
+# them so that the export parity tests run wherever the README's test command runs, CI included.
+EXPORT = ["tf2onnx>=1.17,<2", "onnx>=1.17", "onnxruntime>=1.20", "ai-edge-litert>=2.0"]
+
 setup(
     name="detr_tf",
     version="0.1.0",
@@ -24,7 +28,8 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"] + EXPORT,
+        "export": EXPORT,
         # Reading torch .pth weight files, and the `pytest -m torch` comparisons.
         "torch": ["torch>=2.1", "torchvision", "timm", "transformers"],
     },

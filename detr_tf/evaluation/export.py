@@ -7,7 +7,12 @@ preprocessing, `postprocess` and `select_top_detections`. It has two serving fun
     serving_default(encoded: tf.string [N])             JPEG / PNG / BMP / GIF bytes
     serving_images(images: tf.uint8 [N, H, W, 3])        one batch of same-sized RGB images
 
-Both return
+and, when built with a `fixed_input_size`, a third for runtimes that need static shapes
+(TFLite, ONNX; fixed_input.py):
+
+    serving_fixed(images: tf.uint8 [1, H, W, 3], image_size: tf.int32 [1, 2])
+
+All return
     boxes:          [N, K, 4] float32 x0, y0, x1, y1 in original-image pixels, clipped to the image
     scores:         [N, K] float32, sorted decreasing
     classes:        [N, K] int32 category ids
@@ -29,7 +34,7 @@ import tensorflow as tf
 
 from detr_tf.evaluation import postprocess as pp
 from detr_tf import run as run_lib
-from detr_tf.evaluation import preprocess, restore
+from detr_tf.evaluation import fixed_input, preprocess, restore
 
 PreprocessFn = Callable[[tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
 
@@ -132,6 +137,8 @@ class DetectionModule(tf.Module):
       max_detections: K, detections returned per image.
       score_threshold: detections scoring lower are dropped (become padding).
       jit_compile: compile the model + postprocess step with XLA.
+      fixed_input_size: (H, W): add `serve_fixed` (the `serving_fixed` signature) for one
+        image of that size; None: no such signature.
     """
 
     def __init__(self,
@@ -140,6 +147,7 @@ class DetectionModule(tf.Module):
                  max_detections: int = 100,
                  score_threshold: float = 0.0,
                  jit_compile: bool = False,
+                 fixed_input_size: Optional[Sequence[int]] = None,
                  name: Optional[str] = None):
         super().__init__(name=name)
         self.model = model
@@ -147,15 +155,19 @@ class DetectionModule(tf.Module):
         self._canvas_specs = _canvas_specs(self._preprocess_fn)
         self._max_detections = int(max_detections)
         self._score_threshold = float(score_threshold)
-        self._detect_fn = tf.function(self._detect_preprocessed, jit_compile=jit_compile)
+        self._detect_fn = tf.function(self.detect_preprocessed, jit_compile=jit_compile)
         self.serve_encoded = tf.function(
             self._serve_encoded,
             input_signature=[tf.TensorSpec([None], tf.string, name="encoded")])
         self.serve_images = tf.function(
             self._serve_images,
             input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")])
+        self.serve_fixed = None
+        if fixed_input_size is not None:
+            self.serve_fixed = fixed_input.fixed_signature(
+                self.detect_preprocessed, self._preprocess_fn, fixed_input_size)
 
-    def _detect_preprocessed(self, images: tf.Tensor, pixel_mask: tf.Tensor,
+    def detect_preprocessed(self, images: tf.Tensor, pixel_mask: tf.Tensor,
                              orig_sizes: tf.Tensor) -> Dict[str, tf.Tensor]:
         """[N, Hc, Wc, 3], [N, Hc, Wc], [N, 2] (h, w) -> the serving outputs."""
         outputs = self.model(images, pixel_mask, training=False)
@@ -202,8 +214,11 @@ class DetectionModule(tf.Module):
 
     def signatures(self) -> Dict[str, tf.types.experimental.ConcreteFunction]:
         """The serving signatures, keyed by their SavedModel names."""
-        return {SERVING_DEFAULT: self.serve_encoded.get_concrete_function(),
-                SERVING_IMAGES: self.serve_images.get_concrete_function()}
+        signatures = {SERVING_DEFAULT: self.serve_encoded.get_concrete_function(),
+                      SERVING_IMAGES: self.serve_images.get_concrete_function()}
+        if self.serve_fixed is not None:
+            signatures[fixed_input.SERVING_FIXED] = self.serve_fixed.get_concrete_function()
+        return signatures
 
 
 @gin.configurable(module="detr_tf.evaluation", denylist=["model", "export_dir"])
@@ -211,7 +226,8 @@ def export_saved_model(model: tf.Module,
                        export_dir: Union[str, os.PathLike],
                        preprocess_fn: Optional[PreprocessFn] = None,
                        max_detections: int = 100,
-                       score_threshold: float = 0.0) -> str:
+                       score_threshold: float = 0.0,
+                       fixed_input_size: Optional[Sequence[int]] = None) -> str:
     """Writes a SavedModel with the `serving_default` and `serving_images` signatures.
 
     Args:
@@ -220,20 +236,30 @@ def export_saved_model(model: tf.Module,
       preprocess_fn: see `DetectionModule`; default `make_resize_pad_preprocess()`.
       max_detections: K, detections per image.
       score_threshold: minimum score of a returned detection.
+      fixed_input_size: (H, W) of the `serving_fixed` signature (fixed_input.py) that TFLite
+        and ONNX are converted from; None: no such signature.
 
     Returns:
       export_dir as a string. Load with `tf.saved_model.load(export_dir)` and call
       `loaded.signatures['serving_default'](encoded=...)` (outputs keyed as in the module
       docstring) or `loaded.serve_encoded(...)` / `loaded.serve_images(...)`.
     """
-    module = DetectionModule(model, preprocess_fn, max_detections, score_threshold)
+    module = DetectionModule(model, preprocess_fn, max_detections, score_threshold,
+                             fixed_input_size=fixed_input_size)
     export_dir = os.fspath(export_dir)
     tf.saved_model.save(module, export_dir, signatures=module.signatures())
     return export_dir
 
 
-def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None) -> str:
+def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None,
+               fixed_input_size: Optional[Sequence[int]] = None) -> str:
     """tools/export.py: a SavedModel of a run's checkpoint with its eval preprocessing inside.
+
+    Args:
+      model_dir, checkpoint: the run and (optionally) the checkpoint to export.
+      export_dir: where the SavedModel is written.
+      fixed_input_size: (H, W) of the `serving_fixed` signature, or 'canvas' for the eval
+        canvas's size; None: no such signature.
 
     Other export settings (max_detections, score_threshold) come from Gin
     (`export_saved_model.*`).
@@ -241,8 +267,12 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     model, path = restore.load_trained_model(model_dir, checkpoint)
     print(f"export: restored {path}", flush=True)
     info = run_lib.assemble().eval_info()
-    out = export_saved_model(model, export_dir,
-                             preprocess_fn=preprocess.eval_preprocess_fn(info.buckets))
-    print(f"export: wrote SavedModel to {out} (signatures: {SERVING_DEFAULT}, "
-          f"{SERVING_IMAGES})", flush=True)
+    preprocess_fn = preprocess.eval_preprocess_fn(info.buckets)
+    if fixed_input_size == "canvas":
+        fixed_input_size = preprocess_fn.canvas_size
+    out = export_saved_model(model, export_dir, preprocess_fn=preprocess_fn,
+                             fixed_input_size=fixed_input_size)
+    names = [SERVING_DEFAULT, SERVING_IMAGES] + (
+        [fixed_input.SERVING_FIXED] if fixed_input_size is not None else [])
+    print(f"export: wrote SavedModel to {out} (signatures: {', '.join(names)})", flush=True)
     return out

@@ -187,7 +187,7 @@ def predict_images(detector: Any,
     return records
 
 
-def _annotated_image_paths(annotations_file: str, limit: int) -> List[str]:
+def annotated_image_paths(annotations_file: str, limit: int) -> List[str]:
     """Image files named by a COCO json, resolved next to it (as the shapes dataset lays out)."""
     config.check_given(annotations_file, "drawing the eval images (their annotations file)")
     with open(annotations_file) as f:
@@ -219,7 +219,7 @@ def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int =
     info = run_lib.assemble().eval_info()
     if not info.annotations_file:
         return None
-    paths = _annotated_image_paths(info.annotations_file, num_images)
+    paths = annotated_image_paths(info.annotations_file, num_images)
     if not paths:
         return None
     out = os.path.join(model_dir, PREDICTIONS_SUBDIR)

@@ -1,0 +1,63 @@
+"""Shared by the export-format tests: a run directory with random weights, and the parity check."""
+import os
+from typing import Dict, Sequence
+
+import gin
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from detr_tf import config, run as run_lib
+from detr_tf.training import checkpointing
+
+SMALL_DATA = ("shapes_source.num_train = 64", "shapes_source.num_val = 16")
+
+
+def random_run_dir(path: str, gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> str:
+    """A run directory (config.gin + checkpoints/ckpt-0) of the configured model, seeded random
+    weights, as tools/export.py reads one. The Gin config stays parsed for the caller."""
+    gin.clear_config()
+    config.parse_gin_config(list(gin_files), list(gin_params), finalize=False,
+                            defer_required=True)
+    tf_keras.utils.set_random_seed(0)
+    model = run_lib.assemble().build_model()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.gin"), "w") as f:
+        f.write(config.config_text())
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model),
+                                         checkpointing.checkpoint_dir(path), max_to_keep=1)
+    manager.save(checkpoint_number=0)
+    return path
+
+
+def served(loaded, images: np.ndarray) -> Dict[str, np.ndarray]:
+    """The SavedModel's `serving_images` on uint8 [N, H, W, 3]."""
+    out = loaded.signatures["serving_images"](images=tf.constant(images))
+    return {k: v.numpy() for k, v in out.items()}
+
+
+def separated_ranks(scores: np.ndarray, gap: float) -> np.ndarray:
+    """[K] bool: the ranks whose score differs from both neighbours' by more than `gap`, whose
+    place in the ranking therefore cannot change under a smaller numerical difference."""
+    diffs = np.abs(np.diff(scores)) > gap
+    left = np.concatenate([[True], diffs])
+    right = np.concatenate([diffs, [True]])
+    return left & right
+
+
+def assert_same_detections(got: Dict[str, np.ndarray], ref: Dict[str, np.ndarray],
+                           image_hw: Sequence[int], box_tol: float = 1e-3,
+                           score_gap: float = 1e-4) -> int:
+    """Parity of one image's detections ([K] / [K, 4], both sorted by score).
+
+    Boxes within box_tol x the image's size in pixels, and the same label, at every rank whose
+    reference score stands more than `score_gap` from its neighbours' (ties may swap). Returns
+    how many ranks were compared.
+    """
+    keep = separated_ranks(ref["scores"], score_gap)
+    np.testing.assert_allclose(got["scores"], ref["scores"], atol=score_gap)
+    np.testing.assert_array_equal(got["classes"][keep], ref["classes"][keep])
+    scale = np.array([image_hw[1], image_hw[0]] * 2, np.float64)
+    err = np.abs(got["boxes"][keep] - ref["boxes"][keep]) / scale
+    assert err.size == 0 or err.max() <= box_tol, f"box error {err.max():.3g} of the image size"
+    return int(keep.sum())

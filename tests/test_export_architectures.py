@@ -1,0 +1,121 @@
+"""Every architecture exports to TFLite and ONNX with parity, and quantization's AP cost is
+bounded. All slow: each converts a model (minutes at full size).
+
+  - the tiny Deformable DETR and RT-DETR of the shapes configs, through tools/export.py's path;
+  - Deformable DETR at full size (models/deformable_detr_r50.gin) on a 320 px canvas, its
+    sampler the gather form in the TFLite graph;
+  - the quickstart model's COCO AP on the shapes val set in float16, dynamic-range int8 and
+    full-integer int8 TFLite beside the SavedModel's (a trained run: DETR_TF_QUICKSTART_RUN, or
+    a short training run made here).
+"""
+import os
+import subprocess
+import sys
+
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from detr_tf import config, run as run_lib
+from detr_tf.evaluation import predict
+from detr_tf.export import accuracy, formats, runtimes, saved_model
+from tests import export_helpers as eh
+
+pytest.importorskip("tf2onnx", reason="the export extra is not installed: pip install -e .[export]")
+pytest.importorskip("onnxruntime", reason="the export extra is not installed")
+pytestmark = pytest.mark.slow
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Most COCO AP the quantized quickstart model may lose against the SavedModel (AP points, on a
+# 0-100 scale); the measured drops are in docs/EXPORT.md. Full-integer int8 is not here: its
+# file converts but aborts the LiteRT interpreter (docs/EXPORT.md#tflite-modes).
+AP_DROP_BOUND = {"float16": 0.5, "dynamic_int8": 3.0}
+
+
+def _compare(saved_dir, runner, images):
+    loaded = tf.saved_model.load(saved_dir)
+    compared = 0
+    for image in images:
+        ref = eh.served(loaded, image[None])
+        got = runner(image[None], np.array([image.shape[:2]], np.int32))
+        compared += eh.assert_same_detections({k: v[0] for k, v in got.items()},
+                                              {k: v[0] for k, v in ref.items()}, image.shape[:2])
+    return compared
+
+
+@pytest.mark.parametrize("gin_file", ["deformable_tiny.gin", "rtdetr_tiny.gin"])
+def test_tiny_architectures_export_with_parity(gin_file, tmp_path):
+    try:
+        run_dir = eh.random_run_dir(str(tmp_path / "run"), [gin_file], eh.SMALL_DATA)
+        paths = formats.export_formats(run_dir, str(tmp_path / "export"), ["tflite", "onnx"])
+        info = run_lib.assemble().eval_info()
+        files = predict.annotated_image_paths(info.annotations_file, 3)
+    finally:
+        gin.clear_config()
+    size = saved_model.fixed_input_size(paths[0])
+    images = [formats.fixed_input(f, size)[0][0] for f in files]
+    for path, cls in ((paths[1], runtimes.TFLiteRunner), (paths[2], runtimes.OnnxRunner)):
+        assert _compare(paths[0], cls(path), images) >= len(images)
+
+
+def test_full_size_deformable_detr_exports_with_gather_sampling(tmp_path):
+    from detr_tf.benchmarks import inference
+
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["models/deformable_detr_r50.gin"], ["NUM_CLASSES = 91"],
+                                finalize=False, defer_required=True)
+        tf_keras.utils.set_random_seed(0)
+        model = run_lib.assemble().build_model((320, 320))
+        runners = inference.export_forms(model, str(tmp_path), 320, ["float32"])
+    finally:
+        gin.clear_config()
+    interpreter = runners["TFLite float32"].interpreter
+    ops = {op["op_name"] for op in interpreter._get_ops_details()}
+    assert {"GATHER", "GATHER_ND"} & ops
+    assert not [t["name"] for t in interpreter.get_tensor_details()
+                if -1 in list(t["shape_signature"])]
+    images = list(np.random.default_rng(0).integers(0, 256, (2, 320, 320, 3), np.uint8))
+    saved = str(tmp_path / "saved_model")
+    for name in ("TFLite float32", "ONNX Runtime"):
+        assert _compare(saved, runners[name], images) >= len(images), name
+
+
+def _quickstart_run(tmp_path_factory) -> str:
+    given = os.environ.get("DETR_TF_QUICKSTART_RUN")
+    if given:
+        return given
+    run_dir = str(tmp_path_factory.mktemp("quickstart_short"))
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "train.py"),
+                    "--gin_file=quickstart.gin", f"--model_dir={run_dir}",
+                    "--gin_param=train.num_steps = 1500", "--gin_param=train.eval_fn = None",
+                    "--gin_param=train.after_train_fn = None"], check=True, cwd=REPO)
+    return run_dir
+
+
+def test_quantized_quickstart_ap_drop_is_bounded(tmp_path_factory):
+    run_dir = _quickstart_run(tmp_path_factory)
+    out = str(tmp_path_factory.mktemp("qs_export"))
+    gin.clear_config()
+    try:
+        config.parse_gin_config([os.path.join(run_dir, "config.gin")], [], finalize=False,
+                                defer_required=True)
+        paths = formats.export_formats(run_dir, out, ["tflite"], list(AP_DROP_BOUND))
+        info = run_lib.assemble().eval_info()
+    finally:
+        gin.clear_config()
+    size = saved_model.fixed_input_size(paths[0])
+
+    def ap(runner):
+        return 100 * accuracy.coco_ap(runner, info.annotations_file, size,
+                                      info.category_ids)["AP"]
+
+    reference = ap(runtimes.SavedModelRunner(paths[0]))
+    drops = {mode: reference - ap(runtimes.TFLiteRunner(formats.tflite_path(out, mode)))
+             for mode in AP_DROP_BOUND}
+    print(f"quickstart AP {reference:.1f}; drops {drops}")
+    assert reference > 5.0  # a trained model, or the bound means nothing
+    for mode, drop in drops.items():
+        assert drop <= AP_DROP_BOUND[mode], (mode, drop, reference)

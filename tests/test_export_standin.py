@@ -1,0 +1,58 @@
+"""CI's fast export check: a stand-in detector through SavedModel -> TFLite and ONNX, compared
+with the SavedModel's serving_images; and a blocked op named with its layer. The quickstart
+model's own export is tests/test_export_formats.py (slow)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.evaluation import export
+from detr_tf.export import onnx_export, runtimes, tflite
+from tests import export_helpers as eh
+from tests.detr_standin import StandInDetr
+
+pytest.importorskip("tf2onnx", reason="the export extra is not installed: pip install -e .[export]")
+pytest.importorskip("onnxruntime", reason="the export extra is not installed")
+SIZE = (40, 48)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("standin_export")
+    tf_keras.utils.set_random_seed(0)
+    preprocess = export.make_resize_pad_preprocess(32, 48, canvas_size=(48, 48))
+    saved = export.export_saved_model(StandInDetr(), root / "saved", preprocess,
+                                      max_detections=4, fixed_input_size=SIZE)
+    lite = root / "detector_float32.tflite"
+    lite.write_bytes(tflite.convert(saved, "float32"))
+    onnx_file = onnx_export.convert(saved, str(root / "detector.onnx"))
+    return saved, str(lite), onnx_file
+
+
+@pytest.mark.parametrize("index,runner_cls", [(1, runtimes.TFLiteRunner),
+                                              (2, runtimes.OnnxRunner)])
+def test_parity_with_serving_images(exported, index, runner_cls):
+    loaded = tf.saved_model.load(exported[0])
+    runner = runner_cls(exported[index])
+    images = np.random.default_rng(0).integers(0, 256, (3, *SIZE, 3), np.uint8)
+    compared = 0
+    for image in images:
+        ref = eh.served(loaded, image[None])
+        got = runner(image[None], np.array([SIZE], np.int32))
+        compared += eh.assert_same_detections({k: v[0] for k, v in got.items()},
+                                              {k: v[0] for k, v in ref.items()}, SIZE)
+    assert compared >= len(images)
+
+
+def test_unconvertible_op_is_named_with_its_layer(tmp_path):
+    class Blocked(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([1, 4], tf.float32)])
+        def serving_fixed(self, x):
+            with tf.name_scope("odd_layer"):
+                return {"y": tf.math.special.bessel_k1(x)}
+
+    module = Blocked()
+    tf.saved_model.save(module, str(tmp_path),
+                        signatures={"serving_fixed": module.serving_fixed})
+    with pytest.raises(tflite.ConversionError, match=r"BesselK1 \(in .*odd_layer"):
+        tflite.convert(str(tmp_path), "float32")

@@ -1,0 +1,122 @@
+"""Batch-1 inference latency: SavedModel, TFLite (LiteRT) and ONNX Runtime, beside PyTorch.
+
+    # DETR-R50 with transformers' model of the same (random) weights beside it (needs torch):
+    python tools/benchmark_inference.py --hf=detr --image_size=640 --threads=2 --rounds=10 \
+        --json_out=docs/perf/inference_detr_r50.json
+    # RT-DETR-R50vd:
+    python tools/benchmark_inference.py --hf=rtdetr --image_size=640 ...
+    # Any model file, random weights, no torch:
+    python tools/benchmark_inference.py --gin_file=models/deformable_detr_r50.gin ...
+
+One process, the same threads for every runtime, interleaved rounds. The detr_tf forms all run
+the same exported graph (uint8 image in, top-k detections out; docs/EXPORT.md); transformers'
+model runs its forward pass on the normalized image. With --hf the detr_tf model is the Gin
+model file the weight importer reads transformers' weights into (models/detr_r50.gin,
+models/rtdetr.gin), and the weights are transformers' random initialization, imported.
+Writes JSON (--json_out) and prints a Markdown table.
+"""
+import os
+import sys
+import tempfile
+
+from absl import app, flags
+
+from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
+
+# TensorFlow and triton's LLVM library crash the process when both are loaded; triton only
+# serves GPUs, so torch runs here without it.
+sys.modules.setdefault("triton", None)
+
+HF_MODELS = {"detr": "models/detr_r50.gin", "rtdetr": "models/rtdetr.gin"}
+flags.DEFINE_enum("hf", None, list(HF_MODELS), "Time transformers' model of this kind beside "
+                  "detr_tf's, with the same weights (needs torch and transformers).")
+flags.DEFINE_multi_string("gin_file", [], "Model file(s) when --hf is not given.")
+flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings.")
+flags.DEFINE_integer("image_size", 640, "Square input side (pixels).")
+flags.DEFINE_integer("threads", 2, "Threads for every runtime (TF intra-op, LiteRT, ONNX "
+                     "Runtime, torch).")
+flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds after two warm-up calls each.")
+flags.DEFINE_list("tflite_modes", ["float32", "float16", "dynamic_int8"], "TFLite modes timed.")
+flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+FLAGS = flags.FLAGS
+
+
+def _hf_model(kind: str, weights_path: str):
+    """transformers' model of `kind` with seeded random weights, saved to weights_path."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    if kind == "detr":
+        from transformers import DetrConfig, DetrForObjectDetection
+        model = DetrForObjectDetection(DetrConfig(use_pretrained_backbone=False))
+    else:
+        from transformers import RTDetrConfig, RTDetrForObjectDetection
+        model = RTDetrForObjectDetection(RTDetrConfig(num_labels=80))
+    model.eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights_path)
+    return model
+
+
+def _torch_call(model, kind: str, image_size: int):
+    import torch
+
+    x = torch.rand(1, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
+
+    def call():
+        with torch.inference_mode():
+            return model(pixel_values=x).logits
+    return call
+
+
+def _detr_tf_model(weights: str = None):
+    from detr_tf import config, run as run_lib
+    from detr_tf.weights.importer import load_pretrained
+
+    files = [HF_MODELS[FLAGS.hf]] if FLAGS.hf else FLAGS.gin_file
+    if not files:
+        sys.exit("benchmark_inference.py: give --hf=detr|rtdetr or --gin_file=MODEL_FILE")
+    params = list(FLAGS.gin_param)
+    if FLAGS.hf == "rtdetr":
+        params += ["NUM_CLASSES = 80"]
+    config.parse_gin_config(files, params, finalize=False, defer_required=True)
+    model = run_lib.assemble().build_model((FLAGS.image_size, FLAGS.image_size))
+    if weights:
+        print(load_pretrained(model, weights))
+    return model
+
+
+def main(argv):
+    if len(argv) > 1:
+        sys.exit(f"benchmark_inference.py: unexpected arguments {argv[1:]}")
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from detr_tf.benchmarks import inference, timing
+
+    work = tempfile.mkdtemp(prefix="benchmark_inference_")
+    extra, hf = {}, None
+    if FLAGS.hf:
+        try:
+            import torch
+        except ImportError:
+            sys.exit("benchmark_inference.py: --hf needs torch and transformers")
+        torch.set_num_threads(FLAGS.threads)
+        weights = os.path.join(work, "hf.safetensors")
+        hf = _hf_model(FLAGS.hf, weights)
+        extra[f"transformers {FLAGS.hf} (torch eager)"] = _torch_call(hf, FLAGS.hf,
+                                                                      FLAGS.image_size)
+    model = _detr_tf_model(weights if hf is not None else None)
+    runners = inference.export_forms(model, work, FLAGS.image_size, FLAGS.tflite_modes,
+                                     threads=FLAGS.threads)
+    results = inference.time_forms(runners, extra, FLAGS.image_size, FLAGS.rounds)
+    print(f"\nbatch 1, {FLAGS.image_size}x{FLAGS.image_size}, {FLAGS.threads} threads, "
+          f"{FLAGS.rounds} interleaved rounds")
+    print(inference.table(results, "SavedModel"))
+    timing.write_json({"model": FLAGS.hf or FLAGS.gin_file, "image_size": FLAGS.image_size,
+                       "threads": FLAGS.threads, "rounds": FLAGS.rounds, "forms": results},
+                      FLAGS.json_out)
+
+
+if __name__ == "__main__":
+    app.run(main)
