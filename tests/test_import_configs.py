@@ -61,6 +61,24 @@ def _import(gin_file, weights, out, *params):
         capture_output=True, text=True, timeout=900, cwd=REPO, env=ENV)
 
 
+def _import_and_check(experiment, prefix, num_variables, weights_macro, tmp_path):
+    """The tool imports the checkpoint `prefix` through `experiment` into tmp_path/run: every
+    variable, the same values, and the written run asks again for what the import did not
+    need."""
+    proc = _import(experiment, prefix, tmp_path / "run")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "left at their initial values: none" in proc.stdout, proc.stdout[-3000:]
+    saved = (tmp_path / "run" / "config.gin").read_text()
+    for macro in ("COCO_TRAIN_PATTERN", "COCO_VAL_PATTERN", weights_macro):
+        assert f"{macro} = %gin.REQUIRED" in saved
+    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "ckpt-0"))
+    source_reader = tf.train.load_checkpoint(prefix)
+    names = [n for n, _ in tf.train.list_variables(prefix) if n.startswith("model/")]
+    assert len(names) == num_variables
+    for n in names:
+        np.testing.assert_array_equal(reader.get_tensor(n), source_reader.get_tensor(n), n)
+
+
 # (experiment file, its model file and the bindings that make them the same model, the
 # weights macro the experiment file requires)
 PAIRS = [# In the slow set: the longest test of the default suite (full-size Deformable DETR
@@ -89,19 +107,7 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
     prefix = tf.train.Checkpoint(model=source).write(str(tmp_path / "source" / "ckpt"))
     gin.clear_config()
 
-    proc = _import(experiment, prefix, tmp_path / "run")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "left at their initial values: none" in proc.stdout, proc.stdout[-3000:]
-    # The written run asks again for what the import did not need.
-    saved = (tmp_path / "run" / "config.gin").read_text()
-    for macro in ("COCO_TRAIN_PATTERN", "COCO_VAL_PATTERN", weights_macro):
-        assert f"{macro} = %gin.REQUIRED" in saved
-    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "ckpt-0"))
-    source_reader = tf.train.load_checkpoint(prefix)
-    names = [n for n, _ in tf.train.list_variables(prefix) if n.startswith("model/")]
-    assert len(names) == len(source.variables)
-    for n in names:
-        np.testing.assert_array_equal(reader.get_tensor(n), source_reader.get_tensor(n), n)
+    _import_and_check(experiment, prefix, len(source.variables), weights_macro, tmp_path)
 
     if experiment.startswith(("deformable", "rtdetr")):
         # Evaluation reads the model and the eval data, and asks only for the latter.
@@ -112,3 +118,21 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
         assert "COCO_VAL_PATTERN is required for reading TFRecordSource" in proc.stderr, (
             proc.stderr[-3000:])
         assert "COCO_TRAIN_PATTERN" not in proc.stderr and weights_macro not in proc.stderr
+
+
+DFINE = sorted(e for e in EXPERIMENTS if e.startswith("dfine_"))
+
+
+@pytest.mark.slow  # a full-size D-FINE built, imported and restored: about a minute each
+@pytest.mark.parametrize("experiment", DFINE)
+def test_every_dfine_file_imports_its_own_model_without_data_macros(experiment, tmp_path):
+    """The experiment file as is (no data macro, no INIT_WEIGHTS) imports a checkpoint of the
+    model it builds, and the written run asks again for what the import did not need."""
+    gin.clear_config()
+    try:
+        config.parse_gin_config([experiment], [], defer_required=True)
+        source = run_lib.assemble().build_model()
+    finally:
+        gin.clear_config()
+    prefix = tf.train.Checkpoint(model=source).write(str(tmp_path / "source" / "ckpt"))
+    _import_and_check(experiment, prefix, len(source.variables), "INIT_WEIGHTS", tmp_path)

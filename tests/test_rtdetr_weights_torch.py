@@ -39,14 +39,15 @@ import make_rtdetr_fixtures as fixtures  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-def test_fixtures_regenerate_identically():
-    """The committed files are what the script writes with the installed transformers."""
+def check_regenerated(fresh_files: dict, directory) -> None:
+    """The committed files in `directory` are `fresh_files` (a fixture script's `fixtures()`):
+    npz arrays within 1e-6, gzip-compressed safetensors equal tensor by tensor."""
     import gzip
 
     from safetensors.numpy import load
 
-    for name, fresh in fixtures.fixtures().items():
-        path = os.path.join(fixtures.FIXTURES, name)
+    for name, fresh in fresh_files.items():
+        path = os.path.join(directory, name)
         if isinstance(fresh, dict):
             committed = np.load(path)
             assert sorted(committed.files) == sorted(fresh), name
@@ -59,6 +60,11 @@ def test_fixtures_regenerate_identically():
             assert sorted(committed) == sorted(fresh), name
             for key, array in fresh.items():
                 np.testing.assert_array_equal(committed[key], array, err_msg=f"{name}: {key}")
+
+
+def test_fixtures_regenerate_identically():
+    """The committed files are what the script writes with the installed transformers."""
+    check_regenerated(fixtures.fixtures(), fixtures.FIXTURES)
 
 
 def _r50vd_v1():

@@ -131,21 +131,27 @@ def fixtures() -> Dict[str, object]:
     return files
 
 
-def main() -> None:
+def write_fixtures(files: Dict[str, object], directory: str) -> None:
+    """Writes `fixtures()`-style content into `directory`: each bytes value gzip-compressed
+    (mtime 0: the same bytes every time), each dict as a compressed npz; prints the sizes."""
     import transformers
 
-    os.makedirs(FIXTURES, exist_ok=True)
+    os.makedirs(directory, exist_ok=True)
     total = 0
-    for name, content in fixtures().items():
-        path = os.path.join(FIXTURES, name)
+    for name, content in files.items():
+        path = os.path.join(directory, name)
         if isinstance(content, dict):
             np.savez_compressed(path, **content)
         else:
-            with open(path, "wb") as f:  # mtime 0: the same bytes every time
+            with open(path, "wb") as f:
                 f.write(gzip.compress(content, compresslevel=9, mtime=0))
         total += os.path.getsize(path)
         print(f"wrote {path} ({os.path.getsize(path) / 1e3:.1f} KB)")
     print(f"{total / 1e3:.1f} KB in all, transformers {transformers.__version__}")
+
+
+def main() -> None:
+    write_fixtures(fixtures(), FIXTURES)
     print("next: pytest tests/test_rtdetr_weights.py "
           "(and pytest -m torch tests/test_rtdetr_weights_torch.py)")
 

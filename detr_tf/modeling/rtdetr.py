@@ -98,9 +98,12 @@ class RTDETR(Detector):
     @property
     def build_size(self) -> Tuple[int, int]:
         """The smallest square canvas (a multiple of 32) with at least num_queries memory cells
-        (levels at strides 8, 16, 32, ...). Weights do not depend on the size."""
+        (levels at the backbone's finest stride, 8 unless it says otherwise (D-FINE-N: 16),
+        then doubling). Weights do not depend on the size."""
+        first = min(getattr(self.backbone, "strides", None) or (8,))
+
         def cells(side):
-            return sum((-(-side // (8 * 2 ** level))) ** 2
+            return sum((-(-side // (first * 2 ** level))) ** 2
                        for level in range(self.decoder.num_levels))
 
         side = 64

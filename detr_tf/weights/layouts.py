@@ -14,6 +14,8 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
+from detr_tf.weights.dfine import model as dfine_model
+from detr_tf.weights.dfine import original as dfine_original
 from detr_tf.weights.rtdetr import original as rtdetr_original
 
 Tensors = Dict[str, np.ndarray]
@@ -120,6 +122,13 @@ HF_RTDETR = Layout(
     "Hugging Face RTDetr / RTDetrV2 ForObjectDetection (transformers 4.x or 5.x names)",
     lambda t: _rename(t, _HF_RTDETR_4_TO_5),
     default_skip=("*.num_batches_tracked",))
+# Hugging Face DFineForObjectDetection (the ustc-community Hub files): canonical names are
+# transformers 5.x's keys (detr_tf.weights.dfine places them); saved files' 4.x names are
+# renamed. The weighting function's `up` / `reg_scale` and the points' `num_points_scale` are
+# constants of the architecture, checked (targets.constants).
+HF_DFINE = Layout(
+    "Hugging Face DFineForObjectDetection (transformers 4.x or 5.x names)",
+    lambda t: _rename(t, dfine_model.HF4_TO_HF5), default_skip=("*.num_batches_tracked",))
 # The original RT-DETR / RT-DETRv2 state dicts (weights/rtdetr/original.py): renamed to the same
 # transformers 5.x keys, the stacked q, k, v of the encoder's and the decoder's self-attention
 # split as the reference DETR's are.
@@ -127,6 +136,12 @@ ORIGINAL_RTDETR = Layout(
     "original RT-DETR / RT-DETRv2 (lyuwenyu/RT-DETR rtdetr_pytorch / rtdetrv2_pytorch state "
     "dict)", lambda t: _split_in_proj(_rename(t, rtdetr_original.TO_HF5)),
     default_skip=rtdetr_original.DEFAULT_SKIP)
+# The original D-FINE state dicts (weights/dfine/original.py): renamed to the same transformers
+# 5.x keys, the stacked q, k, v of the self-attentions split.
+ORIGINAL_DFINE = Layout(
+    "original D-FINE (Peterande/D-FINE state dict)",
+    lambda t: _split_in_proj(_rename(t, dfine_original.TO_HF5)),
+    default_skip=dfine_original.DEFAULT_SKIP)
 RESNET = Layout("ImageNet ResNet (torchvision / timm names), backbone only",
                 lambda t: _rename(t, [(r"^", "backbone.")]),
                 default_skip=("fc.*", "*.num_batches_tracked"), backbone_only=True)
@@ -145,9 +160,14 @@ def detect(keys) -> Layout:
 
     if has("transformer.") and (has("backbone.0.") or "query_embed.weight" in keys):
         return REFERENCE_DETR
+    if dfine_original.is_original(keys):  # before RT-DETR's: it has the same heads
+        dfine_original.check_backbone(keys)
+        return ORIGINAL_DFINE
     if rtdetr_original.is_original(keys):
         rtdetr_original.check_backbone(keys)
         return ORIGINAL_RTDETR
+    if any(k.startswith("model.decoder.lqe_layers.") for k in keys):  # D-FINE's LQE
+        return HF_DFINE
     if any(".enc_score_head." in k for k in keys):  # RT-DETR's query selection
         return HF_RTDETR
     if any(".sampling_offsets." in k for k in keys):  # deformable attention
@@ -162,6 +182,8 @@ def detect(keys) -> Layout:
     sample = ", ".join(sorted(keys)[:5])
     raise ValueError(f"unknown key layout (first keys: {sample}); expected a reference DETR "
                      "state dict (backbone.0.body.*, transformer.*), a Hugging Face DETR "
-                     "(model.backbone.*, model.encoder.*), Deformable DETR (*.sampling_offsets.*), "
-                     "RT-DETR (model.enc_score_head.*) or an original RT-DETR checkpoint "
-                     "(decoder.enc_score_head.*), or an ImageNet ResNet (conv1.*, layer1.*)")
+                     "(model.backbone.*, model.encoder.*), Deformable DETR "
+                     "(*.sampling_offsets.*), RT-DETR (model.enc_score_head.*) or D-FINE "
+                     "(model.decoder.lqe_layers.*), an original RT-DETR or D-FINE checkpoint "
+                     "(decoder.enc_score_head.*, decoder.decoder.lqe_layers.*), or an ImageNet "
+                     "ResNet (conv1.*, layer1.*)")

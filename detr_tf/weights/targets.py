@@ -11,6 +11,7 @@ from detr_tf.modeling.deformable_detr import DeformableDETR
 from detr_tf.modeling.dfine import DFINE
 from detr_tf.modeling.rtdetr import RTDETR
 from detr_tf.weights import deformable_targets, target
+from detr_tf.weights.dfine import model as dfine_targets
 from detr_tf.weights.rtdetr import model as rtdetr_targets
 from detr_tf.weights.target import Constant, Target
 from detr_tf.weights.ties import TieRule
@@ -55,9 +56,8 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
     """
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
-    if isinstance(model, DFINE):  # an RTDETR subclass whose names RT-DETR's table lacks
-        raise ValueError("load_pretrained: D-FINE has per-part tables (detr_tf/weights/dfine/) "
-                         "but no whole-model table yet")
+    if isinstance(model, DFINE):  # an RTDETR subclass with its own names
+        return dfine_targets.torch_targets(model)
     if isinstance(model, RTDETR):
         return rtdetr_targets.torch_targets(model)
     if _is_deformable(model):
@@ -82,6 +82,8 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
 def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
     """The variables re-initialised together when the file's class or query count differs:
     'class head' (class_embed and the two-stage proposals' class layer) and 'query embedding'."""
+    if isinstance(model, DFINE):
+        return dfine_targets.head_groups(model)
     if isinstance(model, RTDETR):
         return rtdetr_targets.head_groups(model)
     if _is_deformable(model):
@@ -97,6 +99,8 @@ def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
 def tie_rules(model: tf_keras.Model) -> Tuple[TieRule, ...]:
     """The rules saying which of the model's torch names a file may store as one tensor
     (detr_tf.weights.ties); DETR shares no module, so it has none."""
+    if isinstance(model, DFINE):
+        return dfine_targets.tie_rules(model)
     if isinstance(model, RTDETR):
         return rtdetr_targets.tie_rules(model)
     if _is_deformable(model):
@@ -108,6 +112,8 @@ def constants(model: tf_keras.Model) -> Dict[str, Constant]:
     """{canonical name: Constant} for the tensors a file of this architecture may hold that the
     model's configuration fixes (RT-DETRv2's `n_points_scale`): checked, never loaded. Other
     architectures have none."""
+    if isinstance(model, DFINE):
+        return dfine_targets.constants(model)
     if isinstance(model, RTDETR):
         return rtdetr_targets.constants(model)
     return {}

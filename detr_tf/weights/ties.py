@@ -71,6 +71,17 @@ TIE_RULES: Dict[str, Dict[str, Tuple[TieRule, ...]]] = {
         "v1 and v2": (_decoder_head_is_models("class_embed", "RT-DETRv2's alias"),
                       _decoder_head_is_models("bbox_embed", "RT-DETRv2's alias")),
     },
+    # D-FINE in transformers 5.x: the top-level `class_embed.N` / `bbox_embed.N` are
+    # `model.decoder.class_embed.N` / `.bbox_embed.N` (the Hub's files hold the decoder's
+    # names), and with tie_word_embeddings (DFineConfig's default) every layer's head is layer
+    # 0's, so its save_pretrained may keep layer 0's alone. The reference and the Hub's files
+    # keep one head per layer, so they hold every layer's name and the sharing rules never
+    # fire on them.
+    "D-FINE": {
+        "every size": (_decoder_head_is_models("class_embed", "the top-level alias"),
+                       _decoder_head_is_models("bbox_embed", "the top-level alias"),
+                       _SHARED_CLASS, _SHARED_BOX),
+    },
     "Deformable DETR": {
         "plain": (_SHARED_CLASS, _SHARED_BOX),
         "refine": (_DECODER_BOX, _SHARED_CLASS),
