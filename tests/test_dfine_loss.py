@@ -147,8 +147,10 @@ def np_part(pred, cls_t, box_t, n_cls, n_box, reg_max, deim, teacher=None, valid
     return out
 
 
-def np_criterion(case, union, deim):
-    """Every loss of DFineCriterion by its name, and the weighted total."""
+def np_criterion(case, union, deim, pre=None):
+    """Every loss of DFineCriterion by its name, and the weighted total. pre: the first
+    layer's pre-head predictions (logits [B, Q, C], boxes [B, Q, 4], the denoising queries'
+    logits and boxes), scored as D-FINE's reference criterion scores 'pre_outputs'."""
     f = {k: np.float64(v) if np.asarray(v).dtype == np.float32 else v for k, v in case.items()}
     reg_max, num_layers = int(f["reg_max"]), f["logits"].shape[0]
     labels, tboxes, mask = f["labels"], f["target_boxes"], f["mask"]
@@ -168,9 +170,13 @@ def np_criterion(case, union, deim):
 
     idx = [match(f["logits"][i], f["boxes"][i]) for i in range(num_layers)]
     enc_idx = match(f["enc_logits"], f["enc_boxes"])
+    pre = None if pre is None else [np.float64(x) for x in pre]
+    pre_idx = [] if pre is None else [match(pre[0], pre[1])]
     box_idx, enc_box_idx, n_union = idx, enc_idx, n_box
+    pre_box_idx = pre_idx
     if union:
-        joint = np_union(idx + [enc_idx])
+        joint = np_union(idx + pre_idx + [enc_idx])
+        pre_box_idx = [joint] * len(pre_idx)
         box_idx, enc_box_idx, n_union = [joint] * num_layers, joint, max((joint >= 0).sum(), 1)
     teacher = (f["corners"][-1], f["logits"][-1])
     parts = {}
@@ -181,6 +187,9 @@ def np_criterion(case, union, deim):
                                     teacher if i < num_layers - 1 else None)
     parts["enc", 0] = np_part((f["enc_logits"], f["enc_boxes"], None, None), targets(enc_idx),
                               targets(enc_box_idx), n_box, n_union, reg_max, deim)
+    if pre is not None:
+        parts["pre", 0] = np_part((pre[0], pre[1], None, None), targets(pre_idx[0]),
+                                  targets(pre_box_idx[0]), n_box, n_union, reg_max, deim)
     if "dn_logits" in f:
         g = int(f["num_groups"])
         layout = rtdetr_cases.dn_layout(labels, tboxes, mask, g, f["logits"].shape[-1], False)
@@ -191,11 +200,16 @@ def np_criterion(case, union, deim):
             parts["loss_dn_", i] = np_part(pred, dn_t, dn_t, n_box * g, n_box * g, reg_max,
                                            deim, dn_teacher if i < num_layers - 1 else None,
                                            layout["valid"])
+        if pre is not None:
+            parts["dn_pre", 0] = np_part((pre[2], pre[3], None, None), dn_t, dn_t, n_box * g,
+                                         n_box * g, reg_max, deim, None, layout["valid"])
     out, total = {}, 0.0
     for (prefix, i), terms in parts.items():
         for term, value in terms.items():
-            if prefix == "enc":
-                name = f"loss_{term}_enc"
+            if prefix in ("enc", "pre"):
+                name = f"loss_{term}_{prefix}"
+            elif prefix == "dn_pre":
+                name = f"loss_dn_{term}_pre"
             else:
                 name = prefix + term + ("" if i == num_layers - 1 else f"_{i}")
             out[name] = value
@@ -361,6 +375,33 @@ def test_criterion_matches_numpy(union, deim):
     for key, value in want.items():
         np.testing.assert_allclose(float(got[key]), value, rtol=2e-5, atol=1e-6, err_msg=key)
     assert float(got["loss_ddf"]) == 0.0 and float(got["loss_ddf_0"]) > 0.0
+
+
+def test_pre_outputs_are_one_more_part_matched_in_the_same_call():
+    """The first layer's pre-head prediction ('pre_outputs', top level and denoising): class
+    and box losses ('_pre'), matched with the layers in one matcher call, in the union."""
+    union = True
+    case = cases.random_case(seed=9, counts=(3, 0, 4), num_groups=2, reg_max=8, union=union)
+    rng = np.random.default_rng(9)
+    logits, boxes = case["logits"][0], case["boxes"][0]
+    dn_logits, dn_boxes = case["dn_logits"][0], case["dn_boxes"][0]
+    pre = [(x + rng.normal(0, 0.5, x.shape)).astype(np.float32) for x in (logits, dn_logits)]
+    pre_boxes = [np.clip(x + rng.normal(0, 0.05, x.shape), 0.05, 0.95).astype(np.float32)
+                 for x in (boxes, dn_boxes)]
+    outputs, targets = dfine_outputs(case)
+    outputs["pre_outputs"] = {"pred_logits": tf.constant(pre[0]),
+                              "pred_boxes": tf.constant(pre_boxes[0])}
+    outputs["dn_outputs"]["pre_outputs"] = {"pred_logits": tf.constant(pre[1]),
+                                            "pred_boxes": tf.constant(pre_boxes[1])}
+    matcher = _CountingMatcher()
+    got = criterion(case, matcher=matcher)(outputs, targets)
+    assert matcher.shapes == [(5, 3, 8, 4)]  # pre, 3 layers, the encoder's top-K
+    want = np_criterion(case, union, deim=False, pre=(pre[0], pre_boxes[0], pre[1],
+                                                      pre_boxes[1]))
+    assert {"loss_vfl_pre", "loss_giou_pre", "loss_dn_bbox_pre"} <= set(want)
+    assert set(got) == set(want) | {"class_error"}
+    for key, value in want.items():
+        np.testing.assert_allclose(float(got[key]), value, rtol=2e-5, atol=1e-6, err_msg=key)
 
 
 def test_rtdetr_criterion_takes_the_mal():

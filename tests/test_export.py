@@ -1,12 +1,16 @@
-"""Export: default preprocessing by hand, and a SavedModel round trip with a stand-in model."""
+"""Export: default preprocessing by hand, and SavedModel round trips with a stand-in model and
+with a tiny D-FINE (dfine_tiny.gin: its sigmoid top-k post-processing and its extra outputs)."""
 import io
 
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 from PIL import Image
 
+from detr_tf import config
+from detr_tf import run as run_lib
 from detr_tf.evaluation import export
 from detr_tf.evaluation import postprocess as pp
 from tests.detr_standin import StandInDetr
@@ -72,7 +76,8 @@ def _direct(model, preprocess, images, max_detections=4, score_threshold=THRESHO
     for img in images:
         x, mask = preprocess(tf.constant(img))
         raw = model(x[None], mask[None], training=False)
-        dets = pp.postprocess(raw["pred_logits"], raw["pred_boxes"], [img.shape[:2]], "xyxy")
+        # The post-processing the model's Gin file binds (DETR's softmax one when none).
+        dets = pp.postprocess_outputs(raw, tf.constant([img.shape[:2]]), "xyxy")
         out = {k: v.numpy()[0] for k, v in pp.select_top_detections(
             dets, max_detections, score_threshold).items()}
         h, w = img.shape[:2]
@@ -139,3 +144,32 @@ def test_preprocess_without_a_static_canvas_is_rejected():
 
     with pytest.raises(ValueError, match="static canvas"):
         export.DetectionModule(StandInDetr(), no_padding)
+
+
+@pytest.fixture
+def dfine_tiny():
+    """The tiny D-FINE of dfine_tiny.gin, built with random weights, its Gin config parsed."""
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["dfine_tiny.gin"], defer_required=True)
+        tf_keras.utils.set_random_seed(0)
+        yield run_lib.assemble().build_model()
+    finally:
+        gin.clear_config()
+
+
+# Slow: tracing D-FINE's two serving signatures takes minutes on a shared 2-core CPU
+# (`pytest -m slow -k dfine tests/test_export.py`).
+@pytest.mark.slow
+def test_dfine_saved_model_serves_the_keras_models_detections(dfine_tiny, tmp_path):
+    preprocess = export.make_resize_pad_preprocess(shorter_side=128, max_size=128,
+                                                   canvas_size=(128, 128))
+    loaded = tf.saved_model.load(export.export_saved_model(
+        dfine_tiny, tmp_path / "saved_model", preprocess_fn=preprocess, max_detections=5))
+    images = [np.random.default_rng(2).integers(0, 256, (96, 128, 3), np.uint8),
+              np.random.default_rng(3).integers(0, 256, (128, 80, 3), np.uint8)]
+    direct = _direct(dfine_tiny, preprocess, images, max_detections=5, score_threshold=0.0)
+    served = loaded.signatures["serving_default"](
+        encoded=tf.constant([_png(im) for im in images]))
+    _assert_same({k: v.numpy() for k, v in served.items()}, direct)
+    assert all(d["num_detections"] == 5 for d in direct)

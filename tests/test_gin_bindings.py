@@ -28,8 +28,8 @@ from test_import_configs import EXPERIMENTS, MODEL_SHAPE
 # The custom-data files take the rate drops from the data too; without it, they are given.
 WITHOUT_DATA = {name: [*params, "build_optimizers.lr_drop_epochs = (40,)"]
                 for name, params in MODEL_SHAPE.items()}
-SMALL = {"tiny.gin", "deformable_tiny.gin", "rtdetr_tiny.gin", "quickstart.gin",
-         "deformable_quickstart.gin", "custom_cpu.gin"}
+SMALL = {"tiny.gin", "deformable_tiny.gin", "rtdetr_tiny.gin", "dfine_tiny.gin",
+         "quickstart.gin", "deformable_quickstart.gin", "custom_cpu.gin"}
 
 
 class _PerCallRecord(dict):

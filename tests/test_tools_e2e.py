@@ -3,7 +3,7 @@
 One tiny run (tiny.gin, 4 steps, its own shapes cache) is shared by the module; in the slow
 set the train, predict and export tests also run on a second tiny model built like the
 quickstart's (anchor queries, two-stage proposals), and those and eval on a tiny RT-DETR
-(rtdetr_tiny.gin). The runs also bind the
+(rtdetr_tiny.gin) and a tiny D-FINE (dfine_tiny.gin). The runs also bind the
 quickstart's end-of-training hooks (COCO evaluation, prediction images, next steps), so the path
 every new user takes is exercised too. Each script runs in a subprocess, as a user runs it, and
 is judged by its exit status, its files and its message.
@@ -44,7 +44,7 @@ def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 # Each variant's Gin flags: tiny.gin, the quickstart's model pieces on it (stride 16 so that
-# every bucket has >= 8 cells), and RT-DETR's tiny file.
+# every bucket has >= 8 cells), and RT-DETR's and D-FINE's tiny files.
 VARIANTS = {
     "detr": ["--gin_file=gin_configs/tiny.gin"],
     "two_stage": ["--gin_file=gin_configs/tiny.gin",
@@ -52,6 +52,7 @@ VARIANTS = {
                   "--gin_param=build_model.two_stage = True",
                   "--gin_param=ResNet.layers = (1, 1, 1)", "--gin_param=NUM_QUERIES = 8"],
     "rtdetr": ["--gin_file=gin_configs/rtdetr_tiny.gin"],
+    "dfine": ["--gin_file=gin_configs/dfine_tiny.gin"],
 }
 _TRAINED = {}
 
@@ -62,8 +63,8 @@ def _trained(tmp_path_factory, variant: str) -> dict:
     return _TRAINED[variant]
 
 
-# The plain tiny run is the default suite's; the two-stage and RT-DETR variants (about 4 min
-# each) are slow, to keep CI within its budget (`pytest -m slow tests/test_tools_e2e.py`).
+# The plain tiny run is the default suite's; the two-stage, RT-DETR and D-FINE variants (about
+# 4 min each) are slow, to keep CI within its budget (`pytest -m slow tests/test_tools_e2e.py`).
 @pytest.fixture(scope="module", params=[
     v if v == "detr" else pytest.param(v, marks=pytest.mark.slow) for v in sorted(VARIANTS)])
 def trained(request, tmp_path_factory):
@@ -71,9 +72,10 @@ def trained(request, tmp_path_factory):
     yield _trained(tmp_path_factory, request.param)
 
 
-# eval.py on the plain and RT-DETR runs: the two-stage model's evaluation runs in its training
-# run's end-of-training hook, through the same code.
-@pytest.fixture(scope="module", params=["detr", pytest.param("rtdetr", marks=pytest.mark.slow)])
+# eval.py on the plain, RT-DETR and D-FINE runs: the two-stage model's evaluation runs in its
+# training run's end-of-training hook, through the same code.
+@pytest.fixture(scope="module", params=[
+    "detr", *(pytest.param(v, marks=pytest.mark.slow) for v in ("rtdetr", "dfine"))])
 def trained_for_eval(request, tmp_path_factory):
     yield _trained(tmp_path_factory, request.param)
 

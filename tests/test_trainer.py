@@ -217,16 +217,21 @@ def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, sh
     _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
 
 
-@pytest.fixture(scope="module")
-def rtdetr_runs(shapes_cache, tmp_path_factory):
-    """RT-DETR (rtdetr_tiny.gin, denoising noise off): jit='step' on one device, then
-    one-device and mirrored runs with jit='loss' (trainer_prog.py engines_jit)."""
-    return _engines_pair(shapes_cache, tmp_path_factory, "rtdetr", mode="engines_jit")
+# D-FINE's mirrored run fails: DFineCriterion's union normalizer (the matched pairs of the
+# union, losses/dfine.py box_matching) is all-reduced inside the compiled loss, which
+# MirroredStrategy refuses (merge_call inside a nested tf.function).
+@pytest.fixture(scope="module", params=["rtdetr", pytest.param("dfine", marks=pytest.mark.xfail(
+    strict=True, reason="DFineCriterion's union normalizer is all-reduced inside the loss"))])
+def rtdetr_runs(request, shapes_cache, tmp_path_factory):
+    """RT-DETR (rtdetr_tiny.gin) or D-FINE (dfine_tiny.gin), denoising noise off: jit='step'
+    on one device, then one-device and mirrored runs with jit='loss' (trainer_prog.py
+    engines_jit)."""
+    return _engines_pair(shapes_cache, tmp_path_factory, request.param, mode="engines_jit")
 
 
-# RT-DETR on the engines and under jit='step': slow (three runs in one process, each compiling
-# the model anew; 5.5 min on a shared 2-core CPU), so
-# `pytest -m slow -k rtdetr tests/test_trainer.py`.
+# RT-DETR and D-FINE on the engines and under jit='step': slow (three runs in one process per
+# model, each compiling it anew; 5.5 min for RT-DETR on a shared 2-core CPU), so
+# `pytest -m slow -k rtdetr tests/test_trainer.py` (`-k dfine`: D-FINE's only).
 @pytest.mark.slow
 def test_rtdetr_mirrored_two_replicas_equals_one_device(rtdetr_runs):
     # Its batch norms train on batch statistics: equal only if the replicas share them.

@@ -5,7 +5,7 @@
     python tests/trainer_prog.py engines_jit OUT_DIR SHAPES_CACHE_DIR   (jit='step' on one device,
         default, mirrored; OUT_DIR/restored/ckpt: the model tools restore from 'default')
     TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising;
-        rtdetr: RT-DETR, tf_keras: tf_keras's AdamW)
+        rtdetr: RT-DETR, dfine: D-FINE, tf_keras: tf_keras's AdamW)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
@@ -47,6 +47,8 @@ from detr_tf.training import trainer  # noqa: E402
 # TRAINER_PROG_VARIANT=tf_keras: with tf_keras's AdamW instead of the fused update.
 # TRAINER_PROG_VARIANT=rtdetr: RT-DETR (rtdetr_tiny.gin: trainable batch norms in the backbone
 # and the encoder, contrastive denoising with its noise off, the varifocal criterion).
+# TRAINER_PROG_VARIANT=dfine: D-FINE (dfine_tiny.gin: the same, with HGNetV2, edge
+# distributions and DFineCriterion's FGL, DDF and pre-head losses).
 # Each variant: (Gin file, its extra bindings).
 VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fused = False"]),
             "group_dn": ("tiny.gin", [
@@ -56,6 +58,9 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 "DenoisingQueries.box_noise_scale = 0.0",
                 "DenoisingQueries.label_noise_ratio = 0.0"]),
             "rtdetr": ("rtdetr_tiny.gin", [
+                "DenoisingQueries.box_noise_scale = 0.0",
+                "DenoisingQueries.label_noise_ratio = 0.0"]),
+            "dfine": ("dfine_tiny.gin", [
                 "DenoisingQueries.box_noise_scale = 0.0",
                 "DenoisingQueries.label_noise_ratio = 0.0"])}
 GIN_FILE, GIN_PARAMS = VARIANTS[os.environ.get("TRAINER_PROG_VARIANT", "")]

@@ -25,6 +25,15 @@ distributions' logits (left, top, right, bottom) and 'ref_points' [B, Q, 4] the 
 boxes they are relative to (normalized cxcywh); optionally 'up' and 'reg_scale' on the
 top-level dict (the decoder's values of the weighting function; the criterion's own when
 absent). A part without 'pred_corners' (the encoder's top-K) gets no FGL / DDF.
+
+The first decoder layer's pre-head prediction ('pre_outputs': its class logits without the
+quality term and the `pre_bbox_head` boxes every layer's edges are placed around), on the
+top-level dict and in 'dn_outputs', is one more part with the class and box losses ('_pre'
+names), as in D-FINE's reference criterion: it is the only loss that reaches `pre_bbox_head`
+(the layers see its boxes with their gradient stopped). It is matched as one more layer and
+joins the union. transformers' DFineLoss has no such part (its first auxiliary entry pairs
+that prediction with the first layer's distributions); outputs without 'pre_outputs' are
+scored as there.
 """
 from typing import Callable, Dict, Optional, Tuple
 
@@ -142,7 +151,8 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
 
         Args:
           outputs: RTDetrCriterion's, with 'pred_corners' and 'ref_points' in every decoder
-            layer's dict and in 'dn_outputs' (see the module docstring).
+            layer's dict and in 'dn_outputs', optionally 'pre_outputs' in both (see the module
+            docstring).
           targets: 'labels' int [B, T], 'boxes' [B, T, 4] normalized cxcywh, 'mask' bool
             [B, T] (T may be 0).
           num_boxes: the (global, per replica) box count to normalize by; computed when None.
@@ -151,7 +161,8 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         Returns:
           RTDetrCriterion's losses (the class loss named by `class_loss`), plus 'loss_fgl',
           'loss_ddf' (+ '_{i}' for decoder layer i < L-1) and 'loss_dn_fgl', 'loss_dn_ddf'
-          (+ '_{i}'); 'loss' the weighted sum of all.
+          (+ '_{i}'); with 'pre_outputs', 'loss_{vfl,bbox,giou}_pre' and
+          'loss_dn_{vfl,bbox,giou}_pre'; 'loss' the weighted sum of all.
         """
         del ce_weight
         logits, boxes = box_losses.stack_layers(outputs, self.aux_loss)  # [L, B, Q, *]
@@ -166,11 +177,19 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         targets = box_losses.padded_targets(targets)
         n_box = box_losses.box_normalizer(targets["mask"], num_boxes)
         enc = outputs.get("enc_outputs") if self.aux_loss else None
-        idx, enc_idx = self.match_layers(logits, boxes, enc, targets)
+        pre = _pre_prediction(outputs.get("pre_outputs") if self.aux_loss else None)
+        # The first layer's pre-head prediction, when given, is matched as one more layer in
+        # front of the others (the same matcher call) and joins the union.
+        first = 0 if pre is None else 1
+        idx, enc_idx = self.match_layers(*_in_front(pre, logits, boxes), enc, targets)
         box_idx, enc_box_idx, n_union = self.box_matching(idx, enc_idx, targets["mask"], n_box)
         out = self._add_part("loss_", self.part_losses(
-            pred, _matched(targets, idx), _matched(targets, box_idx), n_box, n_union,
-            geometry), {})
+            pred, _matched(targets, idx[first:]), _matched(targets, box_idx[first:]), n_box,
+            n_union, geometry), {})
+        if pre is not None:
+            self._add_part("loss_", self.part_losses(
+                pre, _matched(targets, idx[:1]), _matched(targets, box_idx[:1]), n_box,
+                n_union, geometry), out, suffix="_pre")
         if enc is not None:
             enc_pred = {"logits": _float32(enc["pred_logits"])[None],
                         "boxes": _float32(enc["pred_boxes"])[None]}
@@ -178,18 +197,31 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
                 enc_pred, _matched(targets, enc_idx[None]), _matched(targets, enc_box_idx[None]),
                 n_box, n_union, geometry), out, suffix="_enc")
         if self.aux_loss and "dn_outputs" in outputs:
-            self._add_part("loss_dn_", self.denoising_part(outputs["dn_outputs"], n_box,
-                                                           geometry), out)
+            self.add_denoising(outputs["dn_outputs"], n_box, geometry, out)
         out["class_error"] = focal.class_error(logits[-1], targets["labels"], idx[-1])
         return out
 
-    def denoising_part(self, dn: Dict[str, object], n_box: tf.Tensor,
-                       geometry: Tuple) -> Dict[str, tf.Tensor]:
+    def add_denoising(self, dn: Dict[str, object], n_box: tf.Tensor, geometry: Tuple,
+                      out: Dict[str, tf.Tensor]) -> None:
+        """Adds the denoising queries' losses to `out`: every layer's ('loss_dn_*') and, when
+        'dn_outputs' has 'pre_outputs', the first layer's pre-head prediction's
+        ('loss_dn_*_pre', class and box losses against the same fixed targets)."""
+        self._add_part("loss_dn_", self.denoising_part(dn, n_box, geometry), out)
+        pre = _pre_prediction(dn.get("pre_outputs"))
+        if pre is not None:
+            self._add_part("loss_dn_", self.denoising_part(dn, n_box, geometry, pre), out,
+                           suffix="_pre")
+
+    def denoising_part(self, dn: Dict[str, object], n_box: tf.Tensor, geometry: Tuple,
+                       pred: Optional[Dict[str, tf.Tensor]] = None) -> Dict[str, tf.Tensor]:
         """`part_losses` of the denoising queries ('dn_outputs', RTDetrCriterion's layout with
-        'pred_corners' [L, B, N, 4 (R+1)] and 'ref_points' [L, B, N, 4]), / n_box * G."""
-        pred = {"logits": _float32(dn["pred_logits"]), "boxes": _float32(dn["pred_boxes"])}
-        if "pred_corners" in dn:
-            pred.update(corners=_float32(dn["pred_corners"]), refs=_float32(dn["ref_points"]))
+        'pred_corners' [L, B, N, 4 (R+1)] and 'ref_points' [L, B, N, 4]), / n_box * G; of
+        `pred` ({'logits' [1, B, N, C], 'boxes' [1, B, N, 4]}) against their targets if given."""
+        if pred is None:
+            pred = {"logits": _float32(dn["pred_logits"]), "boxes": _float32(dn["pred_boxes"])}
+            if "pred_corners" in dn:
+                pred.update(corners=_float32(dn["pred_corners"]),
+                            refs=_float32(dn["ref_points"]))
         lead = tf.shape(pred["logits"])[:-1]  # [L, B, N]
         every_layer = lambda x: tf.broadcast_to(x[None], lead)  # noqa: E731
         dn_t = (every_layer(tf.cast(dn["labels"], tf.int32)),
@@ -220,3 +252,20 @@ def _matched(targets: Dict[str, tf.Tensor], idx: tf.Tensor) -> Tuple:
 
 def _float32(x) -> tf.Tensor:
     return tf.cast(x, tf.float32)
+
+
+def _pre_prediction(pre: Optional[Dict[str, tf.Tensor]]) -> Optional[Dict[str, tf.Tensor]]:
+    """'pre_outputs' {'pred_logits' [B, Q, C], 'pred_boxes' [B, Q, 4]} as a part's prediction
+    {'logits' [1, B, Q, C], 'boxes' [1, B, Q, 4]} float32 (no edge distributions), or None."""
+    if pre is None:
+        return None
+    return {"logits": _float32(pre["pred_logits"])[None],
+            "boxes": _float32(pre["pred_boxes"])[None]}
+
+
+def _in_front(pre: Optional[Dict[str, tf.Tensor]], logits: tf.Tensor,
+              boxes: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The layers' logits and boxes [L, B, Q, *], with `pre`'s stacked in front if given."""
+    if pre is None:
+        return logits, boxes
+    return tf.concat([pre["logits"], logits], 0), tf.concat([pre["boxes"], boxes], 0)
