@@ -10,14 +10,13 @@ encoder 8 wide, a decoder of d_model 8, 2 heads, 2 layers, (3, 6, 3) points, 10 
 """
 import gzip
 
-import gin
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from detr_tf import cli, weights
-from detr_tf.evaluation import restore
+from detr_tf import weights
 from detr_tf.weights import targets
+from tests import run_dir_helpers
 from tests import dfine_weights_helpers as helpers
 
 # {file: the format the report names}
@@ -143,13 +142,7 @@ def test_the_tool_imports_through_the_experiment_file(imported):
     assert "format: original D-FINE" in out
     assert "constants of the architecture, equal to the model's (4)" in out
     assert "left at their initial values: none" in out
-    run_dir = str(imported["dir"])
-    gin.clear_config()
-    try:
-        cli.parse_tool_config("eval.py", [], [], run_dir)
-        model, path = restore.load_trained_model(run_dir)
-    finally:
-        gin.clear_config()
+    model, path = run_dir_helpers.restore_as_eval_tool(imported["dir"])
     assert path.endswith("ckpt-0")
     diffs = helpers.compare(helpers.outputs(model, helpers.fixture_images()),
                             helpers.reference())

@@ -14,19 +14,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 from safetensors.numpy import load_file, save_file
 
-from detr_tf import cli, weights
+from detr_tf import weights
 from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from detr_tf.evaluation import restore
 from detr_tf.modeling.hybrid_encoder import HybridEncoder
 from detr_tf.modeling.resnet_vd import ResNetVd
 from detr_tf.modeling.rtdetr import build_rtdetr
 from detr_tf.weights import targets
+from tests import run_dir_helpers
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "rtdetr"
@@ -250,13 +249,7 @@ def test_the_tool_reports_the_import(imported):
 def test_the_written_checkpoint_restores_to_transformers_outputs(imported):
     """The run directory as tools/eval.py loads it: its own config.gin, the eval model, the
     checkpoint restored (BatchNormalization backbone norms, as rtdetr_tiny.gin has them)."""
-    run_dir = str(imported["dir"])
-    gin.clear_config()
-    try:
-        cli.parse_tool_config("eval.py", [], [], run_dir)
-        model, path = restore.load_trained_model(run_dir)
-    finally:
-        gin.clear_config()
+    model, path = run_dir_helpers.restore_as_eval_tool(imported["dir"])
     assert path.endswith("ckpt-0")
     diffs = compare(outputs(model), reference("v2"))
     print(f"import_weights.py + restore: max |diff| {diffs}")
