@@ -120,7 +120,7 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
         assert "COCO_TRAIN_PATTERN" not in proc.stderr and weights_macro not in proc.stderr
 
 
-DFINE = sorted(e for e in EXPERIMENTS if e.startswith("dfine_"))
+DFINE = sorted(e for e in EXPERIMENTS if e.startswith(("dfine_", "deim_dfine_")))
 
 
 @pytest.mark.slow  # a full-size D-FINE built, imported and restored: about a minute each
