@@ -2,7 +2,7 @@
 
     # DETR-R50 with transformers' model of the same (random) weights beside it (needs torch):
     python tools/benchmark_inference.py --hf=detr --image_size=640 --threads=2 --rounds=10 \
-        --json_out=docs/perf/inference_detr_r50.json
+        --json_out=docs/perf/inference_detr_r50_avx2_idle.json
     # RT-DETR-R50vd:
     python tools/benchmark_inference.py --hf=rtdetr --image_size=640 ...
     # Any model file, random weights, no torch:
