@@ -84,12 +84,13 @@ def source(tmp_path_factory):
                                 num_train=12, num_val=2, image_size=64)
 
 
-def _mosaics(source, start_batch, count):
-    """Which of the first `count` images of a batch-1 pipeline are mosaics (128 px canvases;
-    the shapes images are 64 px)."""
+def _mosaics(source, start_batch, count, num_shards=1, shard_index=0):
+    """Which of the first `count` images of a pipeline with batch 1 (one of `num_shards`) are
+    mosaics (128 px canvases; the shapes images are 64 px)."""
     s = stages.TrainStages(mosaic_prob=1.0, mixup_prob=1.0, stop_epoch=1)
     ds = pipeline.build_dataset(
-        True, 1, deterministic=True, seed=5, start_batch=start_batch,
+        True, num_shards, deterministic=True, seed=5, start_batch=start_batch,
+        num_shards=num_shards, shard_index=shard_index,
         train_source=source, eval_source=source, train_transform=_identity, stages=s,
         buckets=BUCKETS, max_boxes=32)
     return [tuple(t["size"][0].numpy()) == (128, 128) for _, t in ds.take(count)]
@@ -109,9 +110,25 @@ def test_pipeline_stops_mixing_at_the_stop_epoch_also_after_resume(source):
     assert resumed == [True] * 7 + [False] * 4
 
 
-def test_deim_recipe_parses_and_its_tails_agree():
-    """On an RT-DETR experiment file: the rate reaches its floor where the input's plain tail
-    starts, and the cosine starts where mosaic and mixup stop (DEIM's epochs 50 and 29)."""
+@pytest.mark.slow  # two pipelines traced, as above
+def test_sharded_pipelines_stop_mixing_at_the_same_epoch(source):
+    """Two processes' pipelines (num_shards=2) each see half an epoch's images, and count
+    the stage's epochs in the whole run's: each mixes its first 6 of the 12."""
+    gin.clear_config()
+    gin.bind_parameter("random_mosaic.output_size", 128)
+    try:
+        shards = [_mosaics(source, 0, 8, num_shards=2, shard_index=k) for k in (0, 1)]
+    finally:
+        gin.clear_config()
+    assert shards == [[True] * 6 + [False] * 2] * 2
+
+
+@pytest.mark.parametrize("files", [("rtdetr_quickstart.gin", "train/deim_recipe.gin"),
+                                   ("deim_dfine_quickstart.gin",)])
+def test_deim_recipe_parses_and_its_tails_agree(files):
+    """On an RT-DETR experiment file, and in D-FINE's quickstart with the recipe scaled to its
+    17 epochs: the rate reaches its floor where the input's plain tail starts, and the cosine
+    starts where mosaic and mixup stop (DEIM's epochs 50 and 29 of 58)."""
     from pathlib import Path
 
     from detr_tf import config
@@ -119,10 +136,13 @@ def test_deim_recipe_parses_and_its_tails_agree():
     gin_dir = Path(__file__).resolve().parent.parent / "gin_configs"
     gin.clear_config()
     try:
-        config.parse_gin_config([str(gin_dir / "rtdetr_quickstart.gin"),
-                                 str(gin_dir / "train" / "deim_recipe.gin")],
+        config.parse_gin_config([str(gin_dir / f) for f in files],
                                 ["SHAPES_CACHE_DIR = '/dummy'"], finalize=False)
         epochs = gin.query_parameter("%NUM_EPOCHS")
+        if gin.query_parameter("train.num_epochs") is None:  # a step budget
+            epochs = (gin.query_parameter("train.num_steps")
+                      * gin.query_parameter("%GLOBAL_BATCH_SIZE")
+                      / gin.query_parameter("shapes_source.num_train"))
         tail = gin.query_parameter("FlatCosineSchedule.tail_fraction")
         flat = gin.query_parameter("FlatCosineSchedule.flat_fraction")
         assert (1 - tail) * epochs == pytest.approx(gin.query_parameter("TrainStages.tail_epoch"))
