@@ -11,7 +11,8 @@ import tensorflow as tf
 
 from detr_tf.losses import ddf as ddf_lib
 from detr_tf.losses import fgl as fgl_lib
-from detr_tf.losses.dfine import DFineCriterion, union_matching
+from detr_tf.losses.dfine import DFineCriterion
+from detr_tf.losses.union import union_matching
 from detr_tf.losses.mal import MatchabilityAwareLoss, matchability_aware_loss
 from detr_tf.losses.rtdetr import RTDetrCriterion
 from tests.test_focal_criterion import np_giou, np_sigmoid, np_xyxy
@@ -147,10 +148,13 @@ def np_part(pred, cls_t, box_t, n_cls, n_box, reg_max, deim, teacher=None, valid
     return out
 
 
-def np_criterion(case, union, deim, pre=None):
-    """Every loss of DFineCriterion by its name, and the weighted total. pre: the first
-    layer's pre-head predictions (logits [B, Q, C], boxes [B, Q, 4], the denoising queries'
-    logits and boxes), scored as D-FINE's reference criterion scores 'pre_outputs'."""
+def np_criterion(case, union, deim, pre=None, union_count=None):
+    """Every loss of DFineCriterion by its name, and the weighted total; with the union also
+    its pair count and the weighted sum of the losses it divides ('union_pairs',
+    'union_share'). pre: the first layer's pre-head predictions (logits [B, Q, C], boxes
+    [B, Q, 4], the denoising queries' logits and boxes), scored as D-FINE's reference
+    criterion scores 'pre_outputs'. union_count: the union's normalizer in place of its own
+    count (the replicas' mean)."""
     f = {k: np.float64(v) if np.asarray(v).dtype == np.float32 else v for k, v in case.items()}
     reg_max, num_layers = int(f["reg_max"]), f["logits"].shape[0]
     labels, tboxes, mask = f["labels"], f["target_boxes"], f["mask"]
@@ -177,7 +181,9 @@ def np_criterion(case, union, deim, pre=None):
     if union:
         joint = np_union(idx + pre_idx + [enc_idx])
         pre_box_idx = [joint] * len(pre_idx)
-        box_idx, enc_box_idx, n_union = [joint] * num_layers, joint, max((joint >= 0).sum(), 1)
+        pairs = (joint >= 0).sum()
+        n_union = max(pairs if union_count is None else union_count, 1)
+        box_idx, enc_box_idx = [joint] * num_layers, joint
     teacher = (f["corners"][-1], f["logits"][-1])
     parts = {}
     for i in range(num_layers):
@@ -203,9 +209,11 @@ def np_criterion(case, union, deim, pre=None):
         if pre is not None:
             parts["dn_pre", 0] = np_part((pre[2], pre[3], None, None), dn_t, dn_t, n_box * g,
                                          n_box * g, reg_max, deim, None, layout["valid"])
-    out, total = {}, 0.0
+    out, total, share = {}, 0.0, 0.0
     for (prefix, i), terms in parts.items():
         for term, value in terms.items():
+            if prefix in ("loss_", "enc", "pre") and term in ("bbox", "giou", "fgl"):
+                share += WEIGHTS[term] * value
             if prefix in ("enc", "pre"):
                 name = f"loss_{term}_{prefix}"
             elif prefix == "dn_pre":
@@ -215,6 +223,8 @@ def np_criterion(case, union, deim, pre=None):
             out[name] = value
             total += WEIGHTS[term] * value
     out["loss"] = total
+    if union:
+        out.update(union_pairs=pairs, union_share=share)
     return out
 
 
@@ -369,12 +379,21 @@ def test_one_matcher_call_equals_scipy(union):
 def test_criterion_matches_numpy(union, deim):
     case = cases.random_case(seed=6, counts=(3, 0, 4), num_groups=2, reg_max=8, deim=deim,
                              union=union)
-    got = criterion(case)(*dfine_outputs(case))
+    crit = criterion(case)
+    got = crit(*dfine_outputs(case))
     want = np_criterion(case, union, deim)
     assert set(got) == set(want) | {"class_error"}
     for key, value in want.items():
         np.testing.assert_allclose(float(got[key]), value, rtol=2e-5, atol=1e-6, err_msg=key)
     assert float(got["loss_ddf"]) == 0.0 and float(got["loss_ddf_0"]) > 0.0
+    if union:
+        # Under the replicas' mean count (here 2.5, not this batch's), as the step rescales.
+        moved = crit.renormalize(got, tf.constant(2.5))
+        want = np_criterion(case, union, deim, union_count=2.5)
+        assert set(moved) == set(want) - {"union_pairs", "union_share"} | {"class_error"}
+        for key in moved.keys() - {"class_error"}:
+            np.testing.assert_allclose(float(moved[key]), want[key], rtol=2e-5, atol=1e-6,
+                                       err_msg=key)
 
 
 def test_pre_outputs_are_one_more_part_matched_in_the_same_call():
@@ -459,9 +478,12 @@ def losses_and_grads(case):
     if "dn_outputs" in outputs:
         watched.update({f"dn_{k}": outputs["dn_outputs"][f"pred_{k}"]
                         for k in ("logits", "boxes", "corners")})
+    crit = criterion(case)
     with tf.GradientTape() as tape:
         tape.watch(list(watched.values()))
-        got = criterion(case)(outputs, targets)
+        got = crit(outputs, targets)
+        if crit.defers_normalizer:  # one replica: its own count, as the train step gives it
+            got = crit.renormalize(got, crit.deferred_count(got))
     grads = tape.gradient(got["loss"], watched)
     return {k: float(v) for k, v in got.items()}, {k: g.numpy() for k, g in grads.items()}
 

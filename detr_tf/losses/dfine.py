@@ -45,19 +45,8 @@ from detr_tf.losses import ddf as ddf_lib
 from detr_tf.losses import fgl as fgl_lib
 from detr_tf.losses import focal
 from detr_tf.losses import rtdetr
+from detr_tf.losses import union as union_lib
 from detr_tf.losses import vfl as vfl_lib
-
-
-def union_matching(idx: tf.Tensor, num_targets) -> tf.Tensor:
-    """One matching from several: idx [N, B, Q] (-1 unmatched) -> [B, Q], each query's most
-    frequent target over the N matchings (the lowest index among ties), -1 if never matched.
-
-    The reference collects the distinct (query, target) pairs in (query, target) order and
-    keeps each query's first pair by descending count, which is this choice.
-    """
-    counts = tf.reduce_sum(tf.one_hot(idx, num_targets), 0)  # [B, Q, T]; -1 adds nothing
-    best = tf.argmax(counts, -1, output_type=tf.int32)  # the first maximum
-    return tf.where(tf.reduce_max(counts, -1) > 0, best, -1)
 
 
 @gin.configurable
@@ -95,23 +84,24 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         self.weight_ddf = weight_ddf
         self.ddf_temperature = ddf_temperature
         self.union_boxes = union_boxes
+        self.union_keys = []  # set by each call (trace): the entries `renormalize` rescales
 
     def box_matching(self, idx: tf.Tensor, enc_idx: Optional[tf.Tensor],
-                     mask: tf.Tensor, n_box: tf.Tensor
-                     ) -> Tuple[tf.Tensor, Optional[tf.Tensor], tf.Tensor]:
+                     mask: tf.Tensor, n_box: tf.Tensor) -> Tuple:
         """The matching of the box losses: (decoder [L, B, Q], encoder [B, K] or None,
-        normalizer); the layers' own and n_box without union_boxes. An encoder top-K of
-        another size than Q stays out of the union (D-FINE selects Q)."""
+        normalizer, the union's pair count or None); the layers' own and n_box without
+        union_boxes. An encoder top-K of another size than Q stays out of the union (D-FINE
+        selects Q). The normalizer is this replica's count: the step makes it the replicas'
+        mean (losses/union.py)."""
         if not self.union_boxes:
-            return idx, enc_idx, n_box
+            return idx, enc_idx, n_box, None
         joint = idx if enc_idx is None or enc_idx.shape[1] != idx.shape[2] else tf.concat(
             [idx, enc_idx[None]], 0)
-        union = union_matching(joint, tf.shape(mask)[1])  # [B, Q]
+        union = union_lib.union_matching(joint, tf.shape(mask)[1])  # [B, Q]
         if enc_idx is not None and enc_idx.shape[1] == idx.shape[2]:
             enc_idx = union
-        # The union's pair count, averaged over the replicas as the box count is.
-        return (tf.broadcast_to(union[None], tf.shape(idx)), enc_idx,
-                box_losses.box_normalizer(union >= 0, None))
+        pairs, n_union = union_lib.local_normalizer(union)
+        return tf.broadcast_to(union[None], tf.shape(idx)), enc_idx, n_union, pairs
 
     def part_losses(self, pred: Dict[str, tf.Tensor], cls_t: Tuple, box_t: Tuple,
                     n_cls: tf.Tensor, n_box: tf.Tensor, geometry: Tuple,
@@ -182,24 +172,44 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         # front of the others (the same matcher call) and joins the union.
         first = 0 if pre is None else 1
         idx, enc_idx = self.match_layers(*_in_front(pre, logits, boxes), enc, targets)
-        box_idx, enc_box_idx, n_union = self.box_matching(idx, enc_idx, targets["mask"], n_box)
+        box_idx, enc_box_idx, n_union, pairs = self.box_matching(idx, enc_idx, targets["mask"],
+                                                                 n_box)
+        self.union_keys = []
         out = self._add_part("loss_", self.part_losses(
             pred, _matched(targets, idx[first:]), _matched(targets, box_idx[first:]), n_box,
-            n_union, geometry), {})
+            n_union, geometry), {}, union=True)
         if pre is not None:
             self._add_part("loss_", self.part_losses(
                 pre, _matched(targets, idx[:1]), _matched(targets, box_idx[:1]), n_box,
-                n_union, geometry), out, suffix="_pre")
+                n_union, geometry), out, suffix="_pre", union=True)
         if enc is not None:
             enc_pred = {"logits": _float32(enc["pred_logits"])[None],
                         "boxes": _float32(enc["pred_boxes"])[None]}
             self._add_part("loss_", self.part_losses(
                 enc_pred, _matched(targets, enc_idx[None]), _matched(targets, enc_box_idx[None]),
-                n_box, n_union, geometry), out, suffix="_enc")
+                n_box, n_union, geometry), out, suffix="_enc", union=True)
         if self.aux_loss and "dn_outputs" in outputs:
             self.add_denoising(outputs["dn_outputs"], n_box, geometry, out)
         out["class_error"] = focal.class_error(logits[-1], targets["labels"], idx[-1])
+        if pairs is not None:
+            out[union_lib.PAIRS] = pairs
         return out
+
+    @property
+    def defers_normalizer(self) -> bool:
+        """True when the losses carry a count for the step to average over the replicas and
+        give back to `renormalize` (the union's pairs)."""
+        return self.union_boxes
+
+    @staticmethod
+    def deferred_count(losses: Dict[str, tf.Tensor]) -> tf.Tensor:
+        """This replica's union pairs, from the losses of `__call__`."""
+        return losses[union_lib.PAIRS]
+
+    def renormalize(self, losses: Dict[str, tf.Tensor], global_pairs: tf.Tensor
+                    ) -> Dict[str, tf.Tensor]:
+        """The losses of `__call__` under the replicas' mean union count (losses/union.py)."""
+        return union_lib.renormalize(losses, self.union_keys, global_pairs)
 
     def add_denoising(self, dn: Dict[str, object], n_box: tf.Tensor, geometry: Tuple,
                       out: Dict[str, tf.Tensor]) -> None:
@@ -232,16 +242,26 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
                                 tf.cast(dn["valid"], tf.float32))
 
     def _add_part(self, prefix: str, losses: Dict[str, tf.Tensor], out: Dict[str, tf.Tensor],
-                  suffix: str = "") -> Dict[str, tf.Tensor]:
+                  suffix: str = "", union: bool = False) -> Dict[str, tf.Tensor]:
         """Adds one part's [N] losses to `out` as prefix + name (+ '_{i}' for layer i < N-1)
-        + suffix, and their weighted sum to out['loss']."""
+        + suffix, and their weighted sum to out['loss']. With `union` (and union_boxes) the
+        box losses' names join `union_keys` and their weighted sum out[union.SHARE]."""
         weights = dict(zip((self.class_loss.name, "bbox", "giou"), self.weights),
                        fgl=self.weight_fgl, ddf=self.weight_ddf)
-        named = box_losses.per_layer({prefix + k: v for k, v in losses.items()})
-        out.update({k + suffix: v for k, v in named.items()})
-        total = tf.reduce_sum(sum(weights[k] * v for k, v in losses.items()))
-        out["loss"] = out["loss"] + total if "loss" in out else total
+        for k, v in losses.items():
+            named = {n + suffix: x for n, x in box_losses.per_layer({prefix + k: v}).items()}
+            out.update(named)
+            weighted = weights[k] * tf.reduce_sum(v)
+            out["loss"] = out["loss"] + weighted if "loss" in out else weighted
+            if union and self.union_boxes and k in _UNION_NORMALIZED:
+                self.union_keys.extend(named)
+                share = out.get(union_lib.SHARE)
+                out[union_lib.SHARE] = weighted if share is None else share + weighted
         return out
+
+
+# The part losses divided by the box normalizer (the union's count under union_boxes).
+_UNION_NORMALIZED = ("bbox", "giou", "fgl")
 
 
 def _matched(targets: Dict[str, tf.Tensor], idx: tf.Tensor) -> Tuple:
