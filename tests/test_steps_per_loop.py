@@ -91,8 +91,9 @@ def train(model_dir, num_steps, steps_per_loop, nan_at_step=None, **kwargs):
     settings = dict(distribution="default", jit="loss", checkpoint_every=4, log_every=6,
                     eval_every=5, nan_policy="stop", keep_checkpoints=20)
     settings.update(kwargs)
+    criterion = settings.pop("criterion", None) or ToyCriterion()
     result = trainer.train(
-        str(model_dir), model_fn=ToyModel, criterion=ToyCriterion(),
+        str(model_dir), model_fn=ToyModel, criterion=criterion,
         dataset_fn=toy_dataset_fn(nan_at_step), global_batch_size=GLOBAL_BATCH,
         num_steps=num_steps, steps_per_loop=steps_per_loop, eval_fn=eval_fn,
         dataset_info_fn=None, init_weights=None, after_train_fn=None, ema_decay=None,

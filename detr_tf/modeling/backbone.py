@@ -109,6 +109,9 @@ class BatchNorm(tf_keras.layers.BatchNormalization):
     replica: there each process normalizes with its own part of the batch.
     """
 
+    # Its training-mode call all-reduces across tf.distribute replicas (read by the train step).
+    synchronizes_replicas = True
+
     def call(self, inputs, training=None):
         context = tf.distribute.get_replica_context()
         static = None if training is None else tf.get_static_value(training)

@@ -46,6 +46,22 @@ def resolve_jit_why(jit: str, deterministic: bool = False, hw=None) -> Tuple[str
     return hardware.auto_jit(hw or hardware.detect(), deterministic)
 
 
+def jit_replica_conflict(jit: str, engine, model) -> str:
+    """Why jit='step' cannot compile this model's forward pass on these replicas, or '': batch
+    norms synchronized across the replicas of a Mirrored or MultiWorkerMirrored engine hold a
+    tf.distribute collective, which XLA cannot compile. (Horovod's replicas are processes whose
+    norms stay local.)"""
+    if jit != "step" or engine.name == "horovod" or engine.num_replicas < 2:
+        return ""
+    synced = [layer.name for layer in model.submodules
+              if getattr(layer, "synchronizes_replicas", False) and layer.trainable]
+    if not synced:
+        return ""
+    return (f"{engine.num_replicas} replicas ({engine.name}) synchronize the model's batch "
+            f"norms ({len(synced)}, e.g. '{synced[0]}') inside the forward pass, which XLA "
+            "cannot compile")
+
+
 def _zeros_for_missing(grads, variables):
     # Variables the loss does not reach (e.g. unused aux heads) get zero gradients, so every
     # collective and optimizer sees the same, complete list on every replica.
@@ -69,10 +85,18 @@ class StepBuilder:
       loss_scale: a DynamicLossScale for mixed_float16, else None.
       ema: an ExponentialMovingAverage or None.
       global_step: int64 variable counting steps (including skipped ones).
+      auto_jit: `jit` is what 'auto' chose: where it cannot compile (`jit_replica_conflict`)
+        'loss' replaces it, and `jit_why` says why; else that raises.
     """
 
     def __init__(self, engine, model, criterion, optimizers, jit: str, clip_norm: float,
-                 grad_accum_steps: int, loss_scale, ema, global_step):
+                 grad_accum_steps: int, loss_scale, ema, global_step, auto_jit: bool = False):
+        conflict = jit_replica_conflict(jit, engine, model)
+        if conflict and not auto_jit:
+            raise ValueError(f"train.jit='step': {conflict}; use train.jit='loss' (or 'auto')")
+        # 'auto' gives 'loss' then; jit_why says so.
+        self.jit_why = f"auto: {conflict}" if conflict else ""
+        jit = "loss" if conflict else jit
         self.engine = engine
         self.model = model
         self.criterion = criterion
@@ -89,8 +113,17 @@ class StepBuilder:
         if jit == "loss":
             criterion_fn = tf.function(criterion.__call__, jit_compile=True)
         self._criterion_fn = criterion_fn
+        self._forward_fn = self._forward_losses
         self._grads_fn = (tf.function(self._losses_and_grads, jit_compile=True)
                           if jit == "step" else self._losses_and_grads)
+        # A normalizer known only after matching (D-FINE's union count) is all-reduced between
+        # the loss and the backward pass, where no compiled code may hold a collective: with
+        # replicas, jit='step' compiles the forward pass and the loss, and the backward pass
+        # runs from their recorded call.
+        self._defers = getattr(criterion, "defers_normalizer", False)
+        if self._defers and jit == "step" and engine.num_replicas > 1:
+            self._forward_fn = tf.function(self._forward_losses, jit_compile=True)
+            self._grads_fn = self._losses_and_grads
         self.fused = None
         if isinstance(self.backbone_opt, fused_adamw.AdamWGroup):
             self.fused = fused_adamw.FusedUpdate(
@@ -105,16 +138,28 @@ class StepBuilder:
                 and engine.name == "default":
             self._whole_step = tf.function(self._replica_step, jit_compile=True)
 
+    def _forward_losses(self, inputs, targets, norms):
+        # A model with training-only queries built from the targets (denoising) asks for them.
+        extra = {"targets": targets} if getattr(self.model, "trains_on_targets", False) else {}
+        outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True, **extra)
+        return self._criterion_fn(outputs, targets, **norms)
+
     def _losses_and_grads(self, inputs, targets, norms, scale):
         with tf.GradientTape() as tape:
-            # A model with training-only queries built from the targets (denoising) asks for them.
-            extra = {"targets": targets} if getattr(self.model, "trains_on_targets", False) else {}
-            outputs = self.model(inputs["images"], inputs["pixel_mask"], training=True, **extra)
-            losses = self._criterion_fn(outputs, targets, **norms)
+            losses = self._forward_fn(inputs, targets, norms)
+            if self._defers:
+                losses = self._global_normalizer(losses)
             scaled = tf.cast(losses["loss"], tf.float32) * scale
         grads = tape.gradient(scaled, self.variables)
         grads = [g / scale for g in _zeros_for_missing(grads, self.variables)]
         return losses, grads
+
+    def _global_normalizer(self, losses):
+        """The criterion's losses under the replicas' mean of its deferred count."""
+        count = self.criterion.deferred_count(losses)
+        if self.engine.num_replicas > 1:
+            count = self.engine.all_reduce_mean(tf.stop_gradient(count))
+        return self.criterion.renormalize(losses, count)
 
     def replica_step(self, *micro_batches):
         """One optimizer step on this replica's micro-batches; returns logging values."""

@@ -197,17 +197,18 @@ def train(model_dir: str,
     jit, jit_why = resolve_jit_why(jit, deterministic, hw)
     steps_per_loop = resolve_steps_per_loop(steps_per_loop)
     writer = MetricsWriter(model_dir, enabled=engine.is_chief)
-    # What 'auto' chose, and why: on the run's first line and atop operative_config.gin.
-    chosen = {"precision": hardware.describe(precision, precision_why),
-              "jit": hardware.describe(jit, jit_why)}
     if engine.is_chief:
         _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
+    state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps,
+                            precision, ema_decay, jit, clip_norm, grad_accum_steps,
+                            auto_jit=bool(jit_why))
+    # What 'auto' chose, and why: on the run's first line and atop operative_config.gin.
+    chosen = {"precision": hardware.describe(precision, precision_why),
+              "jit": hardware.describe(builder.jit, builder.jit_why or jit_why)}
+    if engine.is_chief:
         print(f"detr_tf: engine={engine.name} replicas={engine.num_replicas} "
               f"jit={chosen['jit']} precision={chosen['precision']} steps={num_steps} "
               f"steps_per_loop={steps_per_loop} model_dir={model_dir}", flush=True)
-
-    state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps,
-                            precision, ema_decay, jit, clip_norm, grad_accum_steps)
     ckpt = state.checkpoint()
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
@@ -229,7 +230,7 @@ def train(model_dir: str,
 
 
 def _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps, precision, ema_decay,
-           jit, clip_norm, grad_accum_steps):
+           jit, clip_norm, grad_accum_steps, auto_jit=False):
     """The run's state (model, optimizers, step, loss scale, EMA) and its step, in the engine's
     scope; fails before any compile when the classes disagree."""
     with engine.scope():
@@ -238,7 +239,8 @@ def _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps, precis
             steps_per_epoch or 1, precision, ema_decay, num_steps)
         check_classes(state.model, criterion, info)
         builder = StepBuilder(engine, state.model, criterion, state.optimizers, jit, clip_norm,
-                              grad_accum_steps, state.loss_scale, state.ema, state.global_step)
+                              grad_accum_steps, state.loss_scale, state.ema, state.global_step,
+                              auto_jit)
     return state, builder
 
 

@@ -1,0 +1,82 @@
+"""A normalizer known only after the forward pass (D-FINE's union count) is averaged over the
+replicas by the train step, so that two mirrored replicas train like one device; and jit='step'
+refuses, or 'auto' avoids, batch norms synchronized across replicas.
+
+The runs (tests/step_deferred_prog.py, a process of their own) train test_steps_per_loop.py's
+toy model with a criterion that divides by a count depending on the predictions, as a
+matching does.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from detr_tf.modeling.backbone import batch_norm
+from detr_tf.training import distribution, step as step_lib
+from tests.test_steps_per_loop import ToyCriterion, ToyModel, records, weights
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deferred")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "step_deferred_prog.py"),
+                           str(out)], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return out
+
+
+def _same(ref_dir, other_dir, rtol):
+    ref, other = records(ref_dir), records(other_dir)
+    np.testing.assert_allclose([other[s]["loss"] for s in sorted(other)],
+                               [ref[s]["loss"] for s in sorted(ref)], rtol=rtol)
+    a, b = weights(ref_dir, 4), weights(other_dir, 4)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=rtol, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("jit", ["loss", "step", "none"])
+def test_two_replicas_average_the_deferred_count(runs, jit):
+    # With jit='step' the forward pass and the loss compile, the average runs outside.
+    _same(runs / "one_device", runs / jit, rtol=1e-5)
+
+
+def test_local_counts_would_differ(runs):
+    """What the average repairs: each replica dividing by its own count trains otherwise."""
+    ref, other = records(runs / "one_device"), records(runs / "local")
+    assert max(abs(other[s]["loss"] / ref[s]["loss"] - 1) for s in ref) > 1e-3
+
+
+class NormModel(ToyModel):
+    """The toy model with a trainable batch norm synchronized across replicas."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = batch_norm("synced_norm")
+
+    def call(self, images, pixel_mask, training=False):
+        return super().call(self.norm(images, training=training), pixel_mask, training)
+
+
+@pytest.mark.parametrize("engine,conflict", [("mirrored", True), ("default", False)])
+def test_jit_step_refuses_synchronized_norms_and_auto_avoids_them(engine, conflict):
+    eng = distribution.make_engine(engine, cpu_devices=2)
+    with eng.scope():
+        model = NormModel()
+        model(tf.zeros([2, 8, 8, 3]), None)
+        opts = (tf_keras.optimizers.SGD(), tf_keras.optimizers.SGD())
+        args = (eng, model, ToyCriterion(), opts, "step", 0.0, 1, None, None,
+                tf.Variable(0, dtype=tf.int64))
+        if conflict:
+            with pytest.raises(ValueError, match="synced_norm.*train.jit='loss'"):
+                step_lib.StepBuilder(*args)
+        auto = step_lib.StepBuilder(*args, auto_jit=True)
+    assert auto.jit == ("loss" if conflict else "step")
+    assert ("synced_norm" in auto.jit_why) == conflict
