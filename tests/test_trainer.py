@@ -57,7 +57,7 @@ def _engines_pair(shapes_cache, tmp_path_factory, variant, mode="engines_pair"):
     """One-device and mirrored runs of trainer_prog.py's TRAINER_PROG_VARIANT `variant` (mode
     'engines_jit': and a jit='step' one)."""
     out = tmp_path_factory.mktemp(f"engines_{variant}")
-    proc, log = run([sys.executable, str(PROG), mode, str(out), shapes_cache],
+    proc, log = run([sys.executable, str(PROG), mode, str(out), shapes_cache], timeout=2400,
                     env=dict(ENV, TRAINER_PROG_VARIANT=variant))
     assert proc.returncode == 0, log[-4000:]
     return out
@@ -217,25 +217,52 @@ def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, sh
     _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
 
 
-# D-FINE's mirrored run fails: DFineCriterion's union normalizer (the matched pairs of the
-# union, losses/dfine.py box_matching) is all-reduced inside the compiled loss, which
-# MirroredStrategy refuses (merge_call inside a nested tf.function).
-@pytest.fixture(scope="module", params=["rtdetr", pytest.param("dfine", marks=pytest.mark.xfail(
-    strict=True, reason="DFineCriterion's union normalizer is all-reduced inside the loss"))])
+@pytest.fixture(scope="module", params=["rtdetr", "dfine", "dfine_deim"])
 def rtdetr_runs(request, shapes_cache, tmp_path_factory):
-    """RT-DETR (rtdetr_tiny.gin) or D-FINE (dfine_tiny.gin), denoising noise off: jit='step'
-    on one device, then one-device and mirrored runs with jit='loss' (trainer_prog.py
-    engines_jit)."""
+    """RT-DETR (rtdetr_tiny.gin), D-FINE (dfine_tiny.gin: the union's box losses, whose
+    normalizer the step averages over the replicas) or D-FINE with DEIM's loss and rate,
+    denoising noise off: jit='step' on one device, then one-device and mirrored runs with
+    jit='loss' (trainer_prog.py engines_jit)."""
     return _engines_pair(shapes_cache, tmp_path_factory, request.param, mode="engines_jit")
 
 
+def _variant_env(request):
+    return dict(ENV, TRAINER_PROG_VARIANT=request.node.callspec.params["rtdetr_runs"])
+
+
 # RT-DETR and D-FINE on the engines and under jit='step': slow (three runs in one process per
-# model, each compiling it anew; 5.5 min for RT-DETR on a shared 2-core CPU), so
-# `pytest -m slow -k rtdetr tests/test_trainer.py` (`-k dfine`: D-FINE's only).
+# model, each compiling it anew; 5.5 min for RT-DETR on a shared 2-core CPU; two processes for
+# the multi-process engines), so `pytest -m slow -k rtdetr tests/test_trainer.py` (`-k dfine`:
+# D-FINE's only).
 @pytest.mark.slow
 def test_rtdetr_mirrored_two_replicas_equals_one_device(rtdetr_runs):
     # Its batch norms train on batch statistics: equal only if the replicas share them.
     _assert_same_training(rtdetr_runs / "default", rtdetr_runs / "mirrored")
+
+
+@pytest.mark.slow
+def test_rtdetr_multi_worker_two_processes_equals_one_device(rtdetr_runs, shapes_cache,
+                                                             request):
+    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(rtdetr_runs),
+                                        shapes_cache], env=_variant_env(request))
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    _assert_same_training(rtdetr_runs / "default", rtdetr_runs / "multi_worker")
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+def test_rtdetr_horovod_jit_step_trains_like_loss(rtdetr_runs, shapes_cache, request):
+    """Two Horovod processes (each normalizes its batch norms with its own half of the batch,
+    so not one device's training): jit='step' as 'loss'. D-FINE's union count is averaged
+    over the processes between its compiled forward pass and the backward pass."""
+    exe = horovodrun_or_skip()
+    proc, log = run([exe, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(PROG),
+                     "horovod_jit", str(rtdetr_runs), shapes_cache], timeout=1800,
+                    env=_variant_env(request))
+    assert proc.returncode == 0, log[-4000:]
+    _assert_same_training(rtdetr_runs / "horovod_loss", rtdetr_runs / "horovod_step",
+                          rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -5,8 +5,11 @@
     python tests/trainer_prog.py engines_jit OUT_DIR SHAPES_CACHE_DIR   (jit='step' on one device,
         default, mirrored; OUT_DIR/restored/ckpt: the model tools restore from 'default')
     TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising;
-        rtdetr: RT-DETR, dfine: D-FINE, tf_keras: tf_keras's AdamW)
+        rtdetr: RT-DETR, dfine: D-FINE, dfine_deim: D-FINE with DEIM's loss and rate,
+        tf_keras: tf_keras's AdamW)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
+    horovodrun -np 2 python tests/trainer_prog.py horovod_jit OUT_DIR SHAPES_CACHE_DIR  (jit='step'
+        into OUT_DIR/horovod_step, then jit='loss' into OUT_DIR/horovod_loss)
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
         EMA and periodic evaluation; writes OUT_DIR/<run>/... and OUT_DIR/paths.npz)
@@ -48,7 +51,9 @@ from detr_tf.training import trainer  # noqa: E402
 # TRAINER_PROG_VARIANT=rtdetr: RT-DETR (rtdetr_tiny.gin: trainable batch norms in the backbone
 # and the encoder, contrastive denoising with its noise off, the varifocal criterion).
 # TRAINER_PROG_VARIANT=dfine: D-FINE (dfine_tiny.gin: the same, with HGNetV2, edge
-# distributions and DFineCriterion's FGL, DDF and pre-head losses).
+# distributions and DFineCriterion's FGL, DDF and pre-head losses, the union's box losses).
+# TRAINER_PROG_VARIANT=dfine_deim: D-FINE with DEIM's loss and rate (the MAL, the flat-cosine
+# schedule; DEIM's mosaic and mixup are the input pipeline's, which these runs replace).
 # Each variant: (Gin file, its extra bindings).
 VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fused = False"]),
             "group_dn": ("tiny.gin", [
@@ -62,7 +67,15 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 "DenoisingQueries.label_noise_ratio = 0.0"]),
             "dfine": ("dfine_tiny.gin", [
                 "DenoisingQueries.box_noise_scale = 0.0",
-                "DenoisingQueries.label_noise_ratio = 0.0"])}
+                "DenoisingQueries.label_noise_ratio = 0.0"]),
+            "dfine_deim": ("dfine_tiny.gin", [
+                "DenoisingQueries.box_noise_scale = 0.0",
+                "DenoisingQueries.label_noise_ratio = 0.0",
+                "import detr_tf.losses.mal", "import detr_tf.training.optimization",
+                "DFineCriterion.class_loss = @MatchabilityAwareLoss()",
+                "MatchabilityAwareLoss.gamma = 1.5", "MatchabilityAwareLoss.alpha = None",
+                "build_optimizers.schedule = @FlatCosineSchedule",
+                "FlatCosineSchedule.warmup_steps = 1", "FlatCosineSchedule.final_factor = 0.5"])}
 GIN_FILE, GIN_PARAMS = VARIANTS[os.environ.get("TRAINER_PROG_VARIANT", "")]
 config.parse_gin_config([GIN_FILE], [
     f"SHAPES_CACHE_DIR = '{CACHE}'",
@@ -215,6 +228,13 @@ elif MODE == "paths":
     print("PATHS_DONE", flush=True)
 elif MODE == "horovod":
     print("horovod", run(os.path.join(OUT, "horovod"), "default"), flush=True)
+elif MODE == "horovod_jit":  # Horovod with jit='step', then 'loss' (neither deterministic)
+    import tf_keras
+
+    for jit in ("step", "loss"):
+        tf_keras.utils.set_random_seed(0)
+        print(jit, run(os.path.join(OUT, f"horovod_{jit}"), "default", jit=jit,
+                       deterministic=False), flush=True)
 elif MODE == "nan":
     from detr_tf.losses import SetCriterion
 
