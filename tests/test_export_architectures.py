@@ -1,11 +1,12 @@
 """Every architecture exports to TFLite and ONNX with parity, and quantization's AP cost is
 bounded. All slow: each converts a model (minutes at full size).
 
-  - the tiny Deformable DETR and RT-DETR of the shapes configs, through tools/export.py's path;
+  - the tiny Deformable DETR, RT-DETR and D-FINE of the shapes configs, through tools/export.py's
+    path, each sampling with gathers in both files;
   - Deformable DETR at full size (models/deformable_detr_r50.gin) on a 320 px canvas, its
     sampler the gather form in the TFLite graph;
-  - the quickstart model's COCO AP on the shapes val set in float16, dynamic-range int8 and
-    full-integer int8 TFLite beside the SavedModel's (a trained run: DETR_TF_QUICKSTART_RUN, or
+  - the quickstart model's COCO AP on the shapes val set in float16 and dynamic-range int8
+    TFLite beside the SavedModel's (a trained run: DETR_TF_QUICKSTART_RUN, or
     a short training run made here).
 """
 import os

@@ -56,9 +56,17 @@ def _hf_model(kind: str, weights_path: str):
     elif kind == "rtdetr":
         from transformers import RTDetrConfig, RTDetrForObjectDetection
         model = RTDetrForObjectDetection(RTDetrConfig(num_labels=80))
-    else:  # D-FINE-S: its DFineConfig lives with the D-FINE oracle (a sibling script)
-        import make_dfine_fixtures
-        model = make_dfine_fixtures.full_size_model("s")
+    else:  # D-FINE-S: its DFineConfig and random weights come from the D-FINE oracle script
+        import make_dfine_fixtures as oracle
+        from make_rtdetr_decoder_fixtures import load_params
+        model = oracle.full_size_model("s")
+        # Its heads appear twice in the state dict (the decoder's and the top-level copies),
+        # which transformers' init draws apart and the importer refuses; the oracle's weights
+        # give both the same values, saved as the weight test saves them.
+        load_params(model, oracle.random_params(model, 0))
+        model.eval().save_pretrained(os.path.dirname(weights_path))
+        os.replace(os.path.join(os.path.dirname(weights_path), "model.safetensors"), weights_path)
+        return model
     model.eval()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights_path)
     return model
