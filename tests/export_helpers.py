@@ -54,10 +54,28 @@ def assert_same_detections(got: Dict[str, np.ndarray], ref: Dict[str, np.ndarray
     reference score stands more than `score_gap` from its neighbours' (ties may swap). Returns
     how many ranks were compared.
     """
-    keep = separated_ranks(ref["scores"], score_gap)
+    diff = differences(got, ref, image_hw, score_gap)
     np.testing.assert_allclose(got["scores"], ref["scores"], atol=score_gap)
-    np.testing.assert_array_equal(got["classes"][keep], ref["classes"][keep])
+    assert diff["same_class"] == diff["ranks"], f"classes differ: {diff}"
+    assert diff["box"] <= box_tol, f"box error {diff['box']:.3g} of the image size"
+    return diff["ranks"]
+
+
+def differences(got: Dict[str, np.ndarray], ref: Dict[str, np.ndarray],
+                image_hw: Sequence[int], score_gap: float = 1e-4) -> Dict[str, float]:
+    """One image's figures: 'score' the largest score difference; over the ranks separated by
+    more than score_gap ('ranks' of them), 'box' the largest box-corner difference as a
+    fraction of the image's size and 'same_class' how many agree in class."""
+    keep = separated_ranks(ref["scores"], score_gap)
     scale = np.array([image_hw[1], image_hw[0]] * 2, np.float64)
     err = np.abs(got["boxes"][keep] - ref["boxes"][keep]) / scale
-    assert err.size == 0 or err.max() <= box_tol, f"box error {err.max():.3g} of the image size"
-    return int(keep.sum())
+    return {"score": float(np.abs(got["scores"] - ref["scores"]).max(initial=0.0)),
+            "box": float(err.max(initial=0.0)), "ranks": int(keep.sum()),
+            "same_class": int((got["classes"][keep] == ref["classes"][keep]).sum())}
+
+
+def pooled(figures: Sequence[Dict[str, float]]) -> Dict[str, float]:
+    """`differences` of several images together: the largest errors, the summed counts."""
+    return {"score": max(f["score"] for f in figures), "box": max(f["box"] for f in figures),
+            "ranks": sum(f["ranks"] for f in figures),
+            "same_class": sum(f["same_class"] for f in figures)}

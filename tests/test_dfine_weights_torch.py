@@ -21,7 +21,6 @@ import pytest
 from safetensors.numpy import save_file
 
 from detr_tf import weights
-from detr_tf.modeling.hgnetv2 import PRESETS
 from tests import dfine_weights_helpers as helpers
 
 sys.modules.setdefault("triton", None)  # its LLVM crashes next to TensorFlow's; GPU only
@@ -43,27 +42,13 @@ def test_fixtures_regenerate_identically():
     check_regenerated(oracle.fixtures(), helpers.FIXTURES)
 
 
-def _backbone(preset: str) -> dict:
-    """make_hgnetv2_fixtures.hf_config's arguments of a detr_tf HGNetV2 preset, C3-C5."""
-    base = PRESETS[preset]
-    return dict(stem_channels=list(base["stem_channels"]),
-                stages=[list(s) for s in base["stages"]], use_lab=base["use_lab"],
-                out_indices=[2, 3, 4])
-
-
-# DFineConfig fields of each size (transformers' conversion of the original checkpoints).
-_FULL = dict(encoder_hidden_dim=256, encoder_ffn_dim=1024, encoder_attention_heads=8,
-             d_model=256, decoder_attention_heads=8, decoder_ffn_dim=1024,
-             decoder_n_points=[3, 6, 3], num_queries=300, num_labels=80)
-SIZES = {"s": ("b0", dict(_FULL, hidden_expansion=0.5, depth_mult=0.34, decoder_layers=3)),
-         "l": ("b4", dict(_FULL, hidden_expansion=1.0, depth_mult=1.0, decoder_layers=6))}
+SIZES = oracle.FULL_SIZES
 
 
 def _transformers(size: str, images: np.ndarray, tries: int = 10):
     """(transformers' model of `size` with random weights, its outputs on `images`) for the
     first seed whose top-K set keeps BOUNDARY_MARGIN and whose boxes vary."""
-    preset, config = SIZES[size]
-    model = oracle.hf_model(_backbone(preset), **config)
+    model = oracle.full_size_model(size)
     for seed in range(tries):
         rtdetr_oracle.load_params(model, oracle.random_params(model, seed))
         out = oracle.hf_outputs(model, images)

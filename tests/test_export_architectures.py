@@ -1,11 +1,12 @@
 """Every architecture exports to TFLite and ONNX with parity, and quantization's AP cost is
 bounded. All slow: each converts a model (minutes at full size).
 
-  - the tiny Deformable DETR and RT-DETR of the shapes configs, through tools/export.py's path;
+  - the tiny Deformable DETR, RT-DETR and D-FINE of the shapes configs, through tools/export.py's
+    path, each sampling with gathers in both files;
   - Deformable DETR at full size (models/deformable_detr_r50.gin) on a 320 px canvas, its
     sampler the gather form in the TFLite graph;
-  - the quickstart model's COCO AP on the shapes val set in float16, dynamic-range int8 and
-    full-integer int8 TFLite beside the SavedModel's (a trained run: DETR_TF_QUICKSTART_RUN, or
+  - the quickstart model's COCO AP on the shapes val set in float16 and dynamic-range int8
+    TFLite beside the SavedModel's (a trained run: DETR_TF_QUICKSTART_RUN, or
     a short training run made here).
 """
 import os
@@ -34,18 +35,38 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AP_DROP_BOUND = {"float16": 0.5, "dynamic_int8": 3.0}
 
 
-def _compare(saved_dir, runner, images):
-    loaded = tf.saved_model.load(saved_dir)
-    compared = 0
+def _compare(loaded, runner, images, label):
+    """Asserts parity with the loaded SavedModel on each image and prints the pooled figures
+    (pytest -s shows them)."""
+    figures = []
     for image in images:
-        ref = eh.served(loaded, image[None])
-        got = runner(image[None], np.array([image.shape[:2]], np.int32))
-        compared += eh.assert_same_detections({k: v[0] for k, v in got.items()},
-                                              {k: v[0] for k, v in ref.items()}, image.shape[:2])
-    return compared
+        ref = {k: v[0] for k, v in eh.served(loaded, image[None]).items()}
+        got = {k: v[0] for k, v in runner(image[None], np.array([image.shape[:2]],
+                                                                np.int32)).items()}
+        eh.assert_same_detections(got, ref, image.shape[:2])
+        figures.append(eh.differences(got, ref, image.shape[:2]))
+    total = eh.pooled(figures)
+    print(f"{label}: boxes within {total['box']:.2g} of the image size, scores within "
+          f"{total['score']:.2g}, {total['same_class']}/{total['ranks']} separated ranks with "
+          "the same class")
+    return total["ranks"]
 
 
-@pytest.mark.parametrize("gin_file", ["deformable_tiny.gin", "rtdetr_tiny.gin"])
+def _assert_gather_sampling(tflite_path, onnx_path):
+    """The deformable sampler is the gather form: gathers, and no grid-sample op, in both."""
+    import onnx
+
+    interpreter = runtimes.TFLiteRunner(tflite_path).interpreter
+    lite_ops = {op["op_name"] for op in interpreter._get_ops_details()}
+    assert {"GATHER", "GATHER_ND"} & lite_ops, sorted(lite_ops)
+    assert not [op for op in lite_ops if "GRID" in op or "RESAMPLE" in op], sorted(lite_ops)
+    onnx_ops = {node.op_type for node in onnx.load(onnx_path).graph.node}
+    assert {"Gather", "GatherND", "GatherElements"} & onnx_ops, sorted(onnx_ops)
+    assert "GridSample" not in onnx_ops, sorted(onnx_ops)
+
+
+@pytest.mark.parametrize("gin_file", ["deformable_tiny.gin", "rtdetr_tiny.gin",
+                                      "dfine_tiny.gin"])
 def test_tiny_architectures_export_with_parity(gin_file, tmp_path):
     try:
         run_dir = eh.random_run_dir(str(tmp_path / "run"), [gin_file], eh.SMALL_DATA)
@@ -54,10 +75,13 @@ def test_tiny_architectures_export_with_parity(gin_file, tmp_path):
         files = predict.annotated_image_paths(info.annotations_file, 3)
     finally:
         gin.clear_config()
+    _assert_gather_sampling(paths[1], paths[2])
     size = saved_model.fixed_input_size(paths[0])
     images = [formats.fixed_input(f, size)[0][0] for f in files]
+    loaded = tf.saved_model.load(paths[0])  # slow (minutes on 2 cores): once
     for path, cls in ((paths[1], runtimes.TFLiteRunner), (paths[2], runtimes.OnnxRunner)):
-        assert _compare(paths[0], cls(path), images) >= len(images)
+        label = f"{gin_file} {cls.__name__} at {size}"
+        assert _compare(loaded, cls(path), images, label) >= len(images)
 
 
 def test_full_size_deformable_detr_exports_with_gather_sampling(tmp_path):
@@ -72,15 +96,16 @@ def test_full_size_deformable_detr_exports_with_gather_sampling(tmp_path):
         runners = inference.export_forms(model, str(tmp_path), 320, ["float32"])
     finally:
         gin.clear_config()
+    _assert_gather_sampling(str(tmp_path / "detector_float32.tflite"),
+                            str(tmp_path / "detector.onnx"))
     interpreter = runners["TFLite float32"].interpreter
-    ops = {op["op_name"] for op in interpreter._get_ops_details()}
-    assert {"GATHER", "GATHER_ND"} & ops
     assert not [t["name"] for t in interpreter.get_tensor_details()
                 if -1 in list(t["shape_signature"])]
     images = list(np.random.default_rng(0).integers(0, 256, (2, 320, 320, 3), np.uint8))
-    saved = str(tmp_path / "saved_model")
+    loaded = tf.saved_model.load(str(tmp_path / "saved_model"))
     for name in ("TFLite float32", "ONNX Runtime"):
-        assert _compare(saved, runners[name], images) >= len(images), name
+        label = f"deformable_detr_r50 {name} at 320"
+        assert _compare(loaded, runners[name], images, label) >= len(images), name
 
 
 def _quickstart_run(tmp_path_factory) -> str:

@@ -44,7 +44,9 @@ def test_parity_with_serving_images(exported, index, runner_cls):
     assert compared >= len(images)
 
 
-def test_unconvertible_op_is_named_with_its_layer(tmp_path):
+@pytest.fixture(scope="module")
+def blocked_saved_model(tmp_path_factory):
+    """A SavedModel whose `serving_fixed` holds BesselK1 (neither TFLite nor ONNX has it)."""
     class Blocked(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([1, 4], tf.float32)])
         def serving_fixed(self, x):
@@ -52,7 +54,25 @@ def test_unconvertible_op_is_named_with_its_layer(tmp_path):
                 return {"y": tf.math.special.bessel_k1(x)}
 
     module = Blocked()
-    tf.saved_model.save(module, str(tmp_path),
-                        signatures={"serving_fixed": module.serving_fixed})
+    path = str(tmp_path_factory.mktemp("blocked"))
+    tf.saved_model.save(module, path, signatures={"serving_fixed": module.serving_fixed})
+    return path
+
+
+def test_unconvertible_op_is_named_with_its_layer(blocked_saved_model):
     with pytest.raises(tflite.ConversionError, match=r"BesselK1 \(in .*odd_layer"):
-        tflite.convert(str(tmp_path), "float32")
+        tflite.convert(blocked_saved_model, "float32")
+
+
+def test_onnx_stops_on_an_untranslatable_op_before_converting(blocked_saved_model, tmp_path,
+                                                              monkeypatch):
+    from tf2onnx import convert as tf2onnx_convert
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("tf2onnx was asked to convert a graph with an unsupported op")
+
+    monkeypatch.setattr(tf2onnx_convert, "_convert_common", must_not_run)
+    with pytest.raises(tflite.ConversionError,
+                       match=r"not started: .*BesselK1 \(in .*odd_layer"):
+        onnx_export.convert(blocked_saved_model, str(tmp_path / "blocked.onnx"))
+    assert not (tmp_path / "blocked.onnx").exists()

@@ -80,6 +80,31 @@ def hf_model(backbone: dict = None, tie: bool = False, **config):
     return tr.DFineForObjectDetection(cfg).eval()
 
 
+# The full sizes' DFineConfig fields (transformers' conversion of the original checkpoints)
+# and their detr_tf HGNetV2 presets: what gin_configs/dfine_<size>.gin builds.
+_FULL = dict(encoder_hidden_dim=256, encoder_ffn_dim=1024, encoder_attention_heads=8,
+             d_model=256, decoder_attention_heads=8, decoder_ffn_dim=1024,
+             decoder_n_points=[3, 6, 3], num_queries=300, num_labels=80)
+FULL_SIZES = {"s": ("b0", dict(_FULL, hidden_expansion=0.5, depth_mult=0.34, decoder_layers=3)),
+              "l": ("b4", dict(_FULL, hidden_expansion=1.0, depth_mult=1.0, decoder_layers=6))}
+
+
+def preset_backbone(preset: str) -> dict:
+    """hf_model's `backbone` arguments of a detr_tf HGNetV2 preset, C3-C5."""
+    from detr_tf.modeling.hgnetv2 import PRESETS
+
+    base = PRESETS[preset]
+    return dict(stem_channels=list(base["stem_channels"]),
+                stages=[list(s) for s in base["stages"]], use_lab=base["use_lab"],
+                out_indices=[2, 3, 4])
+
+
+def full_size_model(size: str):
+    """transformers' D-FINE of `size` ('s' or 'l', FULL_SIZES) with its own random init."""
+    preset, config = FULL_SIZES[size]
+    return hf_model(preset_backbone(preset), **config)
+
+
 def random_params(model, seed: int) -> Dict[str, np.ndarray]:
     """RT-DETR's oracle's random weights on every `model.*` key but the fixed buffers, the
     affine blocks' scales around 1; with tied heads (tie_word_embeddings) every layer's class

@@ -1,10 +1,14 @@
 """ONNX files from the SavedModel's `serving_fixed` signature, by tf2onnx.
 
-tf2onnx leaves a TensorFlow op it cannot translate in the graph under its TF name; ONNX Runtime
-then refuses the file at load time with little context. `convert` looks for such nodes itself
-and fails with the op and the layer instead.
+Two checks name an untranslatable op with its layer instead of leaving it to tf2onnx:
+  - before converting, every op of the frozen graph is looked up in tf2onnx's handler registry
+    for the opset. tf2onnx only logs an op it lacks and goes on rewriting and optimising the
+    graph around it, which on a full-size model can take many GiB and a long time to end in
+    a file ONNX Runtime refuses;
+  - after converting, a node left outside the ONNX standard domains (a handler that kept the
+    TensorFlow op) is reported the same way.
 """
-from typing import List
+from typing import Dict, Iterable, List, Set
 
 import tensorflow as tf
 
@@ -21,7 +25,8 @@ def convert(saved_model_dir: str, output_path: str, opset: int = OPSET) -> str:
 
     Raises:
       ValueError: no `serving_fixed` signature.
-      ConversionError: ops ONNX has no translation for (named, with their layers).
+      ConversionError: ops ONNX has no translation for (named, with their layers), found
+        before converting or left in the converted graph; or a translation that failed.
     """
     import onnx
     from tf2onnx import convert as tf2onnx_convert, tf_loader
@@ -32,11 +37,19 @@ def convert(saved_model_dir: str, output_path: str, opset: int = OPSET) -> str:
     graph_def, inputs, outputs, tables, renames = tf_loader.from_saved_model(
         saved_model_dir, None, None, signatures=[SERVING_FIXED],
         return_initialized_tables=True, return_tensors_to_rename=True)
+    blocked = unsupported_ops(graph_def, opset)
+    if blocked:
+        raise ConversionError(f"ONNX conversion (opset {opset}) not started: tf2onnx has no "
+                              f"translation for {'; '.join(blocked)}. Replace that layer's "
+                              "op or bind an alternative implementation of the layer in Gin")
     with tf.device("/cpu:0"):
-        model, _ = tf2onnx_convert._convert_common(
-            graph_def, name=saved_model_dir, opset=opset, input_names=inputs,
-            output_names=outputs, tensors_to_rename=renames, initialized_tables=tables,
-            continue_on_error=True)
+        try:
+            model, _ = tf2onnx_convert._convert_common(
+                graph_def, name=saved_model_dir, opset=opset, input_names=inputs,
+                output_names=outputs, tensors_to_rename=renames, initialized_tables=tables)
+        except Exception as e:  # a handler's own error: say which conversion it stopped
+            raise ConversionError(f"ONNX conversion (opset {opset}) failed in tf2onnx: "
+                                  f"{type(e).__name__}: {e}") from e
     blocked = untranslated_nodes(model)
     if blocked:
         raise ConversionError(f"ONNX conversion failed: no ONNX translation for "
@@ -45,13 +58,30 @@ def convert(saved_model_dir: str, output_path: str, opset: int = OPSET) -> str:
     return output_path
 
 
+def unsupported_ops(graph_def, opset: int = OPSET) -> List[str]:
+    """'Op (in layer/path)' for every op of a (frozen) GraphDef, its function library's
+    included, that tf2onnx has no handler for at `opset`."""
+    from tf2onnx.handler import tf_op
+
+    known = tf_op.create_mapping(opset, None)
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return _by_op((n.op, n.name) for n in nodes if n.op not in known)
+
+
 def untranslated_nodes(model) -> List[str]:
     """'Op (in layer/path)' for every node that is no op of the ONNX standard domains."""
     import onnx
 
-    found = {}
-    for node in model.graph.node:
-        if node.domain in ("", "ai.onnx") and onnx.defs.has(node.op_type):
-            continue
-        found.setdefault(node.op_type, set()).add(node.name.rsplit("/", 1)[0])
+    return _by_op((node.op_type, node.name) for node in model.graph.node
+                  if not (node.domain in ("", "ai.onnx") and onnx.defs.has(node.op_type)))
+
+
+def _by_op(op_and_name: Iterable) -> List[str]:
+    """(op, node name) pairs -> 'Op (in scope, scope)' per op, sorted; a node's scope is its
+    name without the last part."""
+    found: Dict[str, Set[str]] = {}
+    for op, name in op_and_name:
+        found.setdefault(op, set()).add(name.rsplit("/", 1)[0])
     return [f"{op} (in {', '.join(sorted(layers))})" for op, layers in sorted(found.items())]

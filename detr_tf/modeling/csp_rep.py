@@ -15,15 +15,15 @@ The RepVGG block (Ding et al. 2021) trains as two branches, a 3x3 conv-BN and a 
 summed before the activation. Both are linear in the input once the norms use their moving
 statistics, so `RepVggBlock.fuse` folds them into one 3x3 conv with a bias for inference.
 """
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.modeling import activations
+from detr_tf.modeling.activations import Activation
 from detr_tf.modeling.backbone import TorchConv2D, batch_norm
-
-Activation = Union[str, Callable[[tf.Tensor], tf.Tensor], None]
 
 
 class ConvNorm(tf_keras.layers.Layer):
@@ -39,7 +39,7 @@ class ConvNorm(tf_keras.layers.Layer):
         super().__init__(**kwargs)
         self.conv = TorchConv2D(filters, kernel_size, strides, name=conv_name)
         self.norm = batch_norm(norm_name)
-        self.activation = tf_keras.activations.get(activation) if activation else None
+        self.activation = activations.get(activation) if activation else None
 
     def call(self, x: tf.Tensor, training: Optional[bool] = None) -> tf.Tensor:
         """[B, H, W, C_in] -> [B, ceil(H / stride), ceil(W / stride), filters]."""
@@ -69,7 +69,7 @@ class RepVggBlock(tf_keras.layers.Layer):
         self.channels = channels
         self.conv1 = ConvNorm(channels, 3, name="conv1")
         self.conv2 = ConvNorm(channels, 1, name="conv2")
-        self.activation = tf_keras.activations.get(activation) if activation else None
+        self.activation = activations.get(activation) if activation else None
         # The fused form's conv, built by fuse(); 'same' pads a stride-1 3x3 conv by 1 on every
         # side, exactly as torch does.
         self.conv = tf_keras.layers.Conv2D(channels, 3, padding="same", name="conv")

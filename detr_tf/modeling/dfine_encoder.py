@@ -22,8 +22,9 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.modeling.activations import Activation
 from detr_tf.modeling.backbone import TorchDepthwiseConv2D, batch_norm
-from detr_tf.modeling.csp_rep import Activation, ConvNorm, CSPRepLayer
+from detr_tf.modeling.csp_rep import ConvNorm, CSPRepLayer
 from detr_tf.modeling.hybrid_encoder import HybridEncoder
 
 

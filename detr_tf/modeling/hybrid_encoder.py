@@ -29,7 +29,9 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.csp_rep import Activation, ConvNorm, CSPRepLayer
+from detr_tf.modeling import activations
+from detr_tf.modeling.activations import Activation
+from detr_tf.modeling.csp_rep import ConvNorm, CSPRepLayer
 from detr_tf.modeling.dropout import Dropout
 from detr_tf.modeling.layers import FeedForward, layer_norm
 from detr_tf.modeling.position_encoding import sincos_2d
@@ -52,7 +54,7 @@ class AIFILayer(tf_keras.layers.Layer):
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
         self.self_attn_layer_norm = layer_norm("self_attn_layer_norm")
         self.mlp = FeedForward(d_model, dim_feedforward, activation_dropout,
-                               tf_keras.activations.get(activation), name="mlp")
+                               activations.get(activation), name="mlp")
         self.final_layer_norm = layer_norm("final_layer_norm")
         self.attn_dropout = Dropout(dropout)
         self.mlp_dropout = Dropout(dropout)
@@ -114,7 +116,8 @@ class HybridEncoder(tf_keras.layers.Layer):
     dropout, activation_dropout, encoder_activation (encoder_activation_function), activation
     (activation_function, of every conv block), hidden_expansion, num_blocks (RepVGG blocks per
     CSPRep layer; transformers fixes 3), temperature (positional_encoding_temperature).
-    Activations are Keras names ('gelu' is exact, erf-based, as torch's) or callables.
+    Activations are names (activations.get: 'gelu' is the exact, erf-based GELU, as torch's)
+    or callables.
 
     The CCFF's parts are injected, so D-FINE's variant (dfine_encoder.py) is this class with
     other parts: `fusion_block` builds the FPN and PAN blocks as
