@@ -91,6 +91,7 @@ FULL_SIZES = {"s": ("b0", dict(_FULL, hidden_expansion=0.5, depth_mult=0.34, dec
 
 def preset_backbone(preset: str) -> dict:
     """hf_model's `backbone` arguments of a detr_tf HGNetV2 preset, C3-C5."""
+    from detr_tf import cli  # noqa: F401 -- before anything that may load TensorFlow
     from detr_tf.modeling.hgnetv2 import PRESETS
 
     base = PRESETS[preset]
