@@ -11,14 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.backbone import batch_norm
 from detr_tf.training import distribution, step as step_lib
-from tests.test_steps_per_loop import ToyCriterion, ToyModel, records, weights
+from tests.test_steps_per_loop import ToyCriterion, ToyModel, assert_same_run, records
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,19 +32,10 @@ def runs(tmp_path_factory):
     return out
 
 
-def _same(ref_dir, other_dir, rtol):
-    ref, other = records(ref_dir), records(other_dir)
-    np.testing.assert_allclose([other[s]["loss"] for s in sorted(other)],
-                               [ref[s]["loss"] for s in sorted(ref)], rtol=rtol)
-    a, b = weights(ref_dir, 4), weights(other_dir, 4)
-    for k in a:
-        np.testing.assert_allclose(b[k], a[k], rtol=rtol, atol=1e-7, err_msg=k)
-
-
 @pytest.mark.parametrize("jit", ["loss", "step", "none"])
 def test_two_replicas_average_the_deferred_count(runs, jit):
     # With jit='step' the forward pass and the loss compile, the average runs outside.
-    _same(runs / "one_device", runs / jit, rtol=1e-5)
+    assert_same_run(runs / "one_device", runs / jit, [4], rtol=1e-5)
 
 
 def test_local_counts_would_differ(runs):
