@@ -210,10 +210,7 @@ def test_group_dn_horovod_two_processes_equals_one_device(group_dn_runs, shapes_
 
 @pytest.mark.slow
 def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, shapes_cache):
-    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(group_dn_runs),
-                                        shapes_cache], env=GROUP_DN_ENV)
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    _run_multi_worker(group_dn_runs, shapes_cache, env=GROUP_DN_ENV)
     _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
 
 
@@ -251,10 +248,7 @@ def test_rtdetr_mirrored_two_replicas_equals_one_device(rtdetr_runs):
 @pytest.mark.slow
 def test_rtdetr_multi_worker_two_processes_equals_one_device(rtdetr_runs, shapes_cache,
                                                              request):
-    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(rtdetr_runs),
-                                        shapes_cache], env=_variant_env(request))
-    outs = [p.communicate(timeout=1800)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    _run_multi_worker(rtdetr_runs, shapes_cache, env=_variant_env(request), timeout=1800)
     _assert_same_training(rtdetr_runs / "default", rtdetr_runs / "multi_worker")
 
 
@@ -358,6 +352,14 @@ def _free_ports(n):
     return ports
 
 
+def _run_multi_worker(out_dir, shapes_cache, env=None, timeout=900):
+    """trainer_prog.py's 'multi_worker' runs into out_dir: two workers, both must succeed."""
+    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(out_dir), shapes_cache],
+                       env=env)
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+
+
 def launch_two(engine, argv, env=None):
     """Starts `argv` (a Python program and its arguments) as a job of 2 processes: under
     horovodrun with Gloo (engine 'horovod'; the test is skipped without Horovod) or as two
@@ -380,10 +382,7 @@ def launch_two(engine, argv, env=None):
 
 @pytest.mark.slow
 def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache):
-    procs = launch_two("multi_worker", [str(PROG), "multi_worker", str(engine_runs),
-                                        shapes_cache])
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    _run_multi_worker(engine_runs, shapes_cache)
     # Only the chief (worker 0) wrote checkpoints and logs.
     assert not (engine_runs / "worker_1" / "metrics.jsonl").exists()
     _assert_same_training(engine_runs / "default", engine_runs / "multi_worker")
