@@ -227,14 +227,6 @@ def _variant_env(request):
     return dict(ENV, TRAINER_PROG_VARIANT=request.node.callspec.params["rtdetr_runs"])
 
 
-def _deim_step_known_difference(request):
-    """With DEIM's loss and rate, jit='step' and 'loss' give the same first step but second-step
-    losses 0.15% apart (one device and Horovod alike), past rounding; not explained yet."""
-    if request.node.callspec.params["rtdetr_runs"] == "dfine_deim":
-        request.applymarker(pytest.mark.xfail(
-            strict=False, reason="DEIM variant: jit='step' and 'loss' differ by 0.15% at step 2"))
-
-
 # RT-DETR and D-FINE on the engines and under jit='step': slow (three runs in one process per
 # model, each compiling it anew; 5.5 min for RT-DETR on a shared 2-core CPU; two processes for
 # the multi-process engines), so `pytest -m slow -k rtdetr tests/test_trainer.py` (`-k dfine`:
@@ -258,7 +250,6 @@ def test_rtdetr_horovod_jit_step_trains_like_loss(rtdetr_runs, shapes_cache, req
     """Two Horovod processes (each normalizes its batch norms with its own half of the batch,
     so not one device's training): jit='step' as 'loss'. D-FINE's union count is averaged
     over the processes between its compiled forward pass and the backward pass."""
-    _deim_step_known_difference(request)
     exe = horovodrun_or_skip()
     proc, log = run([exe, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(PROG),
                      "horovod_jit", str(rtdetr_runs), shapes_cache], timeout=1800,
@@ -269,8 +260,7 @@ def test_rtdetr_horovod_jit_step_trains_like_loss(rtdetr_runs, shapes_cache, req
 
 
 @pytest.mark.slow
-def test_rtdetr_jit_step_trains_like_loss(rtdetr_runs, request):
-    _deim_step_known_difference(request)
+def test_rtdetr_jit_step_trains_like_loss(rtdetr_runs):
     # XLA fuses and reorders float32 arithmetic: equal up to rounding, as for DETR.
     _assert_same_training(rtdetr_runs / "default", rtdetr_runs / "step", rtol=1e-4)
 
