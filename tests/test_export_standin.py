@@ -76,3 +76,33 @@ def test_onnx_stops_on_an_untranslatable_op_before_converting(blocked_saved_mode
                        match=r"not started: .*BesselK1 \(in .*odd_layer"):
         onnx_export.convert(blocked_saved_model, str(tmp_path / "blocked.onnx"))
     assert not (tmp_path / "blocked.onnx").exists()
+
+
+def test_full_integer_int8_runs_with_min_and_max_left_in_float(exported, tmp_path):
+    """'int8' goes through the MLIR quantizer (the legacy one wrote files that abort the
+    interpreter) with min and max kept in float (a trained model's calibrated ranges break
+    their same-scale rule); the file runs in LiteRT with int8 kernels."""
+    rng = np.random.default_rng(1)
+    size = np.array([SIZE], np.int32)
+
+    def representative():
+        for _ in range(4):
+            yield {"images": rng.integers(0, 256, (1, *SIZE, 3), np.uint8), "image_size": size}
+
+    path = tmp_path / "detector_int8.tflite"
+    path.write_bytes(tflite.convert(exported[0], "int8", representative))
+    runner = runtimes.TFLiteRunner(str(path))
+    interpreter = runner.interpreter
+    tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
+    ops = interpreter._get_ops_details()
+    quantized = [op["op_name"] for op in ops
+                 if any(tensors[i]["dtype"] == np.int8 for i in op["inputs"] if i >= 0)]
+    assert "CONV_2D" in quantized or "FULLY_CONNECTED" in quantized, sorted(set(quantized))
+    clips = [op for op in ops if op["op_name"] in tflite.INT8_FLOAT_OPS]
+    assert clips, "the serving graph clips its boxes: a minimum and a maximum expected"
+    for op in clips:
+        assert all(tensors[i]["dtype"] == np.float32 for i in op["inputs"] if i >= 0), op
+    image = rng.integers(0, 256, (1, *SIZE, 3), np.uint8)
+    got, ref = runner(image, size), eh.served(tf.saved_model.load(exported[0]), image)
+    assert got["boxes"].shape == ref["boxes"].shape and np.all(np.isfinite(got["boxes"]))
+    assert np.all((got["boxes"] >= 0) & (got["boxes"] <= max(SIZE)))
