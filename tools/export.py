@@ -23,7 +23,8 @@ flags.DEFINE_list("format", ["saved_model"], "Formats to write, any of saved_mod
                   "onnx (comma-separated); the SavedModel is always written.")
 flags.DEFINE_list("tflite_modes", ["float32"], "TFLite modes, any of float32, float16, "
                   "dynamic_int8, int8 (int8 is full-integer, calibrated on the run's validation "
-                  "images).")
+                  "images; it loses nearly all of a DETR's accuracy, docs/EXPORT.md: prefer "
+                  "dynamic_int8).")
 flags.DEFINE_string("input_size", None, "H,W of the image the TFLite and ONNX models take; "
                     "default: the eval canvas.")
 flags.mark_flag_as_required("export_dir")
