@@ -55,22 +55,18 @@ from detr_tf.training import trainer  # noqa: E402
 # TRAINER_PROG_VARIANT=dfine_deim: D-FINE with DEIM's loss and rate (the MAL, the flat-cosine
 # schedule; DEIM's mosaic and mixup are the input pipeline's, which these runs replace).
 # Each variant: (Gin file, its extra bindings).
+# Denoising queries' noise off: its random streams differ per replica by design, as dropout's.
+NO_DN_NOISE = ["DenoisingQueries.box_noise_scale = 0.0",
+               "DenoisingQueries.label_noise_ratio = 0.0"]
 VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fused = False"]),
             "group_dn": ("tiny.gin", [
                 "build_model.transformer = @AnchorTransformer()",
                 "build_model.num_groups = 2", "SetCriterion.num_groups = 2",
                 "build_model.denoising = True", "DenoisingQueries.num_groups = 2",
-                "DenoisingQueries.box_noise_scale = 0.0",
-                "DenoisingQueries.label_noise_ratio = 0.0"]),
-            "rtdetr": ("rtdetr_tiny.gin", [
-                "DenoisingQueries.box_noise_scale = 0.0",
-                "DenoisingQueries.label_noise_ratio = 0.0"]),
-            "dfine": ("dfine_tiny.gin", [
-                "DenoisingQueries.box_noise_scale = 0.0",
-                "DenoisingQueries.label_noise_ratio = 0.0"]),
-            "dfine_deim": ("dfine_tiny.gin", [
-                "DenoisingQueries.box_noise_scale = 0.0",
-                "DenoisingQueries.label_noise_ratio = 0.0",
+                *NO_DN_NOISE]),
+            "rtdetr": ("rtdetr_tiny.gin", NO_DN_NOISE),
+            "dfine": ("dfine_tiny.gin", NO_DN_NOISE),
+            "dfine_deim": ("dfine_tiny.gin", NO_DN_NOISE + [
                 "import detr_tf.losses.mal", "import detr_tf.training.optimization",
                 "DFineCriterion.class_loss = @MatchabilityAwareLoss()",
                 "MatchabilityAwareLoss.gamma = 1.5", "MatchabilityAwareLoss.alpha = None",
