@@ -256,3 +256,24 @@ def test_steps_per_canvas_shape_leave_out_first_appearances():
     table = step_benchmark.shape_table({"by_shape": rows, "step_time_ms": 120.0})
     # The share-weighted mean: 0.6 * 110 + 0.4 * 210 = 150 ms.
     assert table.splitlines()[-1] == "| all | 100% | 120 | 150 |"
+
+
+def test_compile_benchmark_feeds_canvases_in_turn_with_unknown_height_and_width():
+    from detr_tf.benchmarks import compiles
+    batches = [({"images": tf.fill([2, h, w, 3], float(h * w))}, {"n": tf.constant(h)})
+               for h, w in ((64, 64), (64, 128), (128, 64))]
+    found = compiles.canvas_batches(iter(batches[::-1] + batches), 2)
+    assert [tuple(b[0]["images"].shape[1:3]) for b in found] == [(64, 128), (128, 64)]
+    fed = compiles._feed(batches, repeats=2)
+    assert fed.element_spec[0]["images"].shape.as_list() == [2, None, None, 3]
+    shapes = [tuple(f["images"].shape[1:3]) for f, _ in fed]
+    assert shapes == [(64, 64)] * 3 + [(64, 128)] * 3 + [(128, 64)] * 3
+
+
+def test_compile_table_lists_each_canvas_and_the_run_total():
+    from detr_tf.benchmarks import compiles
+    rows = [{"canvas": [128, 128], "first_call_s": 20.0, "step_ms": 100.0},
+            {"canvas": [128, 192], "first_call_s": 1.3, "step_ms": 150.0}]
+    report = {"results": [{"jit": "matcher", "canvases": rows, "compile_s": 20.9}]}
+    text = compiles.table(report)
+    assert "| 128 x 192 | 1.3 | 150 |" in text and "**20.9**" in text

@@ -71,7 +71,7 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
 @pytest.mark.parametrize("machine", [m for m, _ in MACHINES])
 def test_auto_jit(machine):
     jit, why = step_lib.resolve_jit_why("auto", False, machine)
-    assert jit == ("step" if machine.accelerated else "loss") and why
+    assert jit == ("step" if machine.accelerated else "matcher") and why
     assert step_lib.resolve_jit_why("auto", True, machine)[0] == "loss"  # deterministic
     assert step_lib.resolve_jit_why("none", False, machine) == ("none", "")
 

@@ -174,7 +174,8 @@ def test_ema_update_swap_and_restore_for_eval(tmp_path):
 
 def test_resolve_jit_and_bad_choices():
     accelerated = tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
-    assert trainer.resolve_jit("auto") == ("step" if accelerated else "loss")
+    assert trainer.resolve_jit("auto") == ("step" if accelerated else "matcher")
     assert trainer.resolve_jit("step") == "step"
+    assert trainer.resolve_jit("matcher") == "matcher"
     with pytest.raises(ValueError, match="train.jit='fast'"):
         trainer.resolve_jit("fast")

@@ -1,7 +1,7 @@
 """Trainer settings no other test runs, through the trainer on the tiny model (one process,
 `tests/trainer_prog.py paths`, shared by every test here):
 
-- jit='step' (the GPU default) trains like 'loss' and 'none';
+- jit='step' (the GPU default) and 'matcher' (the CPU default) train like 'loss' and 'none';
 - mixed_float16: a step whose gradients overflow is skipped (weights unchanged) and halves the
   dynamic loss scale;
 - ema_decay: evaluation and the tools (eval, predict, export load through
@@ -44,9 +44,9 @@ def _ema_shadows(values):
     return [values[f"ema/shadow/{i}/.ATTRIBUTES/VARIABLE_VALUE"] for i in range(n)]
 
 
-def test_jit_step_trains_like_loss_and_none(paths_run):
+def test_jit_step_and_matcher_train_like_loss_and_none(paths_run):
     _, arrays = paths_run
-    for jit in ("step", "none"):
+    for jit in ("step", "none", "matcher"):
         # XLA fuses and reorders float32 arithmetic: equal up to rounding, not bit for bit.
         np.testing.assert_allclose(arrays[f"{jit}/losses"], arrays["loss/losses"], rtol=1e-4)
         names = [k[len("loss/"):] for k in arrays.files

@@ -189,7 +189,7 @@ elif MODE == "paths":
     import tf_keras
 
     arrays = {}
-    for jit in ("none", "loss", "step"):
+    for jit in ("none", "loss", "step", "matcher"):
         # Not deterministic: op determinism refuses XLA's max-pool gradient (jit='step'). The
         # same seed right before each run gives the same initial weights; the input is fixed.
         tf_keras.utils.set_random_seed(0)

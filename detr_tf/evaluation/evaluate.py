@@ -75,7 +75,10 @@ def evaluate_model(model: Any,
     Returns:
       {'AP', 'AP50', 'AP75', 'APs', 'APm', 'APl'} as fractions in [0, 1].
     """
-    @tf.function(jit_compile=jit_compile)
+    # Without XLA one trace serves every canvas (reduce_retracing leaves H and W unknown after
+    # the second one), and no AutoGraph: the model and post-processing have no Python control
+    # flow on tensors, and converting them made each trace slower.
+    @tf.function(jit_compile=jit_compile, autograph=False, reduce_retracing=not jit_compile)
     def step(images, pixel_mask, orig_size):
         outputs = model(images, pixel_mask, training=False)
         return pp.postprocess_outputs(outputs, orig_size, box_format="xywh")

@@ -87,17 +87,17 @@ def auto_jit(hw: Hardware, deterministic: bool = False) -> Tuple[str, str]:
     """(jit, why) for train.jit='auto' on `hw` (see detr_tf/training/step.py for the choices).
 
     'step' on a GPU or TPU, where XLA compiles convolutions into the vendor's kernels. On a CPU
-    'loss': XLA:CPU's convolutions lose to oneDNN's, while its fused matcher and losses win. On
-    an AVX2-only CPU the quickstart's float32 step measured the same under 'step', 'loss' and
-    'none' (within 5%, docs/PERFORMANCE.md), so no CPU kind gets another choice. A
-    deterministic run cannot compile the backward pass (no deterministic XLA max-pool
-    gradient), so it gets 'loss' everywhere.
+    'matcher': XLA:CPU's convolutions lose to oneDNN's and its compiled losses lost to
+    TensorFlow's kernels too, while the compiled matcher wins; compiled apart, it compiles once
+    per run instead of once per canvas (docs/PERFORMANCE.md#compiles-per-run). A deterministic
+    run cannot compile the backward pass (no deterministic XLA max-pool gradient), so it gets
+    'loss' everywhere.
     """
     if deterministic:
         return "loss", "deterministic: XLA has no deterministic max-pool gradient"
     if hw.accelerated:
         return "step", "a GPU or TPU: XLA compiles the whole step"
-    return "loss", "a CPU: oneDNN convolutions, XLA for matching and losses"
+    return "matcher", "a CPU: oneDNN convolutions, XLA for the matcher"
 
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")

@@ -12,6 +12,7 @@ per step. With Mirrored, MultiWorkerMirrored and Horovod the all-reduce stays ou
 update runs as its own program (one per local device). Its kernel form (a CPU's default) runs
 outside XLA whatever the `jit` setting.
 """
+import copy
 from typing import Callable, Sequence, Tuple
 
 import gin
@@ -19,7 +20,33 @@ import tensorflow as tf
 
 from detr_tf.training import fused_adamw, hardware
 
-JIT_CHOICES = ("auto", "step", "loss", "none")
+JIT_CHOICES = ("auto", "step", "loss", "matcher", "none")
+
+
+def _function(fn: Callable, jit_compile: bool = False) -> Callable:
+    """tf.function without AutoGraph: the step's code has no Python control flow on tensors,
+    and converting the ~1000 functions a step calls cost 20 of the quickstart's 35 s trace
+    (docs/PERFORMANCE.md#compiles-per-run), for the same graph."""
+    return tf.function(fn, jit_compile=jit_compile, autograph=False)
+
+
+def with_compiled_matcher(criterion):
+    """A shallow copy of `criterion` whose matcher runs as its own XLA program (jit='matcher').
+
+    The matcher's inputs have fixed shapes (decoder layers x batch x queries x targets), so
+    its program compiles once per run, while the losses, whose encoder terms follow the canvas,
+    run as TensorFlow ops and trace with the step's dynamic canvas shape.
+    """
+    matcher = getattr(criterion, "matcher", None)
+    if matcher is None:
+        raise ValueError(f"train.jit='matcher': {type(criterion).__name__} has no `matcher` to "
+                         "compile; use 'loss' or 'none'")
+    def match(cost, target_mask=None):
+        return matcher(cost, target_mask)
+
+    compiled = copy.copy(criterion)
+    compiled.matcher = _function(match, jit_compile=True)
+    return compiled
 
 
 def resolve_jit(jit: str, deterministic: bool = False, hw=None) -> str:
@@ -79,7 +106,7 @@ class StepBuilder:
         losses with 'loss', with a `local_normalizers(targets, num_queries)` method.
       optimizers: (backbone, main): fused_adamw.AdamWGroups (one fused update; with jit='step'
         on the default engine the whole step is one XLA program) or tf_keras optimizers.
-      jit: 'step', 'loss' or 'none' (already resolved).
+      jit: 'step', 'loss', 'matcher' or 'none' (already resolved).
       clip_norm: global-norm gradient clipping (<= 0 disables).
       grad_accum_steps: micro-batches per optimizer step.
       loss_scale: a DynamicLossScale for mixed_float16, else None.
@@ -99,7 +126,7 @@ class StepBuilder:
         jit = "loss" if conflict else jit
         self.engine = engine
         self.model = model
-        self.criterion = criterion
+        self.criterion = with_compiled_matcher(criterion) if jit == "matcher" else criterion
         self.backbone_opt, self.main_opt = optimizers
         self.backbone_vars, self.main_vars = split_variables(model)
         self.variables = self.backbone_vars + self.main_vars
@@ -109,12 +136,10 @@ class StepBuilder:
         self.loss_scale = loss_scale
         self.ema = ema
         self.global_step = global_step
-        criterion_fn = criterion
-        if jit == "loss":
-            criterion_fn = tf.function(criterion.__call__, jit_compile=True)
-        self._criterion_fn = criterion_fn
+        self._criterion_fn = (_function(self.criterion.__call__, jit_compile=True)
+                              if jit == "loss" else self.criterion)
         self._forward_fn = self._forward_losses
-        self._grads_fn = (tf.function(self._losses_and_grads, jit_compile=True)
+        self._grads_fn = (_function(self._losses_and_grads, jit_compile=True)
                           if jit == "step" else self._losses_and_grads)
         # A normalizer known only after matching (D-FINE's union count) is all-reduced between
         # the loss and the backward pass, where no compiled code may hold a collective: with
@@ -122,7 +147,7 @@ class StepBuilder:
         # runs from their recorded call.
         self._defers = getattr(criterion, "defers_normalizer", False)
         if self._defers and jit == "step" and engine.num_replicas > 1:
-            self._forward_fn = tf.function(self._forward_losses, jit_compile=True)
+            self._forward_fn = _function(self._forward_losses, jit_compile=True)
             self._grads_fn = self._losses_and_grads
         self.fused = None
         if isinstance(self.backbone_opt, fused_adamw.AdamWGroup):
@@ -136,7 +161,7 @@ class StepBuilder:
         self._whole_step = None
         if self.fused is not None and self.fused.compiled and jit == "step" \
                 and engine.name == "default":
-            self._whole_step = tf.function(self._replica_step, jit_compile=True)
+            self._whole_step = _function(self._replica_step, jit_compile=True)
 
     def _forward_losses(self, inputs, targets, norms):
         # A model with training-only queries built from the targets (denoising) asks for them.
@@ -239,12 +264,11 @@ class StepBuilder:
     def make_step_fn(self) -> Callable:
         engine = self.engine
 
-        @tf.function
         def train_step(iterator):
             batches = tuple(next(iterator) for _ in range(self.grad_accum_steps))
             return engine.run(self.replica_step, batches)
 
-        return train_step
+        return _function(train_step)
 
 
 class _Opaque:

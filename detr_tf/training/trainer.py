@@ -12,10 +12,13 @@ A step, per replica:
 `jit` chooses what XLA compiles:
   'step'  forward + criterion + backward in one XLA program (best on GPUs/TPUs);
   'loss'  only the criterion (matching and losses) and its gradient; convolutions run on
-          TensorFlow's own kernels (best on CPUs: XLA:CPU's convolutions lose to oneDNN,
+          TensorFlow's own kernels (XLA:CPU's convolutions lose to oneDNN,
           see docs/PERFORMANCE.md);
+  'matcher' only the matcher, its own XLA program with fixed shapes, compiled once per run
+          (best on CPUs: 'loss' compiles again for every canvas, and its compiled losses were
+          slower than TensorFlow's kernels, docs/PERFORMANCE.md#compiles-per-run);
   'none'  nothing;
-  'auto'  'step' when a GPU or TPU is present, else 'loss'.
+  'auto'  'step' when a GPU or TPU is present, else 'matcher' ('loss' in a deterministic run).
 """
 import math
 import os
