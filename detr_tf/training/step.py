@@ -50,7 +50,7 @@ def with_compiled_matcher(criterion):
 
 
 def resolve_jit(jit: str, deterministic: bool = False, hw=None) -> str:
-    """'auto' -> hardware.auto_jit ('step' with a GPU or TPU, else 'loss'); other choices are
+    """'auto' -> hardware.auto_jit ('step' with a GPU or TPU, else 'matcher'); other choices are
     checked and kept. See `resolve_jit_why` for the reason of an 'auto' choice.
 
     A deterministic run cannot compile the backward pass: TensorFlow's op determinism refuses
