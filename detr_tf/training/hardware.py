@@ -87,8 +87,8 @@ def auto_jit(hw: Hardware, deterministic: bool = False) -> Tuple[str, str]:
     """(jit, why) for train.jit='auto' on `hw` (see detr_tf/training/step.py for the choices).
 
     'step' on a GPU or TPU, where XLA compiles convolutions into the vendor's kernels. On a CPU
-    'matcher': XLA:CPU's convolutions lose to oneDNN's and its compiled losses lost to
-    TensorFlow's kernels too, while the compiled matcher wins; compiled apart, it compiles once
+    'matcher': XLA:CPU's convolutions lose to oneDNN's and its compiled losses were no faster
+    than TensorFlow's kernels, while the compiled matcher wins; compiled apart, it compiles once
     per run instead of once per canvas (docs/PERFORMANCE.md#compiles-per-run). A deterministic
     run cannot compile the backward pass (no deterministic XLA max-pool gradient), so it gets
     'loss' everywhere.

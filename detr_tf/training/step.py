@@ -41,6 +41,7 @@ def with_compiled_matcher(criterion):
     if matcher is None:
         raise ValueError(f"train.jit='matcher': {type(criterion).__name__} has no `matcher` to "
                          "compile; use 'loss' or 'none'")
+
     def match(cost, target_mask=None):
         return matcher(cost, target_mask)
 

@@ -16,7 +16,7 @@ A step, per replica:
           see docs/PERFORMANCE.md);
   'matcher' only the matcher, its own XLA program with fixed shapes, compiled once per run
           (best on CPUs: 'loss' compiles again for every canvas, and its compiled losses were
-          slower than TensorFlow's kernels, docs/PERFORMANCE.md#compiles-per-run);
+          no faster than TensorFlow's kernels, docs/PERFORMANCE.md#compiles-per-run);
   'none'  nothing;
   'auto'  'step' when a GPU or TPU is present, else 'matcher' ('loss' in a deterministic run).
 """
