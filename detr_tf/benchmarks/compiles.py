@@ -9,12 +9,11 @@ run's pipeline is taken first; the step then meets each canvas in turn: the firs
 beyond a steady step: the run's one-off price of tracing and compiling.
 """
 import statistics
-import time
 from typing import Callable, Dict, List, Sequence
 
 import tensorflow as tf
 
-from detr_tf.benchmarks import ours
+from detr_tf.benchmarks import ours, timing
 
 
 def canvas_batches(dataset: tf.data.Dataset, max_canvases: int) -> List:
@@ -43,15 +42,10 @@ def measure(model_fn: Callable, criterion, batches: Sequence, jit: str, precisio
     step = ts.builder.make_step_fn()
     iterator = iter(_feed(batches, repeats))
 
-    def call():
-        t0 = time.perf_counter()
-        tf.nest.map_structure(lambda t: t.numpy(), step(iterator))
-        return time.perf_counter() - t0
-
     rows = []
     for batch in batches:
-        first = call()
-        steady = statistics.median(call() for _ in range(repeats))
+        first = timing.timed_call(step, iterator)
+        steady = statistics.median(timing.timed_call(step, iterator) for _ in range(repeats))
         rows.append({"canvas": list(batch[0]["images"].shape[1:3]), "first_call_s": first,
                      "step_ms": steady * 1e3})
     return {"jit": ts.jit, "canvases": rows, "traces": step.experimental_get_tracing_count(),
