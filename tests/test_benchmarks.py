@@ -264,7 +264,7 @@ def test_compile_benchmark_feeds_canvases_in_turn_with_unknown_height_and_width(
                for h, w in ((64, 64), (64, 128), (128, 64))]
     found = compiles.canvas_batches(iter(batches[::-1] + batches), 2)
     assert [tuple(b[0]["images"].shape[1:3]) for b in found] == [(64, 128), (128, 64)]
-    fed = compiles._feed(batches, repeats=2)
+    fed = compiles.feed_canvases(batches, repeats=2)
     assert fed.element_spec[0]["images"].shape.as_list() == [2, None, None, 3]
     shapes = [tuple(f["images"].shape[1:3]) for f, _ in fed]
     assert shapes == [(64, 64)] * 3 + [(64, 128)] * 3 + [(128, 64)] * 3

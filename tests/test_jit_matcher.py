@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from detr_tf import config, run as run_lib
-from detr_tf.benchmarks import ours, synthetic, xla_launches
+from detr_tf.benchmarks import compiles, ours, synthetic, xla_launches
 from detr_tf.training import step as step_lib
 
 CANVASES = ((64, 64), (64, 128), (128, 128))  # 4, 8 and 16 cells at stride 32
@@ -34,10 +34,8 @@ def tiny_two_stage():
 
 def _batches():
     """One batch per canvas, from a dataset whose element_spec leaves H and W unknown."""
-    parts = [synthetic.ours(synthetic.draw(2, hw, 3, 6, 4)) for hw in CANVASES]
-    dataset = tf.data.Dataset.from_tensors(parts[0])
-    for part in parts[1:]:
-        dataset = dataset.concatenate(tf.data.Dataset.from_tensors(part))
+    dataset = compiles.feed_canvases(
+        [synthetic.ours(synthetic.draw(2, hw, 3, 6, 4)) for hw in CANVASES])
     assert dataset.element_spec[0]["images"].shape.as_list() == [2, None, None, 3]
     return iter(dataset)
 

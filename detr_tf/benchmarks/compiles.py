@@ -26,7 +26,7 @@ def canvas_batches(dataset: tf.data.Dataset, max_canvases: int) -> List:
     return [found[k] for k in sorted(found)]
 
 
-def _feed(batches: Sequence, repeats: int) -> tf.data.Dataset:
+def feed_canvases(batches: Sequence, repeats: int = 0) -> tf.data.Dataset:
     """Each batch 1 + repeats times, one canvas after the other; H and W left unknown."""
     parts = [tf.data.Dataset.from_tensors(b).repeat(1 + repeats) for b in batches]
     dataset = parts[0]
@@ -40,7 +40,7 @@ def measure(model_fn: Callable, criterion, batches: Sequence, jit: str, precisio
     """One jit choice: its first call and steady step per canvas (see the module docstring)."""
     ts = ours.build_train_step(model_fn, criterion, jit, precision)
     step = ts.builder.make_step_fn()
-    iterator = iter(_feed(batches, repeats))
+    iterator = iter(feed_canvases(batches, repeats))
 
     rows = []
     for batch in batches:
