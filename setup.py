@@ -28,7 +28,7 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"] + EXPORT,
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"] + EXPORT,
         "export": EXPORT,
         # Reading torch .pth weight files, and the `pytest -m torch` comparisons.
         "torch": ["torch>=2.1", "torchvision", "timm", "transformers"],
