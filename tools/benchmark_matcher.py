@@ -1,34 +1,42 @@
 """Benchmarks detr_tf's batched matchers against a scipy loop (and Model Garden's matcher).
 
     python tools/benchmark_matcher.py --json_out=/tmp/matcher.json
+    python tools/benchmark_matcher.py --cases=24x12x16,24x12x6full --distributions=trained
 
-Costs are DETR-like: built with `match_cost` from random predictions and targets, with a random
-number of real targets per problem (the rest padded) unless the case ends in 'full'. Every case
-times, in interleaved rounds (one call of each in turn, in a new random order every round,
-so a busy machine slows all alike):
+Every case NxQxT runs once per cost distribution of --distributions
+(detr_tf/benchmarks/matcher_costs.py): `uniform` (i.i.d. noise, like costs early in training),
+`ties` (i.i.d. integers 0-9: many exact ties), `detr` (`match_cost` of random predictions and
+targets) and `trained` (a trained quickstart model's costs on the shapes val set, committed as
+tests/fixtures/matcher/quickstart_costs.npz; only its own Q = 12 and T >= 6, T = 6 when full, so
+it skips the other cases with a note). A random number of targets per problem is real (the rest
+padded) unless the case ends in 'full'; each distribution draws from its own generator seeded
+with --seed, so `--distributions=detr` gives the same costs as the benchmark gave before it had
+distributions. Every case times, in interleaved rounds (one call of each in turn, in a new
+random order every round, so a busy machine slows all alike):
 - ours: `hungarian_matching` with the JV start (`--arr_passes`, `--unroll`), jit-compiled;
 - greedy: the same exact solver with the plain greedy start and one step per loop iteration
   (the solver before the JV start), for comparison;
 - sinkhorn: the approximate `sinkhorn_matching` (`--sinkhorn_epsilon`, `--sinkhorn_iters`);
 - scipy: scipy.optimize.linear_sum_assignment called once per problem;
-- for square all-real cases with N <= --mg_max_n, TF Model Garden's DETR matcher.
+- for square all-real cases with N <= --mg_max_n, TF Model Garden's matcher.
 It reports minimum and median times, the median of the per-round ratios to scipy, first-call
-compile times, the while-loop iterations of the exact solves (JV passes + search iterations)
-and their search steps, checks the exact totals against scipy's optimum, and gives the
-Sinkhorn matcher's excess cost over the optimum.
+compile times (a case's first distribution only: the others reuse its compiled matchers), the
+while-loop iterations of the exact solves (JV passes + search iterations) and their search
+steps, checks the exact totals against scipy's optimum, and gives the Sinkhorn matcher's excess
+cost over the optimum, relative to max(|optimum|, 1).
 """
 import json
 import os
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from absl import app, flags
 from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
 import numpy as np
-import scipy.optimize
 import tensorflow as tf
 
-from detr_tf.ops import matching, matching_cost, sinkhorn
+from detr_tf.benchmarks import matcher_costs
+from detr_tf.ops import matching, sinkhorn
 
 tf.get_logger().setLevel("ERROR")  # Model Garden's matcher logs deprecation warnings
 
@@ -37,8 +45,15 @@ flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.")
 flags.DEFINE_integer("mg_rounds", 3, "Rounds for Model Garden's matcher (it is slow).")
 flags.DEFINE_string("cases", "384x100x10,384x100x20,384x100x50,384x100x100,"
-                    "384x100x100full,8x100x100full",
-                    "Comma-separated NxQxT; suffix 'full' = every target real (no padding).")
+                    "384x100x100full,8x100x100full,24x12x16",
+                    "Comma-separated NxQxT; suffix 'full' = every target real (no padding). "
+                    "24x12x16 is one quickstart training step's call (3 decoder layers x 8 "
+                    "images, 12 queries, targets padded to 16).")
+flags.DEFINE_list("distributions", list(matcher_costs.DISTRIBUTIONS),
+                  "Cost distributions to run every case on (detr_tf/benchmarks/"
+                  "matcher_costs.py).")
+flags.DEFINE_string("trained_fixture", matcher_costs.FIXTURE,
+                    "The 'trained' distribution's costs (tools/make_matcher_cost_fixture.py).")
 flags.DEFINE_list("variants", ["ours", "greedy", "sinkhorn", "scipy"],
                   "Which matchers to time (Model Garden is added by --mg_max_n).")
 flags.DEFINE_integer("arr_passes", matching.DEFAULT_ARR_PASSES,
@@ -51,40 +66,6 @@ flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("mg_max_n", 8, "Run Model Garden's matcher only for batches up to this size "
                      "(at [384, 100, 100] it did not finish 3 calls in 9 minutes on the 2-core "
                      "development machine); 0 = never.")
-
-
-def detr_like_problem(rng: np.random.Generator, n: int, q: int, t: int, full: bool):
-    """Returns cost [N, Q, T] float32 and target mask [N, T] bool."""
-    num_classes = 92
-    logits = rng.normal(size=(n, q, num_classes)).astype(np.float32) * 2
-    pred_boxes = np.concatenate([rng.uniform(0.1, 0.9, (n, q, 2)),
-                                 rng.uniform(0.02, 0.5, (n, q, 2))], -1).astype(np.float32)
-    labels = rng.integers(0, num_classes - 1, (n, t))
-    tgt_boxes = np.concatenate([rng.uniform(0.1, 0.9, (n, t, 2)),
-                                rng.uniform(0.02, 0.5, (n, t, 2))], -1).astype(np.float32)
-    cost = matching_cost.match_cost(logits, pred_boxes, labels, tgt_boxes).numpy()
-    if full:
-        mask = np.ones((n, t), bool)
-    else:
-        mask = np.arange(t)[None, :] < rng.integers(t // 2, t + 1, (n, 1))
-    return cost, mask
-
-
-def scipy_totals(cost: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """[N] optimal total cost of each problem (float64), one scipy call per problem."""
-    totals = np.zeros(cost.shape[0])
-    for b in range(cost.shape[0]):
-        sub = cost[b][:, mask[b]]
-        rows, cols = scipy.optimize.linear_sum_assignment(sub)
-        totals[b] = sub[rows, cols].astype(np.float64).sum()
-    return totals
-
-
-def matched_totals(cost: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """[N] total cost of a [N, Q] query -> target matching (float64)."""
-    picked = np.where(out >= 0, np.take_along_axis(cost, np.maximum(out, 0)[..., None], 2)[..., 0],
-                      0.0)
-    return picked.astype(np.float64).sum(axis=1)
 
 
 def timed(fn) -> float:
@@ -115,6 +96,9 @@ def _matchers(n: int, q: int, t: int, full: bool) -> Dict[str, Callable]:
     return out
 
 
+_COMPILED: Dict[Tuple[int, int, int, bool], Dict[str, Callable]] = {}
+
+
 def _summary(name: str, values: List[float], scipy_values: List[float]) -> Dict:
     ratios = [a / b for a, b in zip(values, scipy_values)]
     return {f"{name}_ms_min": 1e3 * min(values),
@@ -123,21 +107,36 @@ def _summary(name: str, values: List[float], scipy_values: List[float]) -> Dict:
             f"{name}_rounds": len(values)}
 
 
-def run_case(spec: str, rng: np.random.Generator) -> Dict:
+def parse_case(spec: str) -> Tuple[int, int, int, bool]:
+    """'384x100x100full' -> (384, 100, 100, True)."""
     full = spec.endswith("full")
     n, q, t = (int(x) for x in spec.replace("full", "").split("x"))
-    cost, mask = detr_like_problem(rng, n, q, t, full)
+    return n, q, t, full
+
+
+def run_case(spec: str, distribution: str, cost: np.ndarray, mask: np.ndarray) -> Dict:
+    """Times every matcher on one problem batch: cost [N, Q, T] float32, mask [N, T] bool."""
+    n, q, t, full = parse_case(spec)
     cost_t, mask_t = tf.constant(cost), tf.constant(mask)
-    best = scipy_totals(cost, mask)
-    result = dict(case=spec, n=n, q=q, t=t, padded=not full, scipy_total=float(best.sum()))
-    fns = _matchers(n, q, t, full)
+    best = matcher_costs.optimal_totals(cost, mask)
+    result = dict(case=spec, distribution=distribution, n=n, q=q, t=t, padded=not full,
+                  scipy_total=float(best.sum()))
+    # The distributions of a case share its compiled matchers: only the first one compiles.
+    fresh = (n, q, t, full) not in _COMPILED
+    if fresh:
+        _COMPILED[(n, q, t, full)] = _matchers(n, q, t, full)
+    fns = _COMPILED[(n, q, t, full)]
     for name, fn in fns.items():
-        result[f"{name}_compile_s"] = timed(lambda: fn(cost_t, mask_t)[0].numpy())
+        first = timed(lambda: fn(cost_t, mask_t)[0].numpy())
+        if fresh:
+            result[f"{name}_compile_s"] = first
         if name == "model_garden":
             continue  # timed only: its output is an assignment matrix
         out, stats = fn(cost_t, mask_t)
-        got = matched_totals(cost, out.numpy())
-        excess = (got - best) / np.maximum(np.abs(best), 1e-9)
+        got = matcher_costs.matched_totals(cost, out.numpy())
+        # Relative to |optimum|, but at least 1: the optimum of a full square 'ties' problem
+        # is usually 0 (every row holds zeros), and then the excess is in the costs' own units.
+        excess = (got - best) / np.maximum(np.abs(best), 1.0)
         result[f"{name}_exact"] = bool(np.all(np.abs(got - best)
                                               <= 1e-5 * np.maximum(1, np.abs(best))))
         result[f"{name}_excess_mean"] = float(excess.mean())
@@ -147,7 +146,7 @@ def run_case(spec: str, rng: np.random.Generator) -> Dict:
             result[f"{name}_{key}"] = (int(value) if value.ndim == 0
                                        else dict(mean=float(value.mean()), max=int(value.max())))
     calls = {name: (lambda fn=fn: fn(cost_t, mask_t)[0].numpy()) for name, fn in fns.items()}
-    calls["scipy"] = lambda: scipy_totals(cost, mask)
+    calls["scipy"] = lambda: matcher_costs.optimal_totals(cost, mask)
     times: Dict[str, List[float]] = {name: [] for name in calls}
     shuffle = np.random.default_rng(FLAGS.seed)
     for _ in range(FLAGS.rounds):
@@ -176,8 +175,10 @@ def _print_row(r: Dict) -> None:
         return f"{r[f'{name}_iterations']:6d}" if f"{name}_iterations" in r else f"{'-':>6}"
 
     excess = r.get("sinkhorn_excess_mean")
-    print(f"{r['case']:>16} {cell('scipy')} {cell('ours')} {ratio('ours')} {iters('ours')} "
-          f"{r.get('ours_compile_s', 0):6.1f} {cell('greedy')} {ratio('greedy')} "
+    compile_s = r.get("ours_compile_s")
+    print(f"{r['case']:>16} {r['distribution']:>8} {cell('scipy')} {cell('ours')} "
+          f"{ratio('ours')} {iters('ours')} {'-' if compile_s is None else f'{compile_s:.1f}':>6} "
+          f"{cell('greedy')} {ratio('greedy')} "
           f"{iters('greedy')} {cell('sinkhorn')} {ratio('sinkhorn')} "
           f"{'-' if excess is None else f'{100 * excess:.2f}%':>8} "
           f"{cell('model_garden')} {r.get('ours_exact', '-')!s:>5}", flush=True)
@@ -185,24 +186,48 @@ def _print_row(r: Dict) -> None:
 
 def main(argv):
     del argv
-    rng = np.random.default_rng(FLAGS.seed)
-    results = []
-    print(f"{'case':>16} {'scipy':>8} {'ours':>8} {'/scipy':>6} {'iters':>6} {'cmp s':>6} "
-          f"{'greedy':>8} {'/scipy':>6} {'iters':>6} {'sinkhorn':>8} {'/scipy':>6} "
+    unknown = sorted(set(FLAGS.distributions) - set(matcher_costs.DISTRIBUTIONS))
+    if unknown:
+        raise app.UsageError(f"--distributions: unknown {unknown}; expected some of "
+                             f"{','.join(matcher_costs.DISTRIBUTIONS)}")
+    # One generator per distribution: adding or dropping one leaves the others' costs the same.
+    rngs = {name: np.random.default_rng(FLAGS.seed) for name in FLAGS.distributions}
+    results, skipped = [], {}
+    print(f"{'case':>16} {'costs':>8} {'scipy':>8} {'ours':>8} {'/scipy':>6} {'iters':>6} "
+          f"{'cmp s':>6} {'greedy':>8} {'/scipy':>6} {'iters':>6} {'sinkhorn':>8} {'/scipy':>6} "
           f"{'excess':>8} {'MG':>8} exact")
-    for spec in FLAGS.cases.split(","):
-        results.append(run_case(spec.strip(), rng))
-        _print_row(results[-1])
+    for spec in (s.strip() for s in FLAGS.cases.split(",")):
+        n, q, t, full = parse_case(spec)
+        for name in FLAGS.distributions:
+            try:
+                cost, mask = matcher_costs.problem(name, rngs[name], n, q, t, full,
+                                                   FLAGS.trained_fixture)
+            except matcher_costs.ShapeMismatch as e:
+                skipped.setdefault(name, ([], str(e)))[0].append(spec)
+                continue
+            results.append(run_case(spec, name, cost, mask))
+            _print_row(results[-1])
     print("times are medians (ms) over interleaved rounds; '/scipy' is the median of per-round "
-          "ratios; minimums, compile times and search steps are in the JSON.")
+          "ratios; 'cmp s' is the first call's time where it compiled; minimums, compile times "
+          "and search steps are in the JSON.")
+    for name, (specs, reason) in skipped.items():
+        print(f"{name}: skipped {', '.join(specs)}: {reason}")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(results=results, rounds=FLAGS.rounds, load_average=os.getloadavg(),
-                           flags={k: FLAGS[k].value for k in (
-                               "arr_passes", "unroll", "sinkhorn_epsilon", "sinkhorn_iters",
-                               "seed", "variants")},
-                           devices=[d.name for d in tf.config.list_logical_devices()]), f,
-                      indent=2)
+        _write_json(results, {name: specs for name, (specs, _) in skipped.items()})
+
+
+def _write_json(results: List[Dict], skipped: Dict[str, List[str]]) -> None:
+    extra = {}
+    if "trained" in FLAGS.distributions:
+        extra["trained_costs"] = matcher_costs.load_trained(FLAGS.trained_fixture).metadata
+    with open(FLAGS.json_out, "w") as f:
+        json.dump(dict(results=results, skipped=skipped, rounds=FLAGS.rounds,
+                       load_average=os.getloadavg(),
+                       flags={k: FLAGS[k].value for k in (
+                           "arr_passes", "unroll", "sinkhorn_epsilon", "sinkhorn_iters",
+                           "seed", "variants", "distributions")},
+                       devices=[d.name for d in tf.config.list_logical_devices()], **extra),
+                  f, indent=2)
 
 
 if __name__ == "__main__":
