@@ -287,6 +287,26 @@ def test_iteration_count_is_bounded():
         assert int(stats["iterations"]) == int(stats["init_passes"] + stats["search_iterations"])
 
 
+def test_default_unroll_follows_the_device(monkeypatch):
+    """Crowded shapes take 2 search steps per loop iteration on a CPU, 4 where a GPU or TPU is
+    visible; sparse shapes 2 everywhere. Checked through the loop statistics of one problem,
+    whose loop runs exactly until its last step."""
+    q = t = 30
+    cost = np.random.default_rng(0).uniform(0, 1, (1, q, t)).astype(np.float32)
+    real = tf.config.list_logical_devices
+    for visible, want in [((), 2), (("GPU",), 4), (("TPU",), 4)]:
+        monkeypatch.setattr(tf.config, "list_logical_devices",
+                            lambda kind=None, v=visible: ["fake"] if kind in v else real(kind))
+        out, stats = matching.hungarian_matching_with_stats(cost)
+        _assert_optimal(cost, np.ones((1, t), bool), out.numpy())
+        steps = int(stats["steps"][0])
+        assert steps > 4 and int(stats["search_iterations"]) == -(-steps // want), visible
+    sparse = np.random.default_rng(0).uniform(0, 1, (1, 12, 3)).astype(np.float32)
+    assert matching._default_unroll(crowded=False) == matching.DEFAULT_SPARSE_UNROLL
+    _assert_optimal(sparse, np.ones((1, 3), bool),
+                    matching.hungarian_matching(sparse).numpy())
+
+
 # ----------------------------------------------------------------------------------- match_cost
 
 def _softmax64(x):

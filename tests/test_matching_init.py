@@ -102,15 +102,18 @@ _CHECKED_GREEDY = tf.function(matching_init.checked_greedy_start, jit_compile=Tr
 
 
 def _greedy_reference(cost, row_mask, col_mask, bound):
-    """float64 numpy: each real row's first cheapest usable column, the lowest row winning a
-    contested column; ok unless some entry (real or padded) is NaN or beyond +-bound."""
+    """float64 numpy: each real row i's cheapest usable column, on ties the first one from
+    column i on, cyclically; the lowest row wins a contested column. ok unless some entry
+    (real or padded) is NaN or beyond +-bound."""
     n, r, c = cost.shape
     row4col, placed = -np.ones((n, c), np.int32), np.zeros((n, r), bool)
     for b in range(n):
         usable = np.nonzero(col_mask[b])[0]
         for i in np.nonzero(row_mask[b])[0]:
             if usable.size:
-                j = usable[np.argmin(cost[b, i, usable].astype(np.float64))]
+                values = cost[b, i, usable].astype(np.float64)
+                cheapest = usable[values == values.min()]
+                j = cheapest[np.argmin((cheapest - i) % c)]
                 if row4col[b, j] < 0:
                     row4col[b, j], placed[b, i] = i, True
     ok = not np.any(~(np.abs(cost.astype(np.float64)) <= bound))
@@ -121,7 +124,7 @@ def _greedy_reference(cost, row_mask, col_mask, bound):
 def test_checked_greedy_start_against_numpy(shape):
     rng = np.random.default_rng(sum(shape))
     n, r, c = shape
-    # Integer costs: many ties, which the lowest column must win (no signed zeros here).
+    # Integer costs: many ties, which the rotation must break (no signed zeros here).
     cost = rng.integers(-3, 4, shape).astype(np.float32)
     row_mask = rng.random((n, r)) < 0.7
     col_mask = rng.random((n, c)) < 0.8
@@ -194,3 +197,17 @@ def test_bad_matcher_options_raise_named_errors():
         matching.HungarianMatcher(unroll=0)
     with pytest.raises(ValueError, match="arr_passes"):
         matching.HungarianMatcher(arr_passes=-1)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7, 12])
+def test_free_rows_lists_the_first_marked_rows_in_order(budget):
+    rng = np.random.default_rng(budget)
+    todo = rng.random((20, 12)) < rng.uniform(0, 1, (20, 1))
+    todo[0], todo[1] = False, True
+    rows, valid = (x.numpy() for x in tf.function(matching_init.free_rows, jit_compile=True)(
+        tf.constant(todo), budget))
+    for b in range(todo.shape[0]):
+        want = np.nonzero(todo[b])[0][:budget]
+        np.testing.assert_array_equal(valid[b], np.arange(budget) < len(want))
+        np.testing.assert_array_equal(rows[b][:len(want)], want)
+        assert np.all(rows[b][len(want):] == 0)

@@ -16,15 +16,26 @@ from detr_tf.ops.matching_solver import solve
 
 # Augmenting-row-reduction passes of the JV start, by default (see the benchmark's table).
 DEFAULT_ARR_PASSES = 4
-# Search steps per while-loop iteration, by default: fewer loop-condition round trips. Crowded
-# problems (see jv_min_fill) take hundreds of steps; sparse ones a handful, so a problem that
-# finishes mid-iteration idles less with 2.
+# Search steps per while-loop iteration, by default. Crowded problems (see jv_min_fill) take
+# hundreds of steps: on an accelerator, where every iteration pays a loop-condition round trip,
+# 4 per iteration; on a CPU, where an iteration costs little beyond its steps, 2 (at
+# [384, 100, 100] 4 took 1.2-1.4x as long as 2 on an AVX2 CPU, docs/PERFORMANCE.md). Sparse
+# problems take a handful of steps, so a problem that finishes mid-iteration idles less with 2.
 DEFAULT_UNROLL = 4
+DEFAULT_CPU_UNROLL = 2
 DEFAULT_SPARSE_UNROLL = 2
 # The JV start runs only when min(Q, T) >= this fraction of max(Q, T), by default. With few
 # targets the greedy start already places nearly every row, and the JV sweeps over [N, T, Q]
 # cost more than the handful of search steps they save (docs/PERFORMANCE.md).
 DEFAULT_JV_MIN_FILL = 0.5
+
+
+def _default_unroll(crowded: bool) -> int:
+    """Search steps per loop iteration when none is given (see DEFAULT_UNROLL)."""
+    if not crowded:
+        return DEFAULT_SPARSE_UNROLL
+    accelerator = any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+    return DEFAULT_UNROLL if accelerator else DEFAULT_CPU_UNROLL
 
 
 def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optional[int],
@@ -85,7 +96,7 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
     else:
         crowded = min(num_queries, num_targets) >= jv_min_fill * max(num_queries, num_targets)
         if unroll is None:
-            unroll = DEFAULT_UNROLL if crowded else DEFAULT_SPARSE_UNROLL
+            unroll = _default_unroll(crowded)
         if not crowded:
             arr_passes = None
         matched, stats = _hungarian_flat(flat, mask, arr_passes, unroll)
@@ -111,10 +122,10 @@ def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
         with at most this many augmenting-row-reduction passes (ops/matching_init.py); None:
         the plain greedy start. Only the speed depends on it, never the result's cost.
       unroll: search steps per while-loop iteration. Every iteration costs a loop-condition round
-        trip, so on crowded problems fewer, longer iterations help; a problem that finishes
-        mid-iteration just idles. None: 4 (DEFAULT_UNROLL) when the shapes are crowded (see
-        jv_min_fill), else 2 (DEFAULT_SPARSE_UNROLL). Like arr_passes, it never changes the
-        result.
+        trip, so on crowded problems on an accelerator fewer, longer iterations help; a problem
+        that finishes mid-iteration just idles. None: when the shapes are crowded (see
+        jv_min_fill), 4 (DEFAULT_UNROLL) if a GPU or TPU is visible and 2 on a CPU, else 2
+        (DEFAULT_SPARSE_UNROLL). Like arr_passes, it never changes the result.
       jv_min_fill: the shapes count as crowded when min(Q, T) >= jv_min_fill * max(Q, T)
         (static shapes). Only crowded shapes get the JV start; others the greedy start.
         0 = the JV start whenever arr_passes is set.

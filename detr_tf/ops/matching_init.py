@@ -15,15 +15,19 @@ Two starts are offered:
   every column ends up assigned; the others with the greedy start. Then reduction transfer
   (lower each assigned column until its row is indifferent between it and its second best), and
   a bounded number of augmenting-row-reduction passes. JV processes the free rows one at a time;
-  here every free row of every problem bids in the same pass (a Jacobi-style auction step with
-  no epsilon), so one pass costs one sweep over [N, R, C] rather than one loop iteration per row.
-  Without epsilon, ties can make rows displace each other back and forth, which is why the
-  number of passes is bounded; whatever is still free is left to the exact search.
+  here the free rows of every problem bid in the same pass (a Jacobi-style auction step with
+  no epsilon), so one pass costs one sweep over [N, K, C] (the K first free rows) rather than
+  one loop iteration per row. Without epsilon, ties can make rows displace each other back and
+  forth, which is why the number of passes is bounded; whatever is still free is left to the
+  exact search.
+Every minimum breaks ties by rotation (`rotated_key`), so that on costs with many exact ties
+the rows' choices spread over the tied columns instead of piling onto the lowest index.
 
 `start` takes the raw costs, cleans them (`matching_inputs.sanitize`) and runs one of the two.
 For the greedy start it checks the costs in the argmin's own reduction
 (`checked_greedy_start`) rather than in a pass of its own.
 """
+import math
 from typing import Optional, Tuple
 
 import tensorflow as tf
@@ -31,6 +35,11 @@ import tensorflow as tf
 from detr_tf.ops import matching_inputs
 
 _INF = float("inf")
+# Each augmenting-row-reduction pass lets at most this fraction of the rows bid (the first free
+# ones). Column reduction leaves about 37% of a square uniform problem's rows free, the first
+# passes 23%, 14% and 10% (docs/PERFORMANCE.md): a quarter keeps most bids in the first pass
+# and a pass at a quarter of the cost of one over every row.
+ARR_BUDGET_FRACTION = 0.25
 
 
 def sortable_int64(x: tf.Tensor) -> tf.Tensor:
@@ -51,16 +60,31 @@ def float_from_key(key: tf.Tensor) -> tf.Tensor:
     return tf.bitcast(bits, tf.float32)
 
 
-def min_and_argmin(x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """[..., C] float32 (no NaN) -> ([...] minimum, [...] int32 index of the first minimum).
+def rotated_key(x: tf.Tensor, lists: tf.Tensor) -> tf.Tensor:
+    """[N, L, K] float32 -> int64 keys whose minimum over K picks x's minimum of each list.
 
-    One int64 min-reduction over (value | index) keys: on XLA:CPU each pass over [384, 20, 100]
-    costs ~0.5 ms, and tf.argmin's variadic reduction or min-compare-min take two or three.
+    Packs (value, (k - list) mod K) into one int64, so one min-reduction gives the value and
+    its index: on XLA:CPU tf.argmin's variadic reduction or a min then a compare-and-min took
+    two or three passes over [N, L, K]. Among equal values each list prefers the item at its
+    own index, then the next ones cyclically: with many exact ties (integer costs) the lowest
+    index would win for every list, so every row would want the same column; rotating spreads
+    the choices and leaves fewer collisions for the search.
+
+    Args:
+      x: [N, L, K] float32.
+      lists: [L] or [N, L] int32, the index of each list (a row, or a column).
+
     (-0.0 sorts below +0.0 here; both are minima, so either index is a valid answer.)
     """
-    key = sortable_int64(x) + tf.cast(tf.range(x.shape[-1]), tf.int64)
-    best = tf.reduce_min(key, axis=-1)
-    return float_from_key(best), tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
+    items = tf.range(x.shape[2], dtype=tf.int32)
+    rotation = tf.math.floormod(items - lists[..., None], x.shape[2])
+    return sortable_int64(x) + tf.cast(rotation, tf.int64)
+
+
+def unrotate(best: tf.Tensor, lists: tf.Tensor, num_items: int) -> tf.Tensor:
+    """The item index (int32) of minimum keys `best` of `rotated_key` ([N, L] int64)."""
+    rotated = tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32)
+    return tf.math.floormod(rotated + lists, num_items)
 
 
 def _batch_index(n: tf.Tensor, index: tf.Tensor) -> tf.Tensor:
@@ -140,15 +164,14 @@ def checked_greedy_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tens
       are then meaningless).
     """
     num_cols = cost.shape[2]
-    key = sortable_int64(cost) + tf.cast(tf.range(num_cols), tf.int64)
-    key = tf.where(col_mask[:, None, :], key, tf.int64.max)
+    rows = tf.range(cost.shape[1], dtype=tf.int32)
+    key = tf.where(col_mask[:, None, :], rotated_key(cost, rows), tf.int64.max)
     # A bad entry wins its row's minimum, so checking the minima finds every bad entry.
     key = tf.where(tf.abs(cost) <= bound, key, tf.int64.min)
     best = tf.reduce_min(key, axis=2)  # [N, R]
     ok = tf.reduce_all(best != tf.int64.min)
     # A row with no usable column (best = int64 max) wants none.
-    col = tf.where(best < tf.int64.max, tf.cast(tf.bitwise.bitwise_and(best, 0xFFFF), tf.int32),
-                   num_cols)
+    col = tf.where(best < tf.int64.max, unrotate(best, rows, num_cols), num_cols)
     row4col, placed = _claim(col, row_mask, num_cols)
     return row4col, placed, ok
 
@@ -163,20 +186,29 @@ def _column_reduction(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
     by_col = tf.where(row_mask[:, None, :], tf.transpose(cost, [0, 2, 1]), _INF)  # [N, C, R]
-    v, best_row = min_and_argmin(by_col)  # [N, C]
+    cols = tf.range(num_cols, dtype=tf.int32)
+    best = tf.reduce_min(rotated_key(by_col, cols), axis=2)  # [N, C]
+    v, best_row = float_from_key(best), unrotate(best, cols, num_rows)
     # Each row keeps the lowest-index column that chose it.
     chosen = _scatter_min_rows(n, tf.where(col_mask, best_row, num_rows), num_rows, num_cols)
     owner_choice = tf.gather(chosen, tf.minimum(best_row, num_rows - 1), batch_dims=1)  # [N, C]
-    cols = tf.range(num_cols, dtype=tf.int32)[None, :]
-    row4col = tf.where(col_mask & (owner_choice == cols), best_row, -1)
+    row4col = tf.where(col_mask & (owner_choice == cols[None, :]), best_row, -1)
     return row4col, tf.where(col_mask, v, 0.0)
 
 
-def _two_smallest(reduced: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-    """[N, R, C] -> (u1, j1, u2, j2), each [N, R]: the smallest entry and the next one."""
-    u1, j1 = min_and_argmin(reduced)
-    first = tf.range(reduced.shape[2], dtype=tf.int32) == j1[:, :, None]
-    u2, j2 = min_and_argmin(tf.where(first, _INF, reduced))
+def _two_smallest(reduced: tf.Tensor, rows: tf.Tensor
+                  ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """[N, K, C] reduced costs of rows `rows` ([N, K] int32) -> (u1, j1, u2, j2), each [N, K]:
+    the smallest entry and the next one, ties broken as `rotated_key` says for each row."""
+    num_cols = reduced.shape[2]
+
+    def smallest(x):
+        best = tf.reduce_min(rotated_key(x, rows), axis=2)
+        return float_from_key(best), unrotate(best, rows, num_cols)
+
+    u1, j1 = smallest(reduced)
+    first = tf.range(num_cols, dtype=tf.int32) == j1[:, :, None]
+    u2, j2 = smallest(tf.where(first, _INF, reduced))
     return u1, j1, u2, j2
 
 
@@ -200,7 +232,7 @@ def reduction_transfer(cost: tf.Tensor, row4col: tf.Tensor, v: tf.Tensor, col_ma
     reduced = _reduced_costs(cost, v, col_mask)
     mine = tf.range(cost.shape[2], dtype=tf.int32) == owned[:, :, None]  # [N, R, C]
     second = tf.reduce_min(tf.where(mine, _INF, reduced), axis=2)  # [N, R]
-    own_cost = tf.reduce_sum(tf.where(mine, cost, 0.0), axis=2)  # [N, R] C[i, col(i)]
+    own_cost = tf.gather(cost, tf.maximum(owned, 0)[:, :, None], batch_dims=2)[:, :, 0]
     safe = tf.maximum(row4col, 0)
     new_v = (tf.gather(own_cost, safe, batch_dims=1)
              - tf.gather(second, safe, batch_dims=1))  # [N, C]
@@ -208,28 +240,55 @@ def reduction_transfer(cost: tf.Tensor, row4col: tf.Tensor, v: tf.Tensor, col_ma
     return tf.where(ok, tf.minimum(new_v, v), v)
 
 
-def _arr_pass(cost, row_mask, col_mask, row4col, v):
-    """One augmenting-row-reduction pass: every free real row bids for its best column.
+def free_rows(todo: tf.Tensor, budget: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The first `budget` marked rows of each problem, in index order.
+
+    A scatter by running count: XLA:CPU's sort took ~1 ms for this.
+
+    Args:
+      todo: [N, R] bool, the marked rows.
+      budget: how many to return (at most R).
+
+    Returns:
+      rows: [N, budget] int32, entries past a problem's count are row 0; valid: [N, budget]
+      bool, False on those entries.
+    """
+    n = tf.shape(todo)[0]
+    num_rows = todo.shape[1]
+    position = tf.where(todo, tf.cumsum(tf.cast(todo, tf.int32), axis=1) - 1, num_rows)
+    position = tf.where(position < budget, position, budget)
+    rows = tf.broadcast_to(tf.range(num_rows, dtype=tf.int32)[None, :], [n, num_rows])
+    order = tf.tensor_scatter_nd_update(tf.zeros([n, budget + 1], tf.int32),
+                                        _batch_index(n, position), rows)[:, :budget]
+    count = tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)
+    return order, tf.range(budget) < count[:, None]
+
+
+def _arr_pass(cost, row_mask, col_mask, row4col, v, budget: int):
+    """One augmenting-row-reduction pass: free real rows bid for their best columns.
 
     A free row i with best reduced cost u1 at j1 and second best u2 at j2 offers to lower v[j1]
     by u2 - u1 (it is then tight at j1 and still feasible); the lowest offer per column
     wins (lowest row on ties) and displaces the owner, who becomes free. On a tie (u1 == u2)
-    with j1 taken, the row takes j2 at its current price instead, as JV does.
+    with j1 taken, the row takes j2 at its current price instead, as JV does. Only the first
+    `budget` free rows of each problem bid (gathered into [N, budget, C]): after the first
+    passes few rows are free, and a sweep over all R rows cost several times the bids.
 
     Returns:
       (row4col [N, C], v [N, C]).
     """
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
-    free = row_mask & (col4row(row4col, num_rows) < 0)  # [N, R]
-    u1, j1, u2, j2 = _two_smallest(_reduced_costs(cost, v, col_mask))
+    rows, free = free_rows(row_mask & (col4row(row4col, num_rows) < 0), budget)  # [N, K]
+    bidders = tf.gather(cost, rows, batch_dims=1)  # [N, K, C]
+    u1, j1, u2, j2 = _two_smallest(_reduced_costs(bidders, v, col_mask), rows)
     j1_taken = tf.gather(row4col, j1, batch_dims=1) >= 0
     use_j2 = (u1 >= u2) & j1_taken & tf.math.is_finite(u2)
-    target = tf.where(use_j2, j2, j1)  # [N, R]
+    target = tf.where(use_j2, j2, j1)  # [N, K]
     v_target = tf.gather(v, target, batch_dims=1)
     offer = tf.where(use_j2 | ~tf.math.is_finite(u2), v_target, v_target - (u2 - u1))
     # Pack (offer, row) into one int64 key so that one scatter-min picks each column's winner.
-    key = tf.bitwise.bitwise_or(sortable_int64(offer), tf.cast(tf.range(num_rows), tf.int64))
+    key = tf.bitwise.bitwise_or(sortable_int64(offer), tf.cast(rows, tf.int64))
     slot = tf.where(free, target, num_cols)
     best = tf.tensor_scatter_nd_min(tf.fill(tf.stack([n, num_cols + 1]), tf.int64.max),
                                     _batch_index(n, slot), key)[:, :num_cols]  # [N, C]
@@ -253,23 +312,29 @@ def jv_start(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor, arr_pass
       row4col: [N, C] int32 row owning each column or -1; v: [N, C] float32 column potentials,
       dual feasible for the search phase; passes: scalar int32, ARR passes run.
     """
-    row4col = greedy_start(cost, row_mask, col_mask)
     v = tf.zeros_like(cost[:, 0, :])
     if cost.shape[1] == cost.shape[2]:  # else no problem can have as many real rows as columns
         real_rows = tf.reduce_sum(tf.cast(row_mask, tf.int32), axis=1)
         square = ((real_rows == tf.reduce_sum(tf.cast(col_mask, tf.int32), axis=1))
                   & (real_rows > 0))[:, None]  # [N, 1]
         col_row4col, col_v = _column_reduction(cost, row_mask, col_mask)
-        row4col = tf.where(square, col_row4col, row4col)
+        # The greedy start only for batches with a problem that is not square: a pass over
+        # the costs that a batch of square problems would throw away.
+        row4col = tf.cond(tf.reduce_all(square), lambda: col_row4col,
+                          lambda: tf.where(square, col_row4col,
+                                           greedy_start(cost, row_mask, col_mask)))
         v = tf.where(square, col_v, v)
+    else:
+        row4col = greedy_start(cost, row_mask, col_mask)
     v = reduction_transfer(cost, row4col, v, col_mask)
+    budget = max(1, math.ceil(cost.shape[1] * ARR_BUDGET_FRACTION))
 
     def cond(passes, row4col, v):
         free = tf.reduce_any(row_mask & (col4row(row4col, cost.shape[1]) < 0))
         return (passes < arr_passes) & free
 
     def body(passes, row4col, v):
-        row4col, v = _arr_pass(cost, row_mask, col_mask, row4col, v)
+        row4col, v = _arr_pass(cost, row_mask, col_mask, row4col, v, budget)
         return passes + 1, row4col, v
 
     passes, row4col, v = tf.while_loop(cond, body, [tf.constant(0), row4col, v])

@@ -38,21 +38,6 @@ def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
     return tf.where(hit, tf.bitwise.left_shift(tf.ones_like(shift), shift), tf.zeros_like(shift))
 
 
-def _insertion_order(todo: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """[N, R] bool rows to insert -> (order [N, R] int32, num_todo [N] int32).
-
-    order[k] is the k-th row to insert (entries past num_todo are never used): a scatter by
-    running count, as XLA:CPU's sort took ~1 ms for this.
-    """
-    n = tf.shape(todo)[0]
-    num_rows = todo.shape[1]
-    position = tf.where(todo, tf.cumsum(tf.cast(todo, tf.int32), axis=1) - 1, num_rows)
-    index = tf.stack([tf.broadcast_to(tf.range(n)[:, None], [n, num_rows]), position], axis=-1)
-    rows = tf.broadcast_to(tf.range(num_rows, dtype=tf.int32)[None, :], [n, num_rows])
-    order = tf.tensor_scatter_nd_update(tf.zeros([n, num_rows + 1], tf.int32), index, rows)
-    return order[:, :num_rows], tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)
-
-
 def solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
            arr_passes: Optional[int] = None, unroll: int = 1
            ) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
@@ -84,7 +69,9 @@ def solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
     cost, row4col, v, init_passes, placed = matching_init.start(cost, row_mask, col_mask,
                                                                 arr_passes)
     # Each problem walks its own list of rows still to insert: the real rows the start left free.
-    order, num_todo = _insertion_order(row_mask & ~placed)  # [N, R], [N]
+    todo = row_mask & ~placed
+    order, _ = matching_init.free_rows(todo, num_rows)  # [N, R]
+    num_todo = tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)  # [N]
     # A search scans at most min(R, C) columns before it reaches a free one, plus the sink step.
     max_iterations = num_rows * (min(num_rows, num_cols) + 1) + 1
 
@@ -102,7 +89,7 @@ def solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
         v=v,  # [N, C] column potentials
         shortest=tf.fill([n, num_cols], float("inf")),  # [N, C] Dijkstra labels
         path=tf.fill([n, num_cols], -1),  # [N, C] row that set each label
-        pathbits=tf.zeros([n, num_cols, num_words], tf.int64),  # [N, C, W] tree path of that row
+        treebits=tf.zeros([n, num_rows, num_words], tf.int64),  # [N, R, W] tree path of each row
         scanned=~col_mask,  # [N, C]
         steps=tf.zeros([n], tf.int32),  # [N] iterations each problem needed (statistics only)
     )
@@ -175,8 +162,8 @@ def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int,
 
 
 def _relax(s: Dict[str, tf.Tensor], flat_cost: tf.Tensor, num_rows: int, problem: tf.Tensor,
-           active: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Relaxes the labels through the current row: (shortest [n, C], path [n, C], pathbits)."""
+           active: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Relaxes the labels through the current row: (shortest [n, C], path [n, C])."""
     num_cols = flat_cost.shape[1]
     # The current row's costs [n, C], as a plain row gather from [N * R, C]: the batch_dims
     # gather was the costliest fusion of the loop on XLA:CPU.
@@ -192,8 +179,7 @@ def _relax(s: Dict[str, tf.Tensor], flat_cost: tf.Tensor, num_rows: int, problem
     better = active[:, None] & ~s["scanned"] & (reduced < s["shortest"])
     shortest = tf.where(better, reduced, s["shortest"])
     path = tf.where(better, s["row"][:, None], s["path"])
-    pathbits = tf.where(better[:, :, None], s["rowbits"][:, None, :], s["pathbits"])
-    return shortest, path, pathbits
+    return shortest, path
 
 
 def _on_path(owner: tf.Tensor, sink_bits: tf.Tensor, col: tf.Tensor) -> tf.Tensor:
@@ -219,8 +205,13 @@ def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[
     num_words = (num_rows + 63) // 64
     col_iota = tf.range(num_cols, dtype=tf.int32)
     active = s["ptr"] < num_todo  # [n]
-    shortest, path, pathbits = _relax(s, tf.reshape(cost, [-1, num_cols]), num_rows,
-                                      consts["problem"], active)
+    shortest, path = _relax(s, tf.reshape(cost, [-1, num_cols]), num_rows,
+                            consts["problem"], active)
+    # The current row's tree path, kept per row: a column's label always comes from a row of
+    # this search, so the rows' entries from earlier searches are never read.
+    local = tf.range(tf.shape(s["row"])[0])
+    treebits = tf.tensor_scatter_nd_update(s["treebits"], tf.stack([local, s["row"]], 1),
+                                           s["rowbits"])
 
     # One reduction picks the cheapest unscanned column, free columns first on ties, then
     # the lowest index: key = [label (32 bits) | owned flag | column index].
@@ -235,7 +226,8 @@ def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[
     step = active & ~is_sink
 
     # Augment: the rows on the path to the sink each take the column that reached them.
-    sink_bits = tf.gather(pathbits, col[:, None], batch_dims=1)[:, 0]  # [n, W]
+    sink_row = tf.maximum(tf.gather(path, col[:, None], batch_dims=1)[:, 0], 0)  # [n]
+    sink_bits = tf.gather_nd(treebits, tf.stack([local, sink_row], 1))  # [n, W]
     new_row4col = tf.where(is_sink[:, None] & _on_path(owner, sink_bits, col), path, owner)
     # Dual update over the columns scanned in this search (the sink's change is zero).
     new_v = tf.where(is_sink[:, None] & s["scanned"] & col_mask,
@@ -257,7 +249,7 @@ def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[
         v=new_v,
         shortest=tf.where(is_sink[:, None], float("inf"), shortest),
         path=path,
-        pathbits=pathbits,
+        treebits=treebits,
         scanned=tf.where(is_sink[:, None], ~col_mask,
                          s["scanned"] | (step[:, None] & (col_iota == col[:, None]))),
         steps=s["steps"] + tf.cast(active, tf.int32),
