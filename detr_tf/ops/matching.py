@@ -19,7 +19,7 @@ DEFAULT_ARR_PASSES = 4
 # Search steps per while-loop iteration, by default. Crowded problems (see jv_min_fill) take
 # hundreds of steps: on an accelerator, where every iteration pays a loop-condition round trip,
 # 4 per iteration; on a CPU, where an iteration costs little beyond its steps, 2 (at
-# [384, 100, 100] 4 took 1.2-1.4x as long as 2 on an AVX2 CPU, docs/PERFORMANCE.md). Sparse
+# [384, 100, 100] 4 took 1.05-1.3x as long as 2 on an AVX2 CPU, docs/PERFORMANCE.md). Sparse
 # problems take a handful of steps, so a problem that finishes mid-iteration idles less with 2.
 DEFAULT_UNROLL = 4
 DEFAULT_CPU_UNROLL = 2
