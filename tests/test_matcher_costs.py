@@ -17,7 +17,7 @@ TRAINED = {False: (12, 16), True: (12, 6)}
 
 
 # unroll=1: the search steps per loop iteration change the speed, never the matching
-# (hungarian_matching's docstring), and 1 compiles in half the time of the default 4.
+# (hungarian_matching's docstring), and 1 compiled in about half the time of 4.
 @tf.function(jit_compile=True, autograph=False)
 def _match(cost, mask):
     return matching.hungarian_matching(cost, mask, unroll=1)

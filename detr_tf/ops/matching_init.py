@@ -250,8 +250,8 @@ def free_rows(todo: tf.Tensor, budget: int) -> Tuple[tf.Tensor, tf.Tensor]:
       budget: how many to return (at most R).
 
     Returns:
-      rows: [N, budget] int32, entries past a problem's count are row 0; valid: [N, budget]
-      bool, False on those entries.
+      rows: [N, budget] int32, entries past a problem's count are row 0; count: [N] int32,
+      the marked rows of each problem (which may exceed the budget).
     """
     n = tf.shape(todo)[0]
     num_rows = todo.shape[1]
@@ -260,8 +260,7 @@ def free_rows(todo: tf.Tensor, budget: int) -> Tuple[tf.Tensor, tf.Tensor]:
     rows = tf.broadcast_to(tf.range(num_rows, dtype=tf.int32)[None, :], [n, num_rows])
     order = tf.tensor_scatter_nd_update(tf.zeros([n, budget + 1], tf.int32),
                                         _batch_index(n, position), rows)[:, :budget]
-    count = tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)
-    return order, tf.range(budget) < count[:, None]
+    return order, tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)
 
 
 def _arr_pass(cost, row_mask, col_mask, row4col, v, budget: int):
@@ -279,7 +278,8 @@ def _arr_pass(cost, row_mask, col_mask, row4col, v, budget: int):
     """
     n = tf.shape(cost)[0]
     num_rows, num_cols = cost.shape[1], cost.shape[2]
-    rows, free = free_rows(row_mask & (col4row(row4col, num_rows) < 0), budget)  # [N, K]
+    rows, num_free = free_rows(row_mask & (col4row(row4col, num_rows) < 0), budget)  # [N, K]
+    free = tf.range(budget) < num_free[:, None]  # [N, K]: entries that are free rows
     bidders = tf.gather(cost, rows, batch_dims=1)  # [N, K, C]
     u1, j1, u2, j2 = _two_smallest(_reduced_costs(bidders, v, col_mask), rows)
     j1_taken = tf.gather(row4col, j1, batch_dims=1) >= 0

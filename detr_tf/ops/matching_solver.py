@@ -69,9 +69,7 @@ def solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
     cost, row4col, v, init_passes, placed = matching_init.start(cost, row_mask, col_mask,
                                                                 arr_passes)
     # Each problem walks its own list of rows still to insert: the real rows the start left free.
-    todo = row_mask & ~placed
-    order, _ = matching_init.free_rows(todo, num_rows)  # [N, R]
-    num_todo = tf.reduce_sum(tf.cast(todo, tf.int32), axis=1)  # [N]
+    order, num_todo = matching_init.free_rows(row_mask & ~placed, num_rows)  # [N, R], [N]
     # A search scans at most min(R, C) columns before it reaches a free one, plus the sink step.
     max_iterations = num_rows * (min(num_rows, num_cols) + 1) + 1
 
