@@ -64,12 +64,11 @@ class _Tally:
         (xla_launches' rule: the fewest runs of any of a module's ops). On a loaded machine the
         executor's launch event was once missing around one launch's HLO ops (3 events for 4
         launches), so the launch events time the programs but do not count them."""
-        launches = collections.Counter()
-        for (module, _), runs in self.hlo_runs.items():
-            category = f"XLA: {_short_module(module)}"
-            launches[module, category] = min(launches.get((module, category), runs), runs)
-        for category in {c for _, c in launches}:
-            self.runs[category] = sum(n for (_, c), n in launches.items() if c == category)
+        by_category = collections.Counter()
+        for module, n in xla_launches.launches_per_module(self.hlo_runs).items():
+            by_category[f"XLA: {_short_module(module)}"] += n
+        for category, n in by_category.items():
+            self.runs[category] = n
 
     def _add(self, category: str, duration_ps: int):
         self.ms[category] += duration_ps / 1e9

@@ -17,7 +17,7 @@ import collections
 import glob
 import os
 import tempfile
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import tensorflow as tf
 
@@ -34,6 +34,15 @@ def event_stats(plane, names, event) -> Dict[str, object]:
                 out[names.get(stat.metadata_id)] = (names.get(value, value)
                                                     if field == "ref_value" else value)
     return out
+
+
+def launches_per_module(op_runs: Dict[Tuple[str, str], int]) -> Dict[str, int]:
+    """{(module, HLO op): runs} -> {module: launches}: the fewest runs of any of its ops (a
+    module's entry computation runs once per launch, loop bodies more often)."""
+    modules = collections.defaultdict(list)
+    for (module, _), runs in op_runs.items():
+        modules[module].append(runs)
+    return {module: min(runs) for module, runs in modules.items()}
 
 
 def count_trace(xspace_path: str) -> Dict[str, object]:
@@ -59,10 +68,7 @@ def count_trace(xspace_path: str) -> Dict[str, object]:
                     calls += 1
                 if "hlo_module" in stats:
                     op_runs[(stats["hlo_module"], stats.get("hlo_op"))] += 1
-    modules = collections.defaultdict(list)
-    for (module, _), runs in op_runs.items():
-        modules[module].append(runs)
-    launches = {module: min(runs) for module, runs in modules.items()}
+    launches = launches_per_module(op_runs)
     return {"calls": calls, "programs": sum(launches.values()), "modules": launches,
             "compiles": compiles}
 
