@@ -17,10 +17,11 @@ import collections
 import glob
 import os
 import tempfile
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Tuple, TypeVar
 
 import tensorflow as tf
 
+T = TypeVar("T")
 _CALL_KERNELS = ("StatefulPartitionedCall", "PartitionedCall")
 
 
@@ -73,18 +74,19 @@ def count_trace(xspace_path: str) -> Dict[str, object]:
             "compiles": compiles}
 
 
-def trace_steps(step: Callable[[], object], steps: int) -> str:
+def trace_steps(step: Callable[[], object], steps: int, read: Callable[[str], T]) -> T:
     """Runs step() once untraced (traces and compiles), then `steps` times under the profiler;
-    returns the path of the trace (an .xplane.pb file)."""
+    returns read(path of the trace, an .xplane.pb file). The trace is deleted after."""
     tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
-    logdir = tempfile.mkdtemp(prefix="step_trace_")
-    tf.profiler.experimental.start(logdir)
-    try:
-        for _ in range(steps):
-            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
-    finally:
-        tf.profiler.experimental.stop()
-    return sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))[-1]
+    with tempfile.TemporaryDirectory(prefix="step_trace_") as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            for _ in range(steps):
+                tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
+        finally:
+            tf.profiler.experimental.stop()
+        return read(sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*",
+                                                   "*.xplane.pb")))[-1])
 
 
 def count_per_step(step: Callable[[], object], steps: int = 3) -> Dict[str, object]:
@@ -94,7 +96,7 @@ def count_per_step(step: Callable[[], object], steps: int = 3) -> Dict[str, obje
       {'calls_per_step', 'programs_per_step', 'distinct_programs', 'modules', 'compiles'}:
       'compiles' counts XLA compilations during the profiled steps (0 unless a step recompiles).
     """
-    counts = count_trace(trace_steps(step, steps))
+    counts = trace_steps(step, steps, count_trace)
     return {"calls_per_step": counts["calls"] / steps,
             "programs_per_step": counts["programs"] / steps,
             "distinct_programs": len(counts["modules"]), "compiles": counts["compiles"],
