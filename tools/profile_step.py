@@ -28,7 +28,7 @@ FLAGS = flags.FLAGS
 
 def _profile(variant, model_fn, criterion, raw):
     from detr_tf.benchmarks import step_profile, timing
-    call = compare.build_call(variant, model_fn, criterion, (FLAGS.image_size,) * 2, raw)
+    call, _ = compare.build_call(variant, model_fn, criterion, (FLAGS.image_size,) * 2, raw)
     first = timing.timed_call(call)
     wall = statistics.median(timing.timed_call(call) for _ in range(FLAGS.steps))
     found = step_profile.profile_steps(call, FLAGS.steps)

@@ -1,10 +1,12 @@
 """detr_tf's train step side by side with TF Model Garden's DETR, in one process.
 
-Every variant (side x precision x jit) is built, called once (the first call: tracing, XLA
-compilation where there is any, and one step), called once more as warm-up, then timed in
-interleaved rounds on the same synthetic batch. Model Garden's step is its own
-`DetectionTask.train_step` in one tf.function (see model_garden.py); ours is the trainer's
-`StepBuilder.replica_step` (see ours.py).
+Every variant (side x precision x jit) is built, traced alone (`get_concrete_function`), called
+once, called once more as warm-up, then timed in interleaved rounds on the same synthetic batch.
+Its first call is the trace plus that first call; what the call costs beyond a steady step is
+XLA's compilation, where there is any, and TensorFlow's one-off work on a new graph (its graph
+optimizations, kernel creation). Model Garden's step is its own `DetectionTask.train_step` in
+one tf.function (see model_garden.py); ours is the trainer's `StepBuilder.replica_step` (see
+ours.py).
 """
 import dataclasses
 import statistics
@@ -23,7 +25,7 @@ from detr_tf.benchmarks import model_garden, ours, synthetic, timing
 class Variant:
     side: str  # 'detr_tf' or 'model_garden'
     precision: str  # Keras policy
-    jit: str  # detr_tf: 'step' | 'loss' | 'none'; Model Garden: 'step' | 'none'
+    jit: str  # detr_tf: 'step' | 'loss' | 'matcher' | 'none'; Model Garden: 'step' | 'none'
 
     @property
     def name(self) -> str:
@@ -44,7 +46,7 @@ DEFAULT_VARIANTS = (
 
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-JITS = {"detr_tf": ("step", "loss", "none"), "model_garden": ("step", "none")}
+JITS = {"detr_tf": ("step", "loss", "matcher", "none"), "model_garden": ("step", "none")}
 
 
 def parse_variants(specs: Sequence[str]) -> List[Variant]:
@@ -99,8 +101,10 @@ def setup(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
     return variants, run.model_fn, run.criterion
 
 
-def build_call(variant: Variant, model_fn, criterion, image_size, raw) -> Callable[[], object]:
-    """Builds one variant; returns a zero-argument call running one train step."""
+def build_call(variant: Variant, model_fn, criterion, image_size, raw
+               ) -> Tuple[Callable[[], object], Callable[[], object]]:
+    """Builds one variant; returns (call, trace): call() runs one train step, trace() traces
+    its tf.function for the same inputs without running it (a later call reuses the trace)."""
     if variant.side == "model_garden":
         previous = tf_keras.mixed_precision.global_policy().name
         tf_keras.mixed_precision.set_global_policy(variant.precision)
@@ -108,11 +112,11 @@ def build_call(variant: Variant, model_fn, criterion, image_size, raw) -> Callab
             step, _ = model_garden.build_train_step(image_size, jit=variant.jit == "step")
         finally:
             tf_keras.mixed_precision.set_global_policy(previous)
-        images, labels = synthetic.model_garden(raw)
-        return lambda: step(images, labels)
-    ts = ours.build_train_step(model_fn, criterion, variant.jit, variant.precision)
-    batch = synthetic.ours(raw)
-    return lambda: ts.step(batch)
+        args = synthetic.model_garden(raw)
+    else:
+        step = ours.build_train_step(model_fn, criterion, variant.jit, variant.precision).step
+        args = (synthetic.ours(raw),)
+    return lambda: step(*args), lambda: step.get_concrete_function(*args)
 
 
 def run(model_fn, criterion, variants: Sequence[Variant], image_size: Tuple[int, int],
@@ -126,18 +130,22 @@ def run(model_fn, criterion, variants: Sequence[Variant], image_size: Tuple[int,
         log(f"building {v.name} ...")
         t0 = time.perf_counter()
         try:
-            call = build_call(v, model_fn, criterion, image_size, raw)
+            call, trace = build_call(v, model_fn, criterion, image_size, raw)
             build_s = time.perf_counter() - t0
-            first = timing.timed_call(call)
+            trace_s = time.perf_counter()
+            trace()
+            trace_s = time.perf_counter() - trace_s
+            first = trace_s + timing.timed_call(call)
             second = timing.timed_call(call)  # warm-up: lazily created slots, caches
         except Exception as e:  # a variant that cannot run is a result, not a crash
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
             log(f"  {v.name} FAILED: {msg}")
             results[v.name] = {"error": msg, "traceback_tail": traceback.format_exc()[-1500:]}
             continue
-        log(f"  build {build_s:.1f} s, first call {first:.1f} s, second {second:.2f} s")
+        log(f"  build {build_s:.1f} s, first call {first:.1f} s (trace {trace_s:.1f} s), "
+            f"second {second:.2f} s")
         calls[v.name] = call
-        results[v.name] = {"build_s": build_s, "first_call_s": first}
+        results[v.name] = {"build_s": build_s, "first_call_s": first, "trace_s": trace_s}
     log(f"timing {len(calls)} variants in {rounds} interleaved rounds ...")
     times = timing.interleaved(calls, rounds)
     train_flops = detr_flops = None
@@ -149,8 +157,8 @@ def run(model_fn, criterion, variants: Sequence[Variant], image_size: Tuple[int,
         r = results[name]
         r.update(step_time_ms=med * 1e3, step_times_ms=[t * 1e3 for t in ts],
                  images_per_sec=batch_size / med,
-                 # What the first call costs beyond a normal step: tracing + compilation.
-                 compile_time_s=r["first_call_s"] - med,
+                 # The first call beyond its trace and a steady step: compilation, one-offs.
+                 compile_time_s=r["first_call_s"] - r["trace_s"] - med,
                  achieved_tflops=(train_flops / med / 1e12) if train_flops else None)
     report = {"image_size": list(image_size), "batch_size": batch_size,
               "num_boxes": num_boxes, "max_boxes": max_boxes, "rounds": rounds,
@@ -184,13 +192,13 @@ def ratios(results: Dict[str, Dict]) -> Dict[str, Optional[float]]:
 
 def table(report: Dict[str, object]) -> str:
     """A markdown table of the variants."""
-    rows = ["| variant | step median (ms) | images/s | first call (s) | compile ~ (s) | GFLOP/s |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| variant | step median (ms) | images/s | first call (s) | trace (s) | rest (s) "
+            "| GFLOP/s |", "|---|---|---|---|---|---|---|"]
     for name, r in report["variants"].items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'][:90]} | | | | |")
+            rows.append(f"| {name} | failed: {r['error'][:90]} | | | | | |")
             continue
         rows.append(f"| {name} | {r['step_time_ms']:.0f} | {r['images_per_sec']:.2f} | "
-                    f"{r['first_call_s']:.1f} | {r['compile_time_s']:.1f} | "
+                    f"{r['first_call_s']:.1f} | {r['trace_s']:.1f} | {r['compile_time_s']:.1f} | "
                     f"{1e3 * (r['achieved_tflops'] or 0):.1f} |")
     return "\n".join(rows)
