@@ -45,3 +45,21 @@ def test_short_module_names():
     assert step_profile._short_module("a_inference___backward___call___92_99__.1110") == (
         "__call__ (backward)")
     assert step_profile._short_module("a_inference_looped_35__.12") == "looped (forward)"
+
+
+def test_outside_share_counts_every_category_but_the_models_kernels():
+    ms = {"convolutions": 50.0, "convolutions, backward": 25.0, "matmuls and einsums": 5.0,
+          "matmuls and einsums, backward": 10.0, "casts": 4.0, "optimizer update": 3.0,
+          "XLA: matcher (forward)": 2.0, "other TensorFlow ops, backward": 1.0}
+    assert abs(step_profile.outside_share(ms) - 0.10) < 1e-12
+    assert step_profile.outside_share({}) == 0.0
+
+
+def test_overhead_share_counts_update_dropout_casts_transposes_and_matching():
+    ms = {"convolutions": 60.0, "normalization": 10.0, "optimizer update": 5.0,
+          "dropout, backward": 4.0, "casts": 3.0, "transposes": 2.0,
+          "matcher loops (not compiled)": 10.0, "XLA: match (forward)": 6.0}
+    assert abs(step_profile.overhead_share(ms) - 0.30) < 1e-12
+    assert step_profile.categorize("transformer/enc/layer0/dropout1/Mul", "Mul") == "dropout"
+    assert step_profile.categorize("gradient_tape/detr/dropout_3/GreaterEqual", "GreaterEqual") == (
+        "dropout, backward")

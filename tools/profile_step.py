@@ -33,7 +33,9 @@ def _profile(variant, model_fn, criterion, raw):
     wall = statistics.median(timing.timed_call(call) for _ in range(FLAGS.steps))
     found = step_profile.profile_steps(call, FLAGS.steps)
     print(f"{variant.name}: first call {first:.1f} s, step {wall * 1e3:.0f} ms", flush=True)
-    return {"first_call_s": first, "step_ms": wall * 1e3, **found}
+    return {"first_call_s": first, "step_ms": wall * 1e3,
+            "outside_share": step_profile.outside_share(found["ms"]),
+            "overhead_share": step_profile.overhead_share(found["ms"]), **found}
 
 
 def table(rows) -> str:
@@ -48,6 +50,10 @@ def table(rows) -> str:
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines.append("| sum of the above | " + " | ".join(
         f"{sum(r['ms'].values()):.0f} ms" for r in rows.values()) + " |")
+    lines.append("| outside the convolutions and matmuls | " + " | ".join(
+        f"{100 * r['outside_share']:.0f}%" for r in rows.values()) + " |")
+    lines.append("| of which update, dropout, casts, transposes, matching | " + " | ".join(
+        f"{100 * r['overhead_share']:.0f}%" for r in rows.values()) + " |")
     lines.append("| wall-clock step (median) | " + " | ".join(
         f"{r['step_ms']:.0f} ms" for r in rows.values()) + " |")
     return "\n".join(lines)

@@ -20,6 +20,8 @@ from detr_tf.benchmarks import xla_launches
 CATEGORIES: List[Tuple[str, Callable[[str, str], bool]]] = [
     ("optimizer update", lambda name, kind: (kind.startswith("ResourceApply") or bool(
         re.search(r"(^|/)((backbone_)?adamw|AdamWeightDecay)/", name)))),
+    # Dropout's masks and their application, under the layers' name scopes (dropout, dropout1).
+    ("dropout", lambda name, kind: bool(re.search(r"(^|/)dropout\w*/", name, re.IGNORECASE))),
     # Model Garden's matcher: a TensorFlow while-loop per decoder layer, not compiled.
     ("matcher loops (not compiled)", lambda name, kind: bool(re.match(r"while(_\d+)?/", name))),
     ("convolutions", lambda name, kind: "Conv" in kind),
@@ -29,6 +31,39 @@ CATEGORIES: List[Tuple[str, Callable[[str, str], bool]]] = [
     ("normalization", lambda name, kind: "BatchNorm" in kind or "norm" in name.lower()),
     ("other TensorFlow ops", lambda name, kind: True),
 ]
+# The model's own arithmetic kernels; everything else is the step's overhead around them.
+MODEL_KERNELS = ("convolutions", "matmuls and einsums")
+
+
+def outside_share(ms: Dict[str, float]) -> float:
+    """The share of a profile's op time ({category: ms}, either pass) spent outside the model's
+    convolutions and matmuls: the update, casts, transposes, normalization, element-wise ops,
+    matching and the losses."""
+    total = sum(ms.values())
+    inside = sum(v for c, v in ms.items() if c.startswith(MODEL_KERNELS))
+    return 1.0 - inside / total if total else 0.0
+
+
+# The work a train step does around the model: the update, dropout, casts, transposes, matching
+# (Model Garden's loops; ours and, under jit='loss', the losses in XLA programs).
+OVERHEAD = ("optimizer update", "dropout", "casts", "transposes", "matcher loops", "XLA: ")
+
+
+def overhead_share(ms: Dict[str, float]) -> float:
+    """The share of a profile's op time ({category: ms}) in the OVERHEAD categories."""
+    total = sum(ms.values())
+    return sum(v for c, v in ms.items() if c.startswith(OVERHEAD)) / total if total else 0.0
+
+
+def categorize(op_name: str, kind: str) -> str:
+    """A TensorFlow op's category: the first of CATEGORIES that claims it, with ', backward' for
+    an op of the gradient (the tape's `gradient_tape/` scope), the update's excepted."""
+    category = next(c for c, claims in CATEGORIES if claims(op_name, kind))
+    if op_name.startswith("gradient_tape/") and category != "optimizer update":
+        category += ", backward"
+    return category
+
+
 # The call op of a compiled function runs as an asynchronous kernel; XLA:CPU executes the program
 # inside its start event, on the calling thread (farming parallel loops out to Eigen threads,
 # whose events are skipped). Its HLO ops' events, tagged with their module, fall inside it.
@@ -47,9 +82,7 @@ class _Tally:
 
     def add_op(self, name: str, duration_ps: int):
         op_name, kind = name.rsplit(":", 1)
-        category = next(c for c, claims in CATEGORIES if claims(op_name, kind))
-        if op_name.startswith("gradient_tape/") and category != "optimizer update":
-            category += ", backward"
+        category = categorize(op_name, kind)
         self._add(category, duration_ps)
         if category.startswith("other"):
             self.other_types[kind] += duration_ps / 1e9
@@ -135,5 +168,5 @@ def profile_steps(step: Callable[[], object], steps: int = 3) -> Dict[str, objec
 
     Returns profile_trace's dict with every figure divided by `steps` (per step).
     """
-    found = profile_trace(xla_launches.trace_steps(step, steps))
+    found = xla_launches.trace_steps(step, steps, profile_trace)
     return {key: {k: v / steps for k, v in table.items()} for key, table in found.items()}
