@@ -9,6 +9,7 @@ per-variable updates with XLA only when it finds a GPU; 'tf_keras_xla' forces th
 to show what a GPU run pays. Measured: the first call (tracing + XLA compilation + one update)
 of each, then the update time in interleaved rounds.
 """
+import time
 from typing import Callable, Dict, Sequence
 
 import numpy as np
@@ -88,3 +89,31 @@ def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 1
         report[name]["apply_ms"] = float(np.median(seconds) * 1e3)
         report[name]["apply_ms_all"] = [s * 1e3 for s in seconds]
     return report
+
+
+def update_traffic_bytes(num_parameters: int) -> Dict[str, int]:
+    """Bytes the kernel-form update moves per step, all float32:
+      'as_run': the global norm reads each gradient (4 B per parameter); the clip reads it again
+        and writes the scaled copy (8 B); ResourceApplyAdam reads w, m, v and g and writes w, m
+        and v (28 B). 40 B.
+      'floor': what any clipped Adam update must move: the norm's read, then one pass reading w,
+        m, v, g and writing w, m, v, the clip's scale applied on the way. 32 B.
+      'decay': what the decay pass adds when it runs (a read and a write of w), 8 B.
+    """
+    return {"as_run": 40 * num_parameters, "floor": 32 * num_parameters,
+            "decay": 8 * num_parameters}
+
+
+def stream_bandwidth_gbs(megabytes: int = 768, rounds: int = 7) -> float:
+    """The host's measured memory bandwidth for an in-place streaming update like the
+    optimizer's: a.assign_add(b) over two float32 buffers of `megabytes` / 3 each (each round
+    reads a and b and writes a), on TensorFlow's own threads; GB/s of the median round."""
+    n = megabytes * 2**20 // 12
+    a, b = tf.Variable(tf.zeros([n])), tf.ones([n])
+    a.assign_add(b, read_value=False)  # first touch of the pages
+    seconds = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        a.assign_add(b, read_value=False)  # an eager op on the CPU returns when it is done
+        seconds.append(time.perf_counter() - t0)
+    return 12 * n / float(np.median(seconds)) / 1e9
