@@ -10,6 +10,8 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import tensorflow as tf  # noqa: E402
 
+from tests import suite_order  # noqa: E402
+
 # Two logical CPU devices for the whole test process, so tests of replica-context code can use a
 # real MirroredStrategy in-process. This must happen before anything initialises TensorFlow's
 # devices, which is why it lives here rather than in the modules that need it. Code that uses
@@ -26,16 +28,6 @@ def pytest_configure(config):
         config.option.durations = 25
 
 
-# The longest test files, longest first (per-file sums of `pytest -n 0 --durations=0` on an idle
-# 2-core AVX2 CPU). Under `--dist loadfile` a file runs whole on one worker, and a worker takes
-# the next file in collection order as it runs out of work; started late, the longest file would
-# run alone at the end. So they are collected first (LPT scheduling), and xdist keeps that order
-# (`--no-loadscope-reorder` in pyproject.toml; by default it orders files by their test count).
-LONGEST_FILES = ("test_trainer.py", "test_trainer_paths.py", "test_tools_e2e.py",
-                 "test_matching.py", "test_weights_cli.py", "test_benchmarks.py",
-                 "test_console.py", "test_config.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+    # The longest files first, so that none starts late and runs alone at the end.
+    suite_order.longest_files_first(items)
