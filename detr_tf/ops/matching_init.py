@@ -87,6 +87,13 @@ def unrotate(best: tf.Tensor, lists: tf.Tensor, num_items: int) -> tf.Tensor:
     return tf.math.floormod(rotated + lists, num_items)
 
 
+def rotated_min(x: tf.Tensor, lists: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """[N, L, K] float32 -> ([N, L] minimum over K, [N, L] int32 its index), ties broken as
+    `rotated_key` says for each list ([L] or [N, L] int32)."""
+    best = tf.reduce_min(rotated_key(x, lists), axis=2)
+    return float_from_key(best), unrotate(best, lists, x.shape[2])
+
+
 def _batch_index(n: tf.Tensor, index: tf.Tensor) -> tf.Tensor:
     """[N, K] int32 -> [N, K, 2] (problem, index) pairs for scatters into [N, ...]."""
     return tf.stack([tf.broadcast_to(tf.range(n)[:, None], tf.shape(index)), index], axis=-1)
@@ -187,8 +194,7 @@ def _column_reduction(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor
     num_rows, num_cols = cost.shape[1], cost.shape[2]
     by_col = tf.where(row_mask[:, None, :], tf.transpose(cost, [0, 2, 1]), _INF)  # [N, C, R]
     cols = tf.range(num_cols, dtype=tf.int32)
-    best = tf.reduce_min(rotated_key(by_col, cols), axis=2)  # [N, C]
-    v, best_row = float_from_key(best), unrotate(best, cols, num_rows)
+    v, best_row = rotated_min(by_col, cols)  # [N, C]
     # Each row keeps the lowest-index column that chose it.
     chosen = _scatter_min_rows(n, tf.where(col_mask, best_row, num_rows), num_rows, num_cols)
     owner_choice = tf.gather(chosen, tf.minimum(best_row, num_rows - 1), batch_dims=1)  # [N, C]
@@ -200,15 +206,9 @@ def _two_smallest(reduced: tf.Tensor, rows: tf.Tensor
                   ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """[N, K, C] reduced costs of rows `rows` ([N, K] int32) -> (u1, j1, u2, j2), each [N, K]:
     the smallest entry and the next one, ties broken as `rotated_key` says for each row."""
-    num_cols = reduced.shape[2]
-
-    def smallest(x):
-        best = tf.reduce_min(rotated_key(x, rows), axis=2)
-        return float_from_key(best), unrotate(best, rows, num_cols)
-
-    u1, j1 = smallest(reduced)
-    first = tf.range(num_cols, dtype=tf.int32) == j1[:, :, None]
-    u2, j2 = smallest(tf.where(first, _INF, reduced))
+    u1, j1 = rotated_min(reduced, rows)
+    first = tf.range(reduced.shape[2], dtype=tf.int32) == j1[:, :, None]
+    u2, j2 = rotated_min(tf.where(first, _INF, reduced), rows)
     return u1, j1, u2, j2
 
 
