@@ -104,3 +104,20 @@ def test_giou_bounds_on_random_boxes():
     giou = box_ops.generalized_box_iou(b1, b2).numpy()
     assert np.all((iou >= 0) & (iou <= 1 + 1e-6))
     assert np.all((giou >= -1 - 1e-6) & (giou <= iou + 1e-6))
+
+
+def test_paired_iou_giou_are_each_pair_of_cxcywh_boxes():
+    """paired_iou / paired_giou take cxcywh boxes and pair prediction k with target k only."""
+    rng = np.random.default_rng(3)
+    pred = random_xyxy(rng, (2, 6), degenerate_frac=0.2)
+    target = random_xyxy(rng, (2, 6), degenerate_frac=0.2)
+    target[0, 1] = pred[0, 1]  # an identical pair
+    to_cxcywh = lambda b: box_ops.box_xyxy_to_cxcywh(tf.constant(b, tf.float32))
+    iou = box_ops.paired_iou(to_cxcywh(pred), to_cxcywh(target)).numpy()
+    giou = box_ops.paired_giou(to_cxcywh(pred), to_cxcywh(target)).numpy()
+    assert iou.shape == giou.shape == (2, 6)
+    for b in range(2):
+        for k in range(6):
+            ref_iou, ref_giou = np_iou_giou(pred[b, k:k + 1], target[b, k:k + 1])
+            np.testing.assert_allclose(iou[b, k], ref_iou[0, 0], atol=2e-6)
+            np.testing.assert_allclose(giou[b, k], ref_giou[0, 0], atol=2e-6)

@@ -9,6 +9,7 @@
                       union matching of the box losses (D-FINE; DEIM with the MAL)
     vfl.py            the varifocal loss, and the IoU-target class losses' common part
     mal.py            the matchability-aware loss (DEIM)
+    rank.py           Rank-DETR's GIoU-aware class loss and high-order matching cost
     fgl.py            D-FINE's fine-grained localization loss and its weighting function
     ddf.py            D-FINE's decoupled distillation of the final layer's edge distributions
     denoising.py      the denoising queries' reconstruction losses (DN-DETR, DINO)
@@ -25,6 +26,7 @@ from detr_tf.losses.dfine import DFineCriterion  # noqa: F401
 from detr_tf.losses.focal import (  # noqa: F401
     FocalSetCriterion, focal_match_cost, sigmoid_focal_loss)
 from detr_tf.losses.mal import MatchabilityAwareLoss  # noqa: F401
+from detr_tf.losses.rank import GIoUAwareLoss, high_order_match_cost  # noqa: F401
 from detr_tf.losses.rtdetr import RTDetrCriterion  # noqa: F401
 from detr_tf.losses.set_criterion import SetCriterion  # noqa: F401
 from detr_tf.losses.vfl import VarifocalLoss  # noqa: F401

@@ -69,9 +69,7 @@ def matched_box_losses(pred: tf.Tensor, target: tf.Tensor, weight: tf.Tensor,
       axes: the axes of `weight` to sum over; the others are kept (e.g. the layer axis).
     """
     l1 = tf.reduce_sum(tf.abs(pred - target), -1)
-    giou = box_ops.generalized_box_iou(
-        box_ops.box_cxcywh_to_xyxy(pred)[..., None, :],
-        box_ops.box_cxcywh_to_xyxy(target)[..., None, :])[..., 0, 0]
+    giou = box_ops.paired_giou(pred, target)
     return (tf.reduce_sum(l1 * weight, axes) / normalizer,
             tf.reduce_sum((1.0 - giou) * weight, axes) / normalizer)
 

@@ -46,7 +46,7 @@ from detr_tf.losses import fgl as fgl_lib
 from detr_tf.losses import focal
 from detr_tf.losses import rtdetr
 from detr_tf.losses import union as union_lib
-from detr_tf.losses import vfl as vfl_lib
+from detr_tf.ops import box_ops
 
 
 @gin.configurable
@@ -128,7 +128,7 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
             return out
         out["fgl"] = fgl_lib.fgl_loss(pred["corners"], pred["refs"], boxes, tgt_boxes,
                                       positive, n_box, [1, 2], self.reg_max, *geometry)
-        iou = vfl_lib.paired_iou(tf.stop_gradient(boxes[:-1]), tgt_boxes[:-1])
+        iou = box_ops.paired_iou(tf.stop_gradient(boxes[:-1]), tgt_boxes[:-1])
         students = ddf_lib.ddf_loss(pred["corners"][:-1], pred["corners"][-1], logits[-1], iou,
                                     positive[:-1], self.ddf_temperature, valid)
         out["ddf"] = tf.concat([students, tf.zeros([1])], 0)  # the teacher's own is 0

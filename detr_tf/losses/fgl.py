@@ -22,7 +22,6 @@ from typing import Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-from detr_tf.losses import vfl as vfl_lib
 from detr_tf.ops import box_ops, fdr_bins
 
 Scalar = Union[float, tf.Tensor]
@@ -95,7 +94,7 @@ def fgl_loss(corners: tf.Tensor, ref_points: tf.Tensor, pred_boxes: tf.Tensor,
     # The two-bin target as a distribution: its cross-entropy is w_left CE(n) + w_right CE(n+1).
     target = (w_left[..., None] * tf.one_hot(bin_, reg_max + 1)
               + w_right[..., None] * tf.one_hot(bin_ + 1, reg_max + 1))  # [..., Q, 4, R+1]
-    iou = vfl_lib.paired_iou(tf.stop_gradient(tf.cast(pred_boxes, tf.float32)),
+    iou = box_ops.paired_iou(tf.stop_gradient(tf.cast(pred_boxes, tf.float32)),
                              tf.cast(target_boxes, tf.float32))  # [..., Q]
     per_query = -tf.reduce_sum(target * log_p, [-2, -1])  # [..., Q]
     weight = tf.stop_gradient(iou) * tf.cast(positive, tf.float32)

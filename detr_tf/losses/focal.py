@@ -94,12 +94,18 @@ class FocalSetCriterion:
       aux_loss: whether the decoder layers before the last are matched and weighted.
       matcher: `matcher(cost [..., Q, T], target_mask [..., T]) -> [..., Q]` (Gin reference;
         the exact HungarianMatcher when None).
+      match_cost: `match_cost(logits [..., Q, C], boxes [..., Q, 4], labels [..., T],
+        boxes [..., T, 4]) -> [..., Q, T]` in place of the focal cost (Gin reference, e.g.
+        `@high_order_match_cost`, losses/rank.py); None: `focal_match_cost` with the cost
+        weights and focal alpha, gamma above. RTDetrCriterion leaves it to Gin, so
+        `FocalSetCriterion.match_cost` sets it for RT-DETR's and D-FINE's criteria too.
     """
 
     def __init__(self, num_classes: int, focal_alpha: float = 0.25, focal_gamma: float = 2.0,
                  cost_class: float = 2.0, cost_bbox: float = 5.0, cost_giou: float = 2.0,
                  weight_ce: float = 2.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
-                 aux_loss: bool = True, matcher: Optional[Callable] = None):
+                 aux_loss: bool = True, matcher: Optional[Callable] = None,
+                 match_cost: Optional[Callable] = None):
         self.num_classes = num_classes
         self.alpha = focal_alpha
         self.gamma = focal_gamma
@@ -107,6 +113,7 @@ class FocalSetCriterion:
         self.weights = (weight_ce, weight_bbox, weight_giou)
         self.aux_loss = aux_loss
         self.matcher = matching.HungarianMatcher() if matcher is None else matcher
+        self.match_cost = match_cost
 
     def local_normalizers(self, targets: Dict[str, tf.Tensor],
                           num_queries: int) -> Dict[str, tf.Tensor]:
@@ -122,9 +129,13 @@ class FocalSetCriterion:
         and 'mask' [B, T], so a benchmark can time either criterion's matching alike.
         """
         mask = targets["mask"]
-        cost = focal_match_cost(tf.stop_gradient(logits), tf.stop_gradient(boxes),
-                                targets["labels"], targets["boxes"], *self.costs,
-                                alpha=self.alpha, gamma=self.gamma)
+        if self.match_cost is None:
+            cost = focal_match_cost(tf.stop_gradient(logits), tf.stop_gradient(boxes),
+                                    targets["labels"], targets["boxes"], *self.costs,
+                                    alpha=self.alpha, gamma=self.gamma)
+        else:
+            cost = self.match_cost(tf.stop_gradient(logits), tf.stop_gradient(boxes),
+                                   targets["labels"], targets["boxes"])
         mask = tf.broadcast_to(mask[None], tf.concat([tf.shape(logits)[:1], tf.shape(mask)], 0))
         return tf.cast(self.matcher(cost, mask), tf.int32)
 

@@ -44,13 +44,6 @@ def varifocal_loss(logits: tf.Tensor, score: tf.Tensor, onehot: tf.Tensor,
     return weight * tf.nn.sigmoid_cross_entropy_with_logits(labels=score, logits=logits)
 
 
-def paired_iou(pred: tf.Tensor, target: tf.Tensor) -> tf.Tensor:
-    """IoU of box pairs: pred, target [..., 4] normalized cxcywh -> [...] (0 on an empty
-    union)."""
-    return box_ops.box_iou(box_ops.box_cxcywh_to_xyxy(pred)[..., None, :],
-                           box_ops.box_cxcywh_to_xyxy(target)[..., None, :])[..., 0, 0]
-
-
 def iou_target_loss(elementwise: Callable, logits: tf.Tensor, pred_boxes: tf.Tensor,
                     labels: tf.Tensor, target_boxes: tf.Tensor, positive: tf.Tensor,
                     normalizer: tf.Tensor, axes: Sequence[int],
@@ -76,7 +69,7 @@ def iou_target_loss(elementwise: Callable, logits: tf.Tensor, pred_boxes: tf.Ten
     """
     positive = tf.cast(positive, tf.float32)
     num_classes = logits.shape[-1]
-    iou = paired_iou(tf.stop_gradient(tf.cast(pred_boxes, tf.float32)),
+    iou = box_ops.paired_iou(tf.stop_gradient(tf.cast(pred_boxes, tf.float32)),
                      tf.cast(target_boxes, tf.float32))  # [..., Q]
     # A positive's label is in [0, C); clipping only keeps ignored labels (e.g. C for a
     # negative) inside one_hot's range.

@@ -85,3 +85,23 @@ def generalized_box_iou(boxes1: tf.Tensor, boxes2: tf.Tensor) -> tf.Tensor:
     wh = tf.maximum(rb - lt, 0)
     enclosing = wh[..., 0] * wh[..., 1]
     return iou - tf.math.divide_no_nan(enclosing - union, enclosing)
+
+
+def paired_iou(pred: tf.Tensor, target: tf.Tensor) -> tf.Tensor:
+    """IoU of box pairs (each prediction with its own target, not all pairs).
+
+    Args:
+      pred, target: [..., 4] normalized cx, cy, w, h, the same shape.
+
+    Returns:
+      [...] IoU in [0, 1]; 0 where the union is empty.
+    """
+    return box_iou(box_cxcywh_to_xyxy(pred)[..., None, :],
+                   box_cxcywh_to_xyxy(target)[..., None, :])[..., 0, 0]
+
+
+def paired_giou(pred: tf.Tensor, target: tf.Tensor) -> tf.Tensor:
+    """GIoU of box pairs, as `paired_iou`: pred, target [..., 4] normalized cxcywh -> [...] in
+    [-1, 1] (`generalized_box_iou` on each pair)."""
+    return generalized_box_iou(box_cxcywh_to_xyxy(pred)[..., None, :],
+                               box_cxcywh_to_xyxy(target)[..., None, :])[..., 0, 0]
