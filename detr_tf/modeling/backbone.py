@@ -16,7 +16,7 @@ image's real pixels equal those of the image run on its own, whatever padding th
 (the reference DETR lets border features see the neighbouring padding). For an unpadded image
 the two computations are identical.
 """
-from typing import Dict, Optional, Sequence, Tuple, Type
+from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 import gin
 import tensorflow as tf
@@ -384,6 +384,42 @@ class ResNet(tf_keras.layers.Layer):
                     stride *= first_stride
             outputs.append((x, downsample_mask(pixel_mask, stride)))
         return outputs if all_stages else outputs[-1]
+
+
+@gin.configurable
+class ResNetLevels(ResNet):
+    """A ResNet as RT-DETR's builder takes its backbone: `images -> [C3, C4, C5]`.
+
+    No pixel mask: every pixel of the canvas counts as real (RT-DETR's contract, see
+    rtdetr.py), which is what torchvision's ResNet computes on a zero-padded batch, and what
+    DINO's backbone does. The variables are the ResNet's (torchvision names, the same
+    weight files, `torchvision_variables`).
+
+    Args:
+      num_levels: how many of the last stages to return (3: C3-C5, strides 8, 16, 32).
+      **kwargs: ResNet's (its Gin bindings apply too); DC5 is not supported.
+    """
+
+    def __init__(self, num_levels: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        if not 1 <= num_levels <= len(self.stages):
+            raise ValueError(f"ResNetLevels: num_levels={num_levels} must be in "
+                             f"[1, {len(self.stages)}] (the ResNet's stages)")
+        if self.output_stride != 2 ** (len(self.stages) + 1):
+            raise ValueError("ResNetLevels: a dilated (DC5) ResNet is not supported; set "
+                             "ResNet.dilation = False")
+        self.num_levels = num_levels
+        all_strides = [4 * 2 ** i for i in range(len(self.stages))]
+        self.strides = tuple(all_strides[-num_levels:])  # RTDETR.build_size reads them
+        self.out_channels = tuple(self.stage_channels[-num_levels:])
+
+    def call(self, images: tf.Tensor, training=None) -> List[tf.Tensor]:
+        """[B, H, W, 3] ImageNet-normalized -> num_levels maps [B, H/s, W/s, C_s], finest
+        first."""
+        del training  # frozen norms; a trainable BatchNormalization reads Keras's context
+        mask = tf.ones(tf.shape(images)[:3], tf.bool)
+        stages = super().call(images, mask, all_stages=True)
+        return [x for x, _ in stages[-self.num_levels:]]
 
 
 def torchvision_variables(backbone: ResNet) -> Dict[str, tf.Variable]:

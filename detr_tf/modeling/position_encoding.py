@@ -64,6 +64,20 @@ def sine_features(angle: tf.Tensor, num_pos_feats: int, temperature: float) -> t
     return tf.where(is_even, tf.sin(scaled), tf.cos(scaled))
 
 
+def box_sine_embed(boxes: tf.Tensor, num_pos_feats: int,
+                   temperature: float = 10000.0) -> tf.Tensor:
+    """Sine embedding of anchor boxes, laid out like the feature map's: [..., 4] cx, cy, w, h
+    in [0, 1] -> [..., 4 * num_pos_feats] float32, the `sine_features` of y, x, w, h (in that
+    order), each coordinate times 2 pi (the feature map's normalize=True scale).
+
+    DAB-DETR's and DINO's embedding of a query's anchor (`gen_sineembed_for_position`), shared
+    by AnchorTransformer and RTDetrDecoder's query_pos='sine'.
+    """
+    angle = tf.cast(boxes, tf.float32) * (2 * math.pi)
+    return tf.concat([sine_features(angle[..., i], num_pos_feats, temperature)
+                      for i in (1, 0, 2, 3)], axis=-1)
+
+
 @gin.configurable
 class PositionEmbeddingLearned(tf_keras.layers.Layer):
     """Learned absolute embedding: one table for columns, one for rows (at most max_size each)."""

@@ -193,7 +193,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
                  num_inference_layers: Optional[int] = None, aux_loss: bool = True,
                  denoising: bool = True,
                  canvas_sizes: Sequence[Tuple[int, int]] = (),
-                 input_normalization: str = "imagenet") -> RTDETR:
+                 input_normalization: str = "imagenet", identity_input_proj: bool = False,
+                 query_pos: str = "mlp") -> RTDETR:
     """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
     R50-vd defaults.
 
@@ -201,9 +202,10 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
       num_classes: classes (80 for COCO's contiguous ids); per-class sigmoid heads.
       num_queries: decoder queries, the encoder cells selected (300).
       hidden_dim: decoder width d_model (256).
-      backbone: a layer `images -> [C3, C4, C5]` (ResNetVd).
+      backbone: a layer `images -> [C3, C4, C5]` (ResNetVd; ResNetLevels for a torchvision
+        ResNet).
       encoder: a layer `[C3, C4, C5] -> [P3, P4, P5]` with an `out_channels` attribute, one
-        entry per map (HybridEncoder).
+        entry per map (HybridEncoder; DINO's DinoEncoder gives four maps).
       num_decoder_layers, num_heads, dim_feedforward, dropout: the decoder (6, 8, 1024, 0).
       num_levels: memory levels (3; more add 3x3 stride-2 levels on P5).
       num_points: cross-attention points per head and level (4), or one count per level (v2).
@@ -219,6 +221,10 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         training step traced without static image sizes (detector.pad_to_canvas).
       input_normalization: 'imagenet' (images as detr_tf's pipeline makes them) or 'unit'
         ([0, 1] pixels, RT-DETR's own scale); see the module docstring.
+      identity_input_proj: the encoder's maps enter the decoder's memory as they are (an
+        encoder that already gives hidden_dim channels, e.g. DINO's, dino_encoder.py).
+      query_pos: the decoder's positional queries, 'mlp' (RT-DETR's) or 'sine' (DINO's), see
+        RTDetrDecoder.
     """
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
@@ -232,7 +238,7 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         dropout=dropout, num_levels=num_levels, encoder_levels=len(encoder.out_channels),
         num_points=num_points, offset_scale=offset_scale, method=sampling_method,
         learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
-        name="decoder")
+        identity_input_proj=identity_input_proj, query_pos=query_pos, name="decoder")
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,

@@ -17,7 +17,10 @@ Everything after the hybrid encoder, as one layer:
    their transformed memory (gradient stopped), or a learned embedding (`learn_initial_query`),
    the content.
 3. The decoder: `DeformableDecoderLayer`s (post-norm; RT-DETR's layer exactly). Each layer's
-   positional query is `query_pos_head` (MLP 4 -> 2d -> d) of its current reference box, and
+   positional query is `query_pos_head` (MLP 4 -> 2d -> d) of its current reference box
+   (query_pos='mlp'), or DINO's: the box's sine embedding (`box_sine_embed`: y, x, w, h with
+   d/2 channels each, temperature 10000, scale 2 pi) through an MLP 2d -> d -> d
+   (query_pos='sine'); and
    its own heads `class_embed.i` / `bbox_embed.i` predict the logits and correct the reference
    in inverse-sigmoid space; the corrected box, gradient stopped, is the next reference.
 
@@ -54,8 +57,10 @@ from detr_tf.modeling import query_groups
 from detr_tf.modeling.csp_rep import ConvNorm
 from detr_tf.modeling.deformable_transformer import DeformableDecoderLayer
 from detr_tf.modeling.layers import MLP, box_head, inverse_sigmoid, layer_norm, prior_class_head
+from detr_tf.modeling.position_encoding import box_sine_embed
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+QUERY_POS = ("mlp", "sine")
 
 
 def generate_anchors(shapes: Sequence[Tuple[int, int]], grid_size: float = 0.05,
@@ -124,6 +129,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
       layer_options: more DeformableDecoderLayer arguments for every layer (D-FINE's gate).
       box_outputs: the width of each layer's box head `bbox_embed.i` (4: a box correction;
         D-FINE's edge distributions are 4 * (reg_max + 1)).
+      query_pos: the positional query of a reference box, 'mlp' (RT-DETR's MLP of the raw
+        box) or 'sine' (DINO's MLP of its sine embedding), see module doc step 3.
     """
 
     def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
@@ -132,9 +139,13 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                  num_points: Union[int, Sequence[int]] = 4, offset_scale: float = 0.5,
                  method: str = "bilinear", learn_initial_query: bool = False,
                  num_inference_layers: Optional[int] = None, identity_input_proj: bool = False,
-                 layer_options: Optional[dict] = None, box_outputs: int = 4, **kwargs):
+                 layer_options: Optional[dict] = None, box_outputs: int = 4,
+                 query_pos: str = "mlp", **kwargs):
         kwargs.setdefault("name", "rtdetr_decoder")
         super().__init__(**kwargs)
+        if query_pos not in QUERY_POS:
+            raise ValueError(f"RTDetrDecoder: query_pos={query_pos!r}; expected one of "
+                             f"{QUERY_POS}")
         if not 1 <= encoder_levels <= num_levels:
             raise ValueError(f"RTDetrDecoder: encoder_levels={encoder_levels} must be in "
                              f"[1, num_levels={num_levels}]")
@@ -160,7 +171,10 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
             offset_scale=offset_scale, method=method, name=f"decoder.layers.{i}",
             **(layer_options or {})) for i in range(num_layers)]
-        self.query_pos_head = MLP(2 * d_model, d_model, 2, name="decoder.query_pos_head")
+        self.query_pos = query_pos
+        # 'mlp': 4 -> 2d -> d; 'sine': 2d (the embedding) -> d -> d.
+        self.query_pos_head = MLP((2 if query_pos == "mlp" else 1) * d_model, d_model, 2,
+                                  name="decoder.query_pos_head")
         self.class_embed = [prior_class_head(num_classes, f"decoder.class_embed.{i}")
                             for i in range(num_layers)]
         # Zero last layers: every layer starts at its reference (D-FINE: uniform distributions).
@@ -240,7 +254,7 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         previous = None  # the last layer's box with its gradient (training: look forward twice)
         x, all_logits, all_boxes = content, [], []
         for i in range(run):
-            pos = self.query_pos_head(reference)
+            pos = self.query_position(reference)
             per_level = tf.broadcast_to(reference[:, :, None], [b, n, self.num_levels, 4])
             x = self.decoder_layers[i](x, pos, per_level, memory, shapes, None,
                                        training=training, self_attn_mask=self_attn_mask)
@@ -253,6 +267,12 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         self._build_unused(run, x, memory, shapes)
         return tf.stack(all_logits), tf.stack(all_boxes)
 
+    def query_position(self, reference: tf.Tensor) -> tf.Tensor:
+        """[B, N, 4] float32 reference boxes (cxcywh) -> [B, N, d] positional queries."""
+        if self.query_pos == "sine":
+            reference = box_sine_embed(reference, self.d_model // 2)  # [B, N, 2d]
+        return self.query_pos_head(reference)
+
     def _build_unused(self, run: int, x: tf.Tensor, memory: tf.Tensor,
                       shapes: Sequence[Tuple[int, int]]) -> None:
         """Builds the layers an inference with fewer layers skips, on the first call only: their
@@ -261,7 +281,7 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             if self.decoder_layers[i].built:
                 continue
             reference = tf.fill(tf.concat([tf.shape(x)[:2], [4]], 0), 0.5)
-            pos = self.query_pos_head(reference)
+            pos = self.query_position(reference)
             per_level = tf.broadcast_to(reference[:, :, None],
                                         [tf.shape(x)[0], tf.shape(x)[1], self.num_levels, 4])
             y = self.decoder_layers[i](x, pos, per_level, memory, shapes, None)

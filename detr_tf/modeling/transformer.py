@@ -5,7 +5,6 @@ in every attention; padded memory positions are masked out as keys; the decoder 
 layer's output through one shared final LayerNorm; the encoder has no final LayerNorm.
 LayerNorm epsilon is torch's 1e-5. Sequence tensors are [B, L, d].
 """
-import math
 from typing import Callable, Optional, Tuple
 
 import gin
@@ -14,7 +13,7 @@ import tf_keras
 
 from detr_tf.modeling.dropout import Dropout
 from detr_tf.modeling.layers import MLP, FeedForward, inverse_sigmoid, layer_norm
-from detr_tf.modeling.position_encoding import sine_features
+from detr_tf.modeling.position_encoding import box_sine_embed
 
 
 class MultiHeadAttention(tf_keras.layers.Layer):
@@ -247,10 +246,7 @@ class AnchorTransformer(Transformer):
 
     def _embed_anchor(self, anchor: tf.Tensor) -> tf.Tensor:
         """[B, Q, 4] cx, cy, w, h in (0, 1) -> [B, Q, 2d] float32: y, x, w, h embeddings."""
-        f = self.d_model // 2
-        angle = anchor * (2 * math.pi)  # the feature map's normalize=True scale
-        parts = [sine_features(angle[..., i], f, self.temperature) for i in (1, 0, 2, 3)]
-        return tf.concat(parts, axis=-1)
+        return box_sine_embed(anchor, self.d_model // 2, self.temperature)
 
     def call(self, src: tf.Tensor, mask: tf.Tensor, query_embed: tf.Tensor, pos_embed: tf.Tensor,
              training: Optional[bool] = None, self_attn_mask: Optional[tf.Tensor] = None

@@ -15,9 +15,8 @@ from typing import Dict, List, Tuple
 import numpy as np
 import tensorflow as tf
 
-from detr_tf.modeling.backbone import torchvision_variables
 from detr_tf.weights import ties
-from detr_tf.weights.target import Target, dense, mlp, norm
+from detr_tf.weights.target import Target, dense, mlp, norm, resnet
 from detr_tf.weights.ties import TieRule
 
 
@@ -78,10 +77,7 @@ def _heads(model) -> Dict[str, Target]:
 
 def torch_targets(model) -> Dict[str, Target]:
     """{transformers 5.x key: Target} for every variable of a built DeformableDETR."""
-    out = {}
-    for name, var in torchvision_variables(model.backbone).items():
-        out["model.backbone.model." + name] = Target(var, "conv" if var.shape.rank == 4
-                                                     else "same")
+    out = resnet("model.backbone.model", model.backbone)
     for i, proj in enumerate(model.neck.proj):
         out[f"model.input_proj.{i}.0.weight"] = Target(proj.conv.kernel, "conv")
         out[f"model.input_proj.{i}.0.bias"] = Target(proj.conv.bias)

@@ -14,6 +14,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.modeling.backbone import torchvision_variables
+
 # A depthwise kernel is [C, 1, kh, kw] in torch (groups = C) and [kh, kw, C, 1] here.
 _TO_TF = {"conv": (2, 3, 1, 0), "depthwise": (2, 3, 0, 1), "dense": (1, 0)}
 _TO_TORCH = {"conv": (3, 2, 0, 1), "depthwise": (2, 3, 0, 1), "dense": (1, 0)}
@@ -80,3 +82,10 @@ def mlp(prefix: str, block) -> Dict[str, Target]:
     for i, layer in enumerate(block.layers):
         out.update(dense(f"{prefix}.layers.{i}", layer))
     return out
+
+
+def resnet(prefix: str, backbone) -> Dict[str, Target]:
+    """A torchvision ResNet's state-dict keys under `prefix.` (modeling/backbone.py's
+    `torchvision_variables`): conv kernels in torch's layout, norm vectors as they are."""
+    return {f"{prefix}.{name}": Target(var, "conv" if var.shape.rank == 4 else "same")
+            for name, var in torchvision_variables(backbone).items()}

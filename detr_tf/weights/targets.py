@@ -6,7 +6,7 @@ from typing import Dict, List, Tuple
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.backbone import ResNet, torchvision_variables
+from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.deformable_detr import DeformableDETR
 from detr_tf.modeling.dfine import DFINE
 from detr_tf.modeling.rtdetr import RTDETR
@@ -65,9 +65,7 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
     if not isinstance(model.backbone, ResNet):
         raise ValueError(f"load_pretrained: the backbone is a {type(model.backbone).__name__}; "
                          "only detr_tf's ResNet has torch-compatible names")
-    out = {}
-    for name, var in torchvision_variables(model.backbone).items():
-        out["backbone." + name] = Target(var, "conv" if var.shape.rank == 4 else "same")
+    out = target.resnet("backbone", model.backbone)
     out["input_proj.weight"] = Target(model.input_proj.kernel, "conv")
     out["input_proj.bias"] = Target(model.input_proj.bias)
     if model.query_embed is not None and model.transformer.query_dim == model.transformer.d_model:

@@ -6,8 +6,9 @@ from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
+from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.resnet_vd import ResNetVd
-from detr_tf.weights import ties
+from detr_tf.weights import target, ties
 from detr_tf.weights.rtdetr import backbone, decoder, encoder
 from detr_tf.weights.target import Constant, Target
 
@@ -16,12 +17,19 @@ def torch_targets(model) -> Dict[str, Target]:
     """{transformers 5.x key: Target} for every variable of a built RTDETR, v2's top-level head
     aliases included (tie_rules fills them in for v1 files).
 
+    A model on a torchvision ResNet (DINO's recipe: modeling/backbone.py's ResNetLevels) has
+    torchvision's `backbone.*` names for its backbone and no torch names elsewhere: an ImageNet
+    ResNet file initialises its backbone, the rest keeps its initialisers.
+
     Raises:
-      ValueError: the backbone is not a ResNetVd (no transformers names to map).
+      ValueError: the backbone is neither a ResNetVd nor a ResNet (no names to map).
     """
+    if isinstance(model.backbone, ResNet):
+        return target.resnet("backbone", model.backbone)
     if not isinstance(model.backbone, ResNetVd):
         raise ValueError(f"load_pretrained: RT-DETR's backbone is a "
-                         f"{type(model.backbone).__name__}; only ResNetVd has transformers names")
+                         f"{type(model.backbone).__name__}; only ResNetVd (transformers "
+                         "names) and ResNet (torchvision's) have torch names")
     return {**backbone.hf_targets(backbone.PREFIX, model.backbone),
             **encoder.hf_targets(model.encoder),
             **decoder.hf_targets(model, v2=True)}
