@@ -121,12 +121,14 @@ class DeformableDecoderLayer(tf_keras.layers.Layer):
         self.dropouts = [Dropout(dropout) for _ in range(3)]
 
     def call(self, tgt, query_pos, reference_points, memory, shapes, padding_mask,
-             training=None, self_attn_mask=None):
+             training=None, self_attn_mask=None, self_attn_bias=None):
         """tgt, query_pos: [B, Q, d]; reference_points [B, Q, L, 2 or 4] (canvas-normalized);
         memory [B, S, d]; padding_mask [B, S] (None: no padding); self_attn_mask [B or 1, Q, Q]
-        bool, True where query i may attend query j (None: all) -> [B, Q, d]."""
+        bool, True where query i may attend query j (None: all); self_attn_bias [B, heads, Q, Q]
+        float added to the self-attention logits (None: none) -> [B, Q, d]."""
         qk = tgt + query_pos
-        x = self.self_attn(qk, qk, tgt, training=training, attn_mask=self_attn_mask)
+        x = self.self_attn(qk, qk, tgt, training=training, attn_mask=self_attn_mask,
+                           attn_bias=self_attn_bias)
         tgt = self.norm1(tgt + self.dropouts[0](x, training=training))
         x = self.cross_attn(tgt + query_pos, reference_points, memory, shapes, padding_mask)
         x = self.dropouts[1](x, training=training)

@@ -194,7 +194,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
                  denoising: bool = True,
                  canvas_sizes: Sequence[Tuple[int, int]] = (),
                  input_normalization: str = "imagenet", identity_input_proj: bool = False,
-                 query_pos: str = "mlp") -> RTDETR:
+                 query_pos: str = "mlp",
+                 position_relation: Optional[tf_keras.layers.Layer] = None) -> RTDETR:
     """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
     R50-vd defaults.
 
@@ -225,6 +226,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         encoder that already gives hidden_dim channels, e.g. DINO's, dino_encoder.py).
       query_pos: the decoder's positional queries, 'mlp' (RT-DETR's) or 'sine' (DINO's), see
         RTDetrDecoder.
+      position_relation: Relation-DETR's self-attention bias from the boxes
+        (`@PositionRelationEncoder()`, position_relation.py), see RTDetrDecoder; None: none.
     """
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
@@ -238,7 +241,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         dropout=dropout, num_levels=num_levels, encoder_levels=len(encoder.out_channels),
         num_points=num_points, offset_scale=offset_scale, method=sampling_method,
         learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
-        identity_input_proj=identity_input_proj, query_pos=query_pos, name="decoder")
+        identity_input_proj=identity_input_proj, query_pos=query_pos,
+        position_relation=position_relation, name="decoder")
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,

@@ -32,6 +32,13 @@ the next layer, so nothing turns into NaN. The anchors stay float32 under every 
 bfloat16 or float16 the maximum would be +inf from the start). A cell selected this way
 predicts the box (1, 1, 1, 1), as in the reference.
 
+Position relation (`position_relation`, Relation-DETR; off by default): from the second layer
+on, each layer's self-attention logits get a per-head bias from the boxes of the two layers
+before it, `position_relation(boxes of layer i-1, boxes of layer i)` [B, heads, N, N] for layer
+i+1 (for i = 0, the first references stand in for layer i-1), as xiuqhou/Relation-DETR's
+decoder (models/bricks/relation_transformer.py) does. The bias spans all queries, denoising
+ones included; the attention mask still applies on top of it.
+
 Training ("look forward twice", the authors' formulation): a layer's box is computed from the
 previous layer's box without its gradient stopped, so each layer's box loss also trains the
 previous layer's box head; the references the layers read are the stopped ones. The values are
@@ -131,6 +138,9 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         D-FINE's edge distributions are 4 * (reg_max + 1)).
       query_pos: the positional query of a reference box, 'mlp' (RT-DETR's MLP of the raw
         box) or 'sine' (DINO's MLP of its sine embedding), see module doc step 3.
+      position_relation: a layer `(src_boxes [B, N, 4], tgt_boxes [B, N, 4]) -> [B, num_heads,
+        N, N]` self-attention bias (Relation-DETR's PositionRelationEncoder,
+        position_relation.py), see the module doc; None: no bias.
     """
 
     def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
@@ -140,7 +150,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                  method: str = "bilinear", learn_initial_query: bool = False,
                  num_inference_layers: Optional[int] = None, identity_input_proj: bool = False,
                  layer_options: Optional[dict] = None, box_outputs: int = 4,
-                 query_pos: str = "mlp", **kwargs):
+                 query_pos: str = "mlp",
+                 position_relation: Optional[tf_keras.layers.Layer] = None, **kwargs):
         kwargs.setdefault("name", "rtdetr_decoder")
         super().__init__(**kwargs)
         if query_pos not in QUERY_POS:
@@ -172,6 +183,10 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             offset_scale=offset_scale, method=method, name=f"decoder.layers.{i}",
             **(layer_options or {})) for i in range(num_layers)]
         self.query_pos = query_pos
+        if position_relation is not None and position_relation.num_heads != num_heads:
+            raise ValueError(f"RTDetrDecoder: position_relation gives "
+                             f"{position_relation.num_heads} heads, the decoder has {num_heads}")
+        self.position_relation = position_relation
         # 'mlp': 4 -> 2d -> d; 'sine': 2d (the embedding) -> d -> d.
         self.query_pos_head = MLP((2 if query_pos == "mlp" else 1) * d_model, d_model, 2,
                                   name="decoder.query_pos_head")
@@ -253,17 +268,22 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         reference = tf.sigmoid(reference_logits)  # [B, N, 4], no gradient
         previous = None  # the last layer's box with its gradient (training: look forward twice)
         x, all_logits, all_boxes = content, [], []
+        relation_src, bias = reference, None  # the position relation's boxes and bias
         for i in range(run):
             pos = self.query_position(reference)
             per_level = tf.broadcast_to(reference[:, :, None], [b, n, self.num_levels, 4])
             x = self.decoder_layers[i](x, pos, per_level, memory, shapes, None,
-                                       training=training, self_attn_mask=self_attn_mask)
+                                       training=training, self_attn_mask=self_attn_mask,
+                                       self_attn_bias=bias)
             delta = tf.cast(self.bbox_embed[i](x), tf.float32)  # [B, N, 4]
             box = tf.sigmoid(delta + inverse_sigmoid(reference))
             out_box = box if previous is None else tf.sigmoid(delta + inverse_sigmoid(previous))
             all_logits.append(tf.cast(self.class_embed[i](x), tf.float32))
             all_boxes.append(out_box if training else box)
             previous, reference = box, tf.stop_gradient(box)
+            if self.position_relation is not None and i + 1 < run:
+                bias = self.position_relation(relation_src, reference)  # [B, heads, N, N]
+                relation_src = reference
         self._build_unused(run, x, memory, shapes)
         return tf.stack(all_logits), tf.stack(all_boxes)
 

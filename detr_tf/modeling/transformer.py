@@ -42,14 +42,18 @@ class MultiHeadAttention(tf_keras.layers.Layer):
 
     def call(self, query: tf.Tensor, key: tf.Tensor, value: tf.Tensor,
              key_mask: Optional[tf.Tensor] = None, training: Optional[bool] = None,
-             attn_mask: Optional[tf.Tensor] = None) -> tf.Tensor:
+             attn_mask: Optional[tf.Tensor] = None,
+             attn_bias: Optional[tf.Tensor] = None) -> tf.Tensor:
         """Attends query [B, Lq, d] over key/value [B, Lk, d]; key_mask [B, Lk] bool True on keys
         that may be attended (None: all); attn_mask [B or 1, Lq, Lk] bool True where query i may
-        attend key j (None: all). Returns [B, Lq, d]."""
+        attend key j (None: all); attn_bias [B, h, Lq, Lk] float added to the scaled logits
+        before the masks (torch's float attn_mask; None: none). Returns [B, Lq, d]."""
         q = self._split(self.q_proj(query)) * tf.cast(self.head_dim ** -0.5, query.dtype)
         k = self._split(self.k_proj(key))
         v = self._split(self.v_proj(value))
         logits = tf.cast(tf.einsum("bqhd,bkhd->bhqk", q, k), tf.float32)  # [B, h, Lq, Lk]
+        if attn_bias is not None:
+            logits = logits + tf.cast(attn_bias, tf.float32)
         if key_mask is not None:
             # A finite fill keeps a fully padded row finite (uniform) instead of NaN.
             logits = tf.where(key_mask[:, None, None, :], logits, -1e9)
