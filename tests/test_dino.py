@@ -6,14 +6,11 @@ The official functions transcribed: `gen_sineembed_for_position` and the decoder
 `ref_point_head` (models/dino/utils.py, deformable_transformer.py), `sigmoid_focal_loss` and
 its use in `SetCriterion.loss_labels` (utils.py, dino.py).
 """
-import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import config
-from detr_tf import run as run_lib
 from detr_tf.losses.focal_class import FocalClassLoss
 from detr_tf.modeling.backbone import BasicBlock, ResNet, ResNetLevels, torchvision_variables
 from detr_tf.modeling.deformable_detr import build_deformable_detr
@@ -21,6 +18,7 @@ from detr_tf.modeling.deformable_transformer import DeformableTransformer
 from detr_tf.modeling.dino_encoder import DinoEncoder
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
+from tests import dino_helpers
 
 D = 32  # the tiny models' width
 
@@ -239,33 +237,10 @@ def test_encoder_gives_its_levels_and_each_image_its_own_result():
 
 # --- (d) a tiny DINO from the recipe's model file -----------------------------------------
 
-TINY = ["NUM_CLASSES = 5", "NUM_QUERIES = 8", "D_MODEL = 32", "ENCODER_LAYERS = 2",
-        "DECODER_LAYERS = 2", "DIM_FEEDFORWARD = 64", "NUM_POINTS = 2",
-        "ResNet.block = @BasicBlock", "ResNet.layers = (1, 1, 1, 1)", "ResNet.width = 8",
-        "build_rtdetr.num_heads = 2", "DinoEncoder.num_heads = 2",
-        "DenoisingQueries.num_denoising = 8"]
-
-
 @pytest.fixture
 def tiny_dino():
     """(model, criterion) of gin_configs/models/dino.gin with tiny sizes."""
-    gin.clear_config()
-    try:
-        config.parse_gin_config(["models/dino.gin"], TINY, finalize=False)
-        run = run_lib.assemble()
-        yield run.model_fn(), run.criterion
-    finally:
-        gin.clear_config()
-
-
-def _batch():
-    images = tf.random.stateless_normal([2, 64, 64, 3], [0, 7])
-    mask = tf.constant(np.pad(np.ones([2, 64, 48], bool), [[0, 0], [0, 0], [0, 16]]))
-    targets = {"labels": tf.constant([[1, 4, 0], [3, 0, 0]]),
-               "boxes": tf.constant([[[0.5, 0.5, 0.2, 0.3], [0.3, 0.3, 0.1, 0.1], [0] * 4],
-                                     [[0.6, 0.4, 0.3, 0.3], [0] * 4, [0] * 4]], tf.float32),
-               "mask": tf.constant([[True, True, False], [True, False, False]])}
-    return images, mask, targets
+    return dino_helpers.assemble(["models/dino.gin"], dino_helpers.TINY)
 
 
 def _train_step(model, criterion, optimizer, images, mask, targets):
@@ -278,7 +253,7 @@ def _train_step(model, criterion, optimizer, images, mask, targets):
 
 
 def _check_step(model, criterion, step):
-    images, mask, targets = _batch()
+    images, mask, targets = dino_helpers.tiny_batch()
     model(images, mask)  # built, as the trainer builds it before the step
     before = [v.numpy() for v in model.trainable_variables]
     losses, grads = step(model, criterion, tf_keras.optimizers.SGD(0.01), images, mask,
@@ -322,7 +297,7 @@ def test_an_imagenet_resnet_file_initialises_the_backbone(tiny_dino, tmp_path):
 
     from detr_tf.weights.importer import load_pretrained
     model, _ = tiny_dino
-    images, mask, _ = _batch()
+    images, mask, _ = dino_helpers.tiny_batch()
     model(images, mask)
     source = ResNet(block=BasicBlock, layers=(1, 1, 1, 1), width=8)
     source(images, mask)

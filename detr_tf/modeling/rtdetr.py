@@ -195,7 +195,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
                  canvas_sizes: Sequence[Tuple[int, int]] = (),
                  input_normalization: str = "imagenet", identity_input_proj: bool = False,
                  query_pos: str = "mlp",
-                 position_relation: Optional[tf_keras.layers.Layer] = None) -> RTDETR:
+                 position_relation: Optional[tf_keras.layers.Layer] = None,
+                 rank_class_head: bool = False, query_rank_layer: bool = False) -> RTDETR:
     """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
     R50-vd defaults.
 
@@ -228,6 +229,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         RTDetrDecoder.
       position_relation: Relation-DETR's self-attention bias from the boxes
         (`@PositionRelationEncoder()`, position_relation.py), see RTDetrDecoder; None: none.
+      rank_class_head, query_rank_layer: Rank-DETR's rank-adaptive classification head and
+        query rank layer (rank_layers.py), see RTDetrDecoder; both off by default.
     """
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
@@ -242,7 +245,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         num_points=num_points, offset_scale=offset_scale, method=sampling_method,
         learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
         identity_input_proj=identity_input_proj, query_pos=query_pos,
-        position_relation=position_relation, name="decoder")
+        position_relation=position_relation, rank_class_head=rank_class_head,
+        query_rank_layer=query_rank_layer, name="decoder")
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,

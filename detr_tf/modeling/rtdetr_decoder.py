@@ -39,6 +39,16 @@ i+1 (for i = 0, the first references stand in for layer i-1), as xiuqhou/Relatio
 decoder (models/bricks/relation_transformer.py) does. The bias spans all queries, denoising
 ones included; the attention mask still applies on top of it.
 
+Rank-DETR (`rank_class_head`, `query_rank_layer`; both off by default, rank_layers.py): after
+each layer the Q matching queries are sorted by their best class score, and the next layer
+reads them (content, reference and previous box; the positional query follows from the
+reference) in that order; the denoising slots stay put, so the attention mask is unchanged.
+The rank-adaptive head adds a learned per-rank vector to each layer's logits; the query rank
+layer mixes a learned per-rank embedding into the content before layers 1, 2, .... Each layer's
+outputs are in the order its queries entered it (layer 0: query selection's), as in the
+reference (LeapLabTHU/Rank-DETR, rank_transformer.py). With the position relation on too, its
+boxes are reordered with the queries.
+
 Training ("look forward twice", the authors' formulation): a layer's box is computed from the
 previous layer's box without its gradient stopped, so each layer's box loss also trains the
 previous layer's box head; the references the layers read are the stopped ones. The values are
@@ -65,6 +75,7 @@ from detr_tf.modeling.csp_rep import ConvNorm
 from detr_tf.modeling.deformable_transformer import DeformableDecoderLayer
 from detr_tf.modeling.layers import MLP, box_head, inverse_sigmoid, layer_norm, prior_class_head
 from detr_tf.modeling.position_encoding import box_sine_embed
+from detr_tf.modeling.rank_layers import QueryRankLayer, RankAdaptiveClassHead, rank_order
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 QUERY_POS = ("mlp", "sine")
@@ -141,6 +152,9 @@ class RTDetrDecoder(tf_keras.layers.Layer):
       position_relation: a layer `(src_boxes [B, N, 4], tgt_boxes [B, N, 4]) -> [B, num_heads,
         N, N]` self-attention bias (Relation-DETR's PositionRelationEncoder,
         position_relation.py), see the module doc; None: no bias.
+      rank_class_head: Rank-DETR's rank-adaptive classification head (`rank_class_head`,
+        RankAdaptiveClassHead), see the module doc.
+      query_rank_layer: Rank-DETR's query rank layer (`query_rank_layer`, QueryRankLayer).
     """
 
     def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
@@ -151,7 +165,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                  num_inference_layers: Optional[int] = None, identity_input_proj: bool = False,
                  layer_options: Optional[dict] = None, box_outputs: int = 4,
                  query_pos: str = "mlp",
-                 position_relation: Optional[tf_keras.layers.Layer] = None, **kwargs):
+                 position_relation: Optional[tf_keras.layers.Layer] = None,
+                 rank_class_head: bool = False, query_rank_layer: bool = False, **kwargs):
         kwargs.setdefault("name", "rtdetr_decoder")
         super().__init__(**kwargs)
         if query_pos not in QUERY_POS:
@@ -187,6 +202,13 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             raise ValueError(f"RTDetrDecoder: position_relation gives "
                              f"{position_relation.num_heads} heads, the decoder has {num_heads}")
         self.position_relation = position_relation
+        # Rank-DETR (module doc): ranking runs when either part is on.
+        self.rank_class_head = RankAdaptiveClassHead(
+            num_layers, num_queries, num_classes,
+            name="decoder.rank_class_head") if rank_class_head else None
+        self.query_rank_layer = QueryRankLayer(
+            num_layers, num_queries, d_model,
+            name="decoder.query_rank_layer") if query_rank_layer else None
         # 'mlp': 4 -> 2d -> d; 'sine': 2d (the embedding) -> d -> d.
         self.query_pos_head = MLP((2 if query_pos == "mlp" else 1) * d_model, d_model, 2,
                                   name="decoder.query_pos_head")
@@ -269,7 +291,12 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         previous = None  # the last layer's box with its gradient (training: look forward twice)
         x, all_logits, all_boxes = content, [], []
         relation_src, bias = reference, None  # the position relation's boxes and bias
+        ranking = self.rank_class_head is not None or self.query_rank_layer is not None
         for i in range(run):
+            if ranking and i > 0:  # the slots in the last layer's ranking (module doc)
+                x = tf.gather(x, order, batch_dims=1)
+                if self.query_rank_layer is not None:
+                    x = self.query_rank_layer(x, i - 1)
             pos = self.query_position(reference)
             per_level = tf.broadcast_to(reference[:, :, None], [b, n, self.num_levels, 4])
             x = self.decoder_layers[i](x, pos, per_level, memory, shapes, None,
@@ -278,9 +305,16 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             delta = tf.cast(self.bbox_embed[i](x), tf.float32)  # [B, N, 4]
             box = tf.sigmoid(delta + inverse_sigmoid(reference))
             out_box = box if previous is None else tf.sigmoid(delta + inverse_sigmoid(previous))
-            all_logits.append(tf.cast(self.class_embed[i](x), tf.float32))
+            logits = tf.cast(self.class_embed[i](x), tf.float32)  # [B, N, C]
+            all_logits.append(logits if self.rank_class_head is None
+                              else self.rank_class_head(logits, i))
             all_boxes.append(out_box if training else box)
             previous, reference = box, tf.stop_gradient(box)
+            if ranking and i + 1 < run:
+                order = rank_order(logits, self.num_queries)  # [B, N]
+                previous = tf.gather(previous, order, batch_dims=1)
+                reference = tf.gather(reference, order, batch_dims=1)
+                relation_src = tf.gather(relation_src, order, batch_dims=1)
             if self.position_relation is not None and i + 1 < run:
                 bias = self.position_relation(relation_src, reference)  # [B, heads, N, N]
                 relation_src = reference
