@@ -7,7 +7,7 @@ Reference: IDEA-Research/detrex, projects/focus_detr/modeling/foreground_supervi
 two_stage_criterion.py (strides, scale ranges, the pixel boxes, the weight 1.5 of
 'select_loss').
 """
-from typing import Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -88,3 +88,16 @@ def foreground_loss(logits: tf.Tensor, targets: tf.Tensor, alpha: float = 0.25,
     t = tf.cast(targets, tf.float32)
     per_image = tf.reduce_sum(sigmoid_focal_loss(logits, t, alpha, gamma), 1)  # [B]
     return tf.reduce_mean(per_image / tf.maximum(tf.reduce_sum(t, 1), 1.0))
+
+
+def foreground_term(fg_outputs: Dict[str, object], targets: Dict[str, tf.Tensor]) -> tf.Tensor:
+    """`foreground_loss` of a model's 'fg_outputs' against the batch's targets (unweighted).
+
+    Args:
+      fg_outputs: 'logits' [B, S], 'shapes' the levels' static (h, w), finest first,
+        'image_size' [B, 2] (h, w) of the real image in pixels (RTDETR's 'fg_outputs').
+      targets: 'boxes' [B, T, 4] normalized cxcywh, 'mask' [B, T] bool.
+    """
+    fg = foreground_targets(targets["boxes"], targets["mask"], fg_outputs["image_size"],
+                            fg_outputs["shapes"])
+    return foreground_loss(fg_outputs["logits"], fg)

@@ -24,6 +24,9 @@ Parts, each with the three losses:
   image has the batch's largest count.
 With aux_loss False only the final decoder layer is trained (RT-DETR drops the encoder and
 denoising parts with its auxiliary loss too).
+Focus-DETR: when the model outputs its encoder tokens' foreground logits ('fg_outputs'), their
+focal loss against FCOS-style targets (losses/foreground.py) is 'loss_fg', weighted
+weight_fg (1.5, the reference's 'select_loss'); no other model outputs them.
 """
 from typing import Callable, Dict, Optional, Tuple
 
@@ -32,6 +35,7 @@ import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
 from detr_tf.losses import focal
+from detr_tf.losses import foreground
 from detr_tf.losses import vfl as vfl_lib
 
 Losses = Tuple[tf.Tensor, tf.Tensor, tf.Tensor]
@@ -55,6 +59,7 @@ class RTDetrCriterion(focal.FocalSetCriterion):
         `@MatchabilityAwareLoss()`; losses/vfl.py's VarifocalLoss(vfl_alpha, vfl_gamma) when
         None); its `name` names the logged loss ('loss_vfl', 'loss_mal'), weighted by
         weight_vfl.
+      weight_fg: the weight of 'loss_fg', when the outputs have 'fg_outputs' (1.5).
     """
 
     def __init__(self, num_classes: int, cost_class: float = 2.0, cost_bbox: float = 5.0,
@@ -62,13 +67,14 @@ class RTDetrCriterion(focal.FocalSetCriterion):
                  matcher_gamma: float = 2.0, vfl_alpha: float = 0.75, vfl_gamma: float = 2.0,
                  weight_vfl: float = 1.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
                  aux_loss: bool = True, matcher: Optional[Callable] = None,
-                 class_loss: Optional[Callable] = None):
+                 class_loss: Optional[Callable] = None, weight_fg: float = 1.5):
         # The parent's focal alpha / gamma serve its matching cost only; its focal class loss
         # is never used here.
         super().__init__(num_classes, focal_alpha=matcher_alpha, focal_gamma=matcher_gamma,
                          cost_class=cost_class, cost_bbox=cost_bbox, cost_giou=cost_giou,
                          weight_ce=weight_vfl, weight_bbox=weight_bbox,
                          weight_giou=weight_giou, aux_loss=aux_loss, matcher=matcher)
+        self.weight_fg = weight_fg
         self.class_loss = (vfl_lib.VarifocalLoss(vfl_alpha, vfl_gamma) if class_loss is None
                            else class_loss)
 
@@ -154,7 +160,8 @@ class RTDetrCriterion(focal.FocalSetCriterion):
           'loss': the weighted sum of every part; 'loss_vfl', 'loss_bbox', 'loss_giou' (final
           decoder layer, unweighted), the same with suffix '_{i}' for decoder layer i < L-1,
           '_enc' for the encoder's top-K, and 'loss_dn_vfl', 'loss_dn_bbox', 'loss_dn_giou'
-          (+ '_{i}') for the denoising queries; 'class_error' (final layer, %).
+          (+ '_{i}') for the denoising queries; 'loss_fg' with 'fg_outputs'; 'class_error'
+          (final layer, %).
         """
         del ce_weight
         logits, boxes = box_losses.stack_layers(outputs, self.aux_loss)  # [L, B, Q, *]
@@ -173,6 +180,9 @@ class RTDetrCriterion(focal.FocalSetCriterion):
             self._add("loss_", enc_losses, out, suffix="_enc")
         if self.aux_loss and "dn_outputs" in outputs:
             self._add("loss_dn_", self.denoising_losses(outputs["dn_outputs"], n_box), out)
+        if "fg_outputs" in outputs:
+            out["loss_fg"] = foreground.foreground_term(outputs["fg_outputs"], targets)
+            out["loss"] = out["loss"] + self.weight_fg * out["loss_fg"]
         out["class_error"] = focal.class_error(logits[-1], targets["labels"], idx[-1])
         return out
 

@@ -65,10 +65,13 @@ class DeformableEncoderLayer(tf_keras.layers.Layer):
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
 
-    def call(self, src, pos, reference_points, shapes, padding_mask, training=None):
-        """src, pos: [B, S, d]; reference_points [B, S, L, 2]; padding_mask [B, S] (True =
-        padded) -> [B, S, d]."""
-        x = self.self_attn(src + pos, reference_points, src, shapes, padding_mask)
+    def call(self, src, pos, reference_points, shapes, padding_mask, training=None,
+             value=None):
+        """src, pos: [B, S, d]; reference_points [B, S, L, 2]; padding_mask [B, S_v] (True =
+        padded) -> [B, S, d]. value: [B, S_v, d] the attention samples (None: src); Focus-DETR
+        updates S < S_v selected tokens against the whole map (focus_encoder.py)."""
+        x = self.self_attn(src + pos, reference_points, src if value is None else value,
+                           shapes, padding_mask)
         src = self.norm1(src + self.dropout1(x, training=training))
         x = self.ffn(src, training=training)
         return self.norm2(src + self.dropout2(x, training=training))

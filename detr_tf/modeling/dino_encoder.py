@@ -17,14 +17,20 @@ points (valid ratios) and the proposals all see the image only. RT-DETR, whose b
 encoder plugs into, has no pixel mask (rtdetr.py): every position of the canvas is real here,
 the position embedding spans the whole canvas and the encoder's values include the padding.
 On an image that fills its canvas the two agree; on a padded one they differ.
+
+Focus-DETR. With `focus` (a FocusSelector, focus_encoder.py) each layer updates only the tokens
+scored as likely foreground, and the call returns {'maps': the maps, 'fg_logits': [B, S]
+float32, the scores the foreground loss trains}; RTDETR passes the scores on as
+'fg_outputs'. Without it (the default) the encoder is DINO's, unchanged.
 """
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import gin
 import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling import deformable_transformer as dt
+from detr_tf.modeling import focus_encoder
 from detr_tf.modeling import multiscale
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 
@@ -45,13 +51,15 @@ class DinoEncoder(tf_keras.layers.Layer):
       position_embedding: a PositionEmbeddingSine of d_model // 2 features (None: DINO's,
         temperature 20, no half-cell offset).
       groups: the projection's GroupNorm groups (32).
+      focus: Focus-DETR's token selection (`@FocusSelector()`, focus_encoder.py); None: off.
     """
 
     def __init__(self, d_model: int = 256, num_levels: int = 4, num_layers: int = 6,
                  num_heads: int = 8, num_points: int = 4, dim_feedforward: int = 2048,
                  dropout: float = 0.0,
                  position_embedding: Optional[PositionEmbeddingSine] = None,
-                 groups: int = 32, **kwargs):
+                 groups: int = 32,
+                 focus: Optional[focus_encoder.FocusSelector] = None, **kwargs):
         kwargs.setdefault("name", "encoder")
         super().__init__(**kwargs)
         self.position_embedding = (position_embedding if position_embedding is not None else
@@ -66,13 +74,20 @@ class DinoEncoder(tf_keras.layers.Layer):
         self.level_embed = self.add_weight(
             name="level_embed", shape=[num_levels, d_model], dtype=tf.float32, autocast=False,
             initializer=tf_keras.initializers.RandomNormal(stddev=1.0))  # added in float32
+        if focus is not None and (focus.d_model, focus.num_levels) != (d_model, num_levels):
+            raise ValueError(f"DinoEncoder: FocusSelector.d_model={focus.d_model} and "
+                             f"num_levels={focus.num_levels} must equal the encoder's "
+                             f"d_model={d_model} and num_levels={num_levels}")
+        self.focus = focus
         self.layers = [dt.DeformableEncoderLayer(
             d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
             name=f"encoder.layers.{i}") for i in range(num_layers)]
 
-    def call(self, features: Sequence[tf.Tensor], training=None) -> List[tf.Tensor]:
+    def call(self, features: Sequence[tf.Tensor],
+             training=None) -> Union[List[tf.Tensor], Dict[str, object]]:
         """features: the backbone's maps [B, h, w, C_l], finest first (C3-C5) -> num_levels
-        maps [B, h_l, w_l, d_model], finest first."""
+        maps [B, h_l, w_l, d_model], finest first (with `focus`: {'maps': those,
+        'fg_logits': [B, S] float32, levels flattened row-major, finest first})."""
         masks = [tf.ones(tf.shape(x)[:3], tf.bool) for x in features]  # every position real
         # The extra levels' masks are the "pixel mask" downsampled by their stride. With every
         # position real, the last map's own mask at stride 1 gives them the conv's sizes
@@ -85,10 +100,17 @@ class DinoEncoder(tf_keras.layers.Layer):
         pos = tf.cast(multiscale.flatten_levels(pos), src.dtype)  # [B, S, d]
         ratios = tf.ones([tf.shape(src)[0], len(shapes), 2])  # [B, L, 2]: no padding
         reference = dt.encoder_reference_points(shapes, ratios)  # [B, S, L, 2]
-        for layer in self.layers:
-            src = layer(src, pos, reference, shapes, None, training=training)
+        fg_logits = None
+        if self.focus is None:
+            for layer in self.layers:
+                src = layer(src, pos, reference, shapes, None, training=training)
+        else:
+            fg_logits = self.focus(src, pos, shapes)  # [B, S]
+            counts = self.focus.counts(focus_encoder.num_tokens(shapes), len(self.layers))
+            src = focus_encoder.sparse_encode(self.layers, counts, src, pos, reference,
+                                              fg_logits, shapes, training)
         maps, start = [], 0
         for h, w in shapes:
             maps.append(tf.reshape(src[:, start:start + h * w], [-1, h, w, self.d_model]))
             start += h * w
-        return maps
+        return maps if fg_logits is None else {"maps": maps, "fg_logits": fg_logits}

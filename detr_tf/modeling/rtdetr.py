@@ -64,6 +64,10 @@ class RTDETR(Detector):
         decoder layer, with what they must reconstruct ('labels', 'boxes', 'positive',
         'valid', see DenoisingQueries), 'num_groups' and 'parts' (the layout of
         detr_tf/losses/denoising.py).
+      'fg_outputs' (training, with an encoder that scores its tokens: DinoEncoder's Focus-DETR
+        option): 'logits' [B, S] foreground logits of the encoder's tokens (levels flattened,
+        finest first), 'shapes' the levels' static (h, w), 'image_size' [B, 2] (h, w) of the
+        real image in pixels (foreground.foreground_term).
 
     `model.backbone.trainable_variables` take the backbone learning rate.
     """
@@ -123,10 +127,19 @@ class RTDETR(Detector):
         ratio = image_ratio(pixel_mask, images)  # [B, 4]
         features = self.backbone(images, training=training)  # [C3, C4, C5]
         features = self.encoder(features, training=training)  # [P3, P4, P5]
+        fg_logits = None
+        if isinstance(features, dict):  # an encoder that scores its tokens (Focus-DETR)
+            features, fg_logits = features["maps"], features["fg_logits"]
         dn = self._denoising(targets, ratio) if training else None
         group_size = 0 if dn is None else dn["labels"].shape[1] // dn["num_groups"]
         out = self.decoder(features, training=training, dn=dn, dn_group_size=group_size)
-        return self.assemble_outputs(out, ratio, dn)
+        outputs = self.assemble_outputs(out, ratio, dn)
+        if training and fg_logits is not None:
+            canvas = tf.constant([images.shape[1], images.shape[2]], tf.float32)
+            outputs["fg_outputs"] = {
+                "logits": fg_logits, "shapes": [tuple(f.shape[1:3]) for f in features],
+                "image_size": tf.stack([ratio[:, 1], ratio[:, 0]], -1) * canvas}  # [B, 2]
+        return outputs
 
     def assemble_outputs(self, out: Dict[str, object], ratio: tf.Tensor,
                 dn: Optional[Dict]) -> Dict[str, object]:
