@@ -22,6 +22,15 @@ Parts, each with the three losses:
   background in the VFL; here the slots pad to a bucket's fixed T, so counting them would make
   the loss depend on the bucket: only the 'valid' queries count. The two agree when every
   image has the batch's largest count.
+- Relation-DETR's hybrid queries ('hybrid_outputs', rtdetr_decoder.py), one to many (H-DETR,
+  Jia et al. 2023): every image's targets repeated hybrid_assign times (6; the padded [B, T]
+  tiled to [B, 6T], padding included, so shapes stay static) and the hybrid decoder layers
+  and their encoder top-K matched to them one-to-one by the same batched matcher, so each
+  target gets up to 6 positive queries. Their losses are those above under these matches,
+  normalized by the repeated box count (n_box * hybrid_assign, as the reference counts the
+  repeated targets), logged with the suffix '_hybrid' ('loss_vfl_hybrid', 'loss_vfl_0_hybrid',
+  'loss_vfl_enc_hybrid', the reference's names), and their weighted sum enters 'loss' times
+  weight_hybrid (1, the reference's).
 With aux_loss False only the final decoder layer is trained (RT-DETR drops the encoder and
 denoising parts with its auxiliary loss too).
 Focus-DETR: when the model outputs its encoder tokens' foreground logits ('fg_outputs'), their
@@ -60,6 +69,9 @@ class RTDetrCriterion(focal.FocalSetCriterion):
         None); its `name` names the logged loss ('loss_vfl', 'loss_mal'), weighted by
         weight_vfl.
       weight_fg: the weight of 'loss_fg', when the outputs have 'fg_outputs' (1.5).
+      hybrid_assign: how many times the hybrid queries' targets are repeated (6), when the
+        outputs have 'hybrid_outputs' (module doc).
+      weight_hybrid: the factor of the hybrid queries' part of 'loss' (1).
     """
 
     def __init__(self, num_classes: int, cost_class: float = 2.0, cost_bbox: float = 5.0,
@@ -67,14 +79,18 @@ class RTDetrCriterion(focal.FocalSetCriterion):
                  matcher_gamma: float = 2.0, vfl_alpha: float = 0.75, vfl_gamma: float = 2.0,
                  weight_vfl: float = 1.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
                  aux_loss: bool = True, matcher: Optional[Callable] = None,
-                 class_loss: Optional[Callable] = None, weight_fg: float = 1.5):
+                 class_loss: Optional[Callable] = None, weight_fg: float = 1.5,
+                 hybrid_assign: int = 6, weight_hybrid: float = 1.0):
         # The parent's focal alpha / gamma serve its matching cost only; its focal class loss
         # is never used here.
         super().__init__(num_classes, focal_alpha=matcher_alpha, focal_gamma=matcher_gamma,
                          cost_class=cost_class, cost_bbox=cost_bbox, cost_giou=cost_giou,
                          weight_ce=weight_vfl, weight_bbox=weight_bbox,
                          weight_giou=weight_giou, aux_loss=aux_loss, matcher=matcher)
+        if hybrid_assign < 1:
+            raise ValueError(f"RTDetrCriterion: hybrid_assign={hybrid_assign} must be >= 1")
         self.weight_fg = weight_fg
+        self.hybrid_assign, self.weight_hybrid = hybrid_assign, weight_hybrid
         self.class_loss = (vfl_lib.VarifocalLoss(vfl_alpha, vfl_gamma) if class_loss is None
                            else class_loss)
 
@@ -124,6 +140,40 @@ class RTDetrCriterion(focal.FocalSetCriterion):
                                  box_losses.gather_matched(targets["boxes"], idx),
                                  tf.cast(idx >= 0, tf.float32), n_box)
 
+    def repeated_targets(self, targets: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+        """[B, T] padded targets -> [B, kT], each image's row tiled k = hybrid_assign times (the
+        reference repeats each image's target list; padding stays masked)."""
+        k = self.hybrid_assign
+        return {"labels": tf.tile(targets["labels"], [1, k]),
+                "boxes": tf.tile(targets["boxes"], [1, k, 1]),  # [B, kT, 4]
+                "mask": tf.tile(targets["mask"], [1, k])}
+
+    def hybrid_losses(self, hybrid: Dict[str, object], targets: Dict[str, tf.Tensor],
+                      n_box: tf.Tensor) -> Dict[str, tf.Tensor]:
+        """The hybrid queries' part (module doc): its logged losses and its unweighted 'loss'.
+
+        Args:
+          hybrid: 'pred_logits' [L, B, H, C], 'pred_boxes' [L, B, H, 4] normalized cxcywh,
+            'enc_outputs' ('pred_logits' [B, K, C], 'pred_boxes' [B, K, 4]).
+          targets: padded_targets' [B, T] targets.
+          n_box: the box-count normalizer of the targets as given.
+        """
+        many = self.repeated_targets(targets)
+        logits, boxes = _float32(hybrid["pred_logits"]), _float32(hybrid["pred_boxes"])
+        if not self.aux_loss:
+            logits, boxes = logits[-1:], boxes[-1:]
+        enc = hybrid.get("enc_outputs") if self.aux_loss else None
+        idx, enc_idx = self.match_layers(logits, boxes, enc, many)
+        n_many = n_box * float(self.hybrid_assign)
+        out = self._add("loss_", self.matched_losses(logits, boxes, many, idx, n_many), {},
+                        suffix="_hybrid")
+        if enc is not None:
+            enc_losses = self.matched_losses(_float32(enc["pred_logits"])[None],
+                                             _float32(enc["pred_boxes"])[None], many,
+                                             enc_idx[None], n_many)
+            self._add("loss_", enc_losses, out, suffix="_enc_hybrid")
+        return out
+
     def denoising_losses(self, dn: Dict[str, object], n_box: tf.Tensor) -> Losses:
         """`query_losses` [L] of the denoising queries of every decoder layer.
 
@@ -149,8 +199,8 @@ class RTDetrCriterion(focal.FocalSetCriterion):
         Args:
           outputs: 'pred_logits' [B, Q, C], 'pred_boxes' [B, Q, 4] normalized cxcywh,
             'aux_outputs' (list of L-1 such dicts, earliest first), optionally 'enc_outputs'
-            ('pred_logits' [B, K, C], 'pred_boxes' [B, K, 4]) and 'dn_outputs' (see
-            `denoising_losses`).
+            ('pred_logits' [B, K, C], 'pred_boxes' [B, K, 4]), 'dn_outputs' (see
+            `denoising_losses`) and 'hybrid_outputs' (see `hybrid_losses`).
           targets: 'labels' int [B, T], 'boxes' [B, T, 4] normalized cxcywh, 'mask' bool
             [B, T] (T may be 0).
           num_boxes: the (global, per replica) box count to normalize by; computed when None.
@@ -160,7 +210,8 @@ class RTDetrCriterion(focal.FocalSetCriterion):
           'loss': the weighted sum of every part; 'loss_vfl', 'loss_bbox', 'loss_giou' (final
           decoder layer, unweighted), the same with suffix '_{i}' for decoder layer i < L-1,
           '_enc' for the encoder's top-K, and 'loss_dn_vfl', 'loss_dn_bbox', 'loss_dn_giou'
-          (+ '_{i}') for the denoising queries; 'loss_fg' with 'fg_outputs'; 'class_error'
+          (+ '_{i}') for the denoising queries; the first three (+ '_{i}', '_enc') with the
+          suffix '_hybrid' with 'hybrid_outputs'; 'loss_fg' with 'fg_outputs'; 'class_error'
           (final layer, %).
         """
         del ce_weight
@@ -180,6 +231,10 @@ class RTDetrCriterion(focal.FocalSetCriterion):
             self._add("loss_", enc_losses, out, suffix="_enc")
         if self.aux_loss and "dn_outputs" in outputs:
             self._add("loss_dn_", self.denoising_losses(outputs["dn_outputs"], n_box), out)
+        if "hybrid_outputs" in outputs:
+            hybrid = self.hybrid_losses(outputs["hybrid_outputs"], targets, n_box)
+            out["loss"] = out["loss"] + self.weight_hybrid * hybrid.pop("loss")
+            out.update(hybrid)
         if "fg_outputs" in outputs:
             out["loss_fg"] = foreground.foreground_term(outputs["fg_outputs"], targets)
             out["loss"] = out["loss"] + self.weight_fg * out["loss_fg"]

@@ -14,6 +14,8 @@ The training decoder input is laid out as
 and `self_attention_mask` builds the matching mask: a matching query sees its own group only
 (it never sees denoising queries, which carry ground truth); a denoising query sees every
 matching query and the real queries of its own denoising group (detr_tf/modeling/denoising.py).
+`with_separate_set` appends one more block that sees only itself and is seen by nothing
+before it (Relation-DETR's hybrid queries, rtdetr_decoder.py).
 """
 from typing import Optional
 
@@ -55,3 +57,25 @@ def self_attention_mask(num_groups: int, num_queries: int, dn_group_size: int = 
     dn_rows = tf.concat([tf.ones([b, n_dn, kq], tf.bool),
                          same_dn_group[None] & dn_valid[:, None, :]], 2)  # [B, N_dn, N]
     return tf.concat([top, dn_rows], 1)  # [B, N, N]
+
+
+def with_separate_set(mask: Optional[tf.Tensor], num_before: int, num_new: int) -> tf.Tensor:
+    """Appends num_new queries that attend only among themselves and are attended by none of
+    the num_before queries before them.
+
+    Args:
+      mask: [B or 1, N, N] bool (True: may attend), N = num_before; None: all True.
+      num_before: N, the queries the mask covers.
+      num_new: M, the queries appended.
+
+    Returns:
+      [B or 1, N + M, N + M] bool: `mask` and an all-True [M, M] block on the diagonal, False
+      across.
+    """
+    if mask is None:
+        mask = tf.ones([1, num_before, num_before], tf.bool)
+    b = tf.shape(mask)[0]
+    top = tf.concat([mask, tf.zeros([b, num_before, num_new], tf.bool)], 2)  # [B, N, N+M]
+    bottom = tf.concat([tf.zeros([b, num_new, num_before], tf.bool),
+                        tf.ones([b, num_new, num_new], tf.bool)], 2)  # [B, M, N+M]
+    return tf.concat([top, bottom], 1)

@@ -64,6 +64,10 @@ class RTDETR(Detector):
         decoder layer, with what they must reconstruct ('labels', 'boxes', 'positive',
         'valid', see DenoisingQueries), 'num_groups' and 'parts' (the layout of
         detr_tf/losses/denoising.py).
+      'hybrid_outputs' (training with num_hybrid_queries H > 0, Relation-DETR): the hybrid
+        queries' 'pred_logits' [L, B, H, num_classes] and 'pred_boxes' [L, B, H, 4] for every
+        decoder layer, and 'enc_outputs' ([B, H, num_classes], [B, H, 4]) of their selected
+        cells; matched one to many by the criterion (RTDetrDecoder's module doc).
       'fg_outputs' (training, with an encoder that scores its tokens: DinoEncoder's Focus-DETR
         option): 'logits' [B, S] foreground logits of the encoder's tokens (levels flattened,
         finest first), 'shapes' the levels' static (h, w), 'image_size' [B, 2] (h, w) of the
@@ -156,6 +160,13 @@ class RTDETR(Detector):
                                    **{k: v for k, v in dn.items()
                                       if k not in ("anchor_logits", "content")}}
             logits, boxes = logits[:, :, :q], boxes[:, :, :q]
+        if "hybrid_outputs" in out:
+            hybrid, on_image = out["hybrid_outputs"], tf.cast(ratio, tf.float32)
+            extra["hybrid_outputs"] = {
+                "pred_logits": hybrid["pred_logits"],
+                "pred_boxes": hybrid["pred_boxes"] / on_image[None, :, None],
+                "enc_outputs": {**hybrid["enc_outputs"], "pred_boxes": hybrid["enc_outputs"][
+                    "pred_boxes"] / on_image[:, None]}}
         return {**self.layer_outputs(logits, boxes), **extra}
 
     def _unit_scale(self, images: tf.Tensor, pixel_mask: Optional[tf.Tensor]) -> tf.Tensor:
@@ -209,7 +220,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
                  input_normalization: str = "imagenet", identity_input_proj: bool = False,
                  query_pos: str = "mlp",
                  position_relation: Optional[tf_keras.layers.Layer] = None,
-                 rank_class_head: bool = False, query_rank_layer: bool = False) -> RTDETR:
+                 rank_class_head: bool = False, query_rank_layer: bool = False,
+                 num_hybrid_queries: int = 0) -> RTDETR:
     """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
     R50-vd defaults.
 
@@ -244,6 +256,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         (`@PositionRelationEncoder()`, position_relation.py), see RTDetrDecoder; None: none.
       rank_class_head, query_rank_layer: Rank-DETR's rank-adaptive classification head and
         query rank layer (rank_layers.py), see RTDetrDecoder; both off by default.
+      num_hybrid_queries: Relation-DETR's one-to-many training queries (1500 in its recipe;
+        0: none), see RTDetrDecoder; the criterion's hybrid_assign sets their targets.
     """
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
@@ -259,7 +273,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
         identity_input_proj=identity_input_proj, query_pos=query_pos,
         position_relation=position_relation, rank_class_head=rank_class_head,
-        query_rank_layer=query_rank_layer, name="decoder")
+        query_rank_layer=query_rank_layer, num_hybrid_queries=num_hybrid_queries,
+        name="decoder")
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,

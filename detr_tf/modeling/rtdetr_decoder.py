@@ -60,6 +60,17 @@ the matching queries from seeing them. The decoder is equivariant to the order o
 (self-attention under a mask, everything else per query), so appending instead of
 transformers' prepending changes no value.
 
+Hybrid queries (`num_hybrid_queries`, Relation-DETR's one-to-many set after H-DETR, Jia et al.
+2023; training only, off by default): a second top-K over the same transformed memory, scored
+by its own heads (`hybrid_score_head`, `hybrid_bbox_head`) and, with learn_initial_query, with
+its own content (`hybrid_embedding`), gives num_hybrid_queries more queries. They are appended
+last, after the denoising queries, and the self-attention mask is block-diagonal between them
+and everything before (query_groups.with_separate_set), so neither set sees the other and the
+matching and denoising queries' outputs are those of a run without them. The position
+relation spans the queries before them only: the hybrid queries get no relation bias, as the
+reference decodes them in a pass of their own without it. The criterion matches them one to
+many (losses/rtdetr.py). Inference never builds them (a Python decision on `training`).
+
 `num_inference_layers` (RT-DETRv2's eval_idx): at inference, only the first n decoder layers
 run and the n-th layer's heads give the output; training always runs them all, so a model
 trained with N layers can be served with fewer without retraining.
@@ -155,6 +166,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
       rank_class_head: Rank-DETR's rank-adaptive classification head (`rank_class_head`,
         RankAdaptiveClassHead), see the module doc.
       query_rank_layer: Rank-DETR's query rank layer (`query_rank_layer`, QueryRankLayer).
+      num_hybrid_queries: Relation-DETR's one-to-many training queries (0: none), see the
+        module doc.
     """
 
     def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
@@ -166,7 +179,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                  layer_options: Optional[dict] = None, box_outputs: int = 4,
                  query_pos: str = "mlp",
                  position_relation: Optional[tf_keras.layers.Layer] = None,
-                 rank_class_head: bool = False, query_rank_layer: bool = False, **kwargs):
+                 rank_class_head: bool = False, query_rank_layer: bool = False,
+                 num_hybrid_queries: int = 0, **kwargs):
         kwargs.setdefault("name", "rtdetr_decoder")
         super().__init__(**kwargs)
         if query_pos not in QUERY_POS:
@@ -193,6 +207,13 @@ class RTDetrDecoder(tf_keras.layers.Layer):
         self.weight_embedding = tf_keras.layers.Embedding(
             num_queries, d_model, embeddings_initializer="glorot_uniform",
             name="weight_embedding") if learn_initial_query else None
+        self.num_hybrid_queries = num_hybrid_queries
+        if num_hybrid_queries:
+            self.hybrid_score_head = prior_class_head(num_classes, "hybrid_score_head")
+            self.hybrid_bbox_head = box_head(d_model, 0.0, "hybrid_bbox_head")
+            self.hybrid_embedding = tf_keras.layers.Embedding(
+                num_hybrid_queries, d_model, embeddings_initializer="glorot_uniform",
+                name="hybrid_embedding") if learn_initial_query else None
         self.decoder_layers = [DeformableDecoderLayer(
             d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
             offset_scale=offset_scale, method=method, name=f"decoder.layers.{i}",
@@ -243,29 +264,48 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                              f"attention and the anchors are built per size), got {shapes}")
         return _flatten(maps), [(int(h), int(w)) for h, w in shapes]
 
-    def select(self, memory: tf.Tensor, shapes: Sequence[Tuple[int, int]]) -> Dict[str, tf.Tensor]:
+    def select(self, memory: tf.Tensor, shapes: Sequence[Tuple[int, int]],
+               hybrid: bool = False) -> Dict[str, tf.Tensor]:
         """Query selection (module doc, step 2).
+
+        Args:
+          hybrid: also select the hybrid queries (module doc).
 
         Returns:
           'content': [B, Q, d] content queries (gradient stopped, or learned).
           'reference_logits': [B, Q, 4] float32 logits of the first references (stopped).
           'enc_logits': [B, Q, C] float32 class logits of the selected cells.
           'enc_boxes': [B, Q, 4] float32 cxcywh boxes of the selected cells.
+          'hybrid' (hybrid only): the same four keys for the num_hybrid_queries hybrid cells.
         """
-        if memory.shape[1] < self.num_queries:
-            raise ValueError(f"RTDetrDecoder: num_queries={self.num_queries} cells are selected "
-                             f"from the {memory.shape[1]} of levels {list(shapes)}; use larger "
-                             "images or fewer queries")
+        for name, k in (("num_queries", self.num_queries),
+                        ("num_hybrid_queries", self.num_hybrid_queries if hybrid else 0)):
+            if memory.shape[1] < k:
+                raise ValueError(f"RTDetrDecoder: {name}={k} cells are selected from the "
+                                 f"{memory.shape[1]} of levels {list(shapes)}; use larger "
+                                 "images or fewer queries")
         anchors, valid = generate_anchors(shapes)
         masked = memory * tf.constant(valid[None, :, None], memory.dtype)
         output_memory = self.enc_output_norm(self.enc_output(masked))  # [B, S, d]
-        logits = tf.cast(self.enc_score_head(output_memory), tf.float32)  # [B, S, C]
-        coords = tf.cast(self.enc_bbox_head(output_memory), tf.float32) + anchors[None]
-        _, top = tf.math.top_k(tf.reduce_max(logits, -1), k=self.num_queries)  # [B, Q]
-        top_coords = tf.gather(coords, top, batch_dims=1)  # [B, Q, 4]
-        if self.weight_embedding is not None:
-            content = self.weight_embedding(tf.range(self.num_queries))[None]
-            content = tf.tile(content, [tf.shape(memory)[0], 1, 1])
+        out = self._top_cells(output_memory, anchors, self.enc_score_head, self.enc_bbox_head,
+                              self.num_queries, self.weight_embedding)
+        if hybrid:
+            out["hybrid"] = self._top_cells(output_memory, anchors, self.hybrid_score_head,
+                                            self.hybrid_bbox_head, self.num_hybrid_queries,
+                                            self.hybrid_embedding)
+        return out
+
+    def _top_cells(self, output_memory: tf.Tensor, anchors: np.ndarray,
+                   score_head: tf_keras.layers.Layer, bbox_head: tf_keras.layers.Layer, k: int,
+                   embedding: Optional[tf_keras.layers.Layer]) -> Dict[str, tf.Tensor]:
+        """`select`'s four keys for the k cells `score_head` scores highest."""
+        logits = tf.cast(score_head(output_memory), tf.float32)  # [B, S, C]
+        coords = tf.cast(bbox_head(output_memory), tf.float32) + anchors[None]
+        _, top = tf.math.top_k(tf.reduce_max(logits, -1), k=k)  # [B, k]
+        top_coords = tf.gather(coords, top, batch_dims=1)  # [B, k, 4]
+        if embedding is not None:
+            content = embedding(tf.range(k))[None]
+            content = tf.tile(content, [tf.shape(output_memory)[0], 1, 1])
         else:
             content = tf.stop_gradient(tf.gather(output_memory, top, batch_dims=1))
         return {"content": content, "reference_logits": tf.stop_gradient(top_coords),
@@ -274,12 +314,14 @@ class RTDetrDecoder(tf_keras.layers.Layer):
 
     def decode(self, content: tf.Tensor, reference_logits: tf.Tensor, memory: tf.Tensor,
                shapes: Sequence[Tuple[int, int]], self_attn_mask: Optional[tf.Tensor] = None,
-               training=None) -> Tuple[tf.Tensor, tf.Tensor]:
+               training=None, num_related: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         """The decoder layers with iterative refinement (module doc, step 3).
 
         Args:
           content: [B, N, d]; reference_logits: [B, N, 4] float32; memory: [B, S, d];
           self_attn_mask: [B or 1, N, N] bool (True: may attend), None: all.
+          num_related: the leading queries the position relation spans (None: all N); the
+            others get no bias (the hybrid queries, module doc).
 
         Returns:
           logits [n, B, N, C] and boxes [n, B, N, 4] (cxcywh), float32, for the n layers run.
@@ -316,7 +358,13 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                 reference = tf.gather(reference, order, batch_dims=1)
                 relation_src = tf.gather(relation_src, order, batch_dims=1)
             if self.position_relation is not None and i + 1 < run:
-                bias = self.position_relation(relation_src, reference)  # [B, heads, N, N]
+                if num_related is None:
+                    bias = self.position_relation(relation_src, reference)  # [B, heads, N, N]
+                else:  # the first N' queries' bias, zero beyond them: [B, heads, N, N]
+                    bias = self.position_relation(relation_src[:, :num_related],
+                                                  reference[:, :num_related])
+                    rest = content.shape[1] - num_related
+                    bias = tf.pad(bias, [[0, 0], [0, 0], [0, rest], [0, rest]])
                 relation_src = reference
         self._build_unused(run, x, memory, shapes)
         return tf.stack(all_logits), tf.stack(all_boxes)
@@ -359,9 +407,13 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             num_inference_layers), 'pred_boxes': [n, B, Q (+ N_dn), 4] normalized cxcywh,
           'enc_outputs': {'pred_logits' [B, Q, C], 'pred_boxes' [B, Q, 4]}, the selected
             cells' own predictions.
+          'hybrid_outputs' (training with num_hybrid_queries H > 0): the hybrid queries'
+            'pred_logits' [n, B, H, C] and 'pred_boxes' [n, B, H, 4], and their cells' own
+            'enc_outputs' ([B, H, C], [B, H, 4]).
         """
         memory, shapes = self.memory(features, training=training)
-        queries = self.select(memory, shapes)
+        hybrid = bool(training) and self.num_hybrid_queries > 0
+        queries = self.select(memory, shapes, hybrid)
         content = tf.cast(queries["content"], memory.dtype)
         reference_logits, mask = queries["reference_logits"], None
         if dn is not None:
@@ -370,15 +422,31 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                 [reference_logits, tf.cast(dn["anchor_logits"], tf.float32)], 1)
             mask = query_groups.self_attention_mask(1, self.num_queries, dn_group_size,
                                                     dn["valid"])
-        out = self.decoder_outputs(content, reference_logits, memory, shapes, mask, training)
-        return {**out, "enc_outputs": {"pred_logits": queries["enc_logits"],
-                                       "pred_boxes": queries["enc_boxes"]}}
+        related, extra = content.shape[1], {}  # the queries before the hybrid ones
+        if hybrid:
+            h = queries["hybrid"]
+            content = tf.concat([content, tf.cast(h["content"], memory.dtype)], 1)
+            reference_logits = tf.concat([reference_logits, h["reference_logits"]], 1)
+            mask = query_groups.with_separate_set(mask, related, self.num_hybrid_queries)
+            extra["num_related"] = related
+        out = self.decoder_outputs(content, reference_logits, memory, shapes, mask, training,
+                                   **extra)
+        out["enc_outputs"] = {"pred_logits": queries["enc_logits"],
+                              "pred_boxes": queries["enc_boxes"]}
+        if hybrid:
+            logits, boxes = out["pred_logits"], out["pred_boxes"]
+            out["pred_logits"], out["pred_boxes"] = logits[:, :, :related], boxes[:, :, :related]
+            out["hybrid_outputs"] = {
+                "pred_logits": logits[:, :, related:], "pred_boxes": boxes[:, :, related:],
+                "enc_outputs": {"pred_logits": h["enc_logits"], "pred_boxes": h["enc_boxes"]}}
+        return out
 
     def decoder_outputs(self, content: tf.Tensor, reference_logits: tf.Tensor,
                         memory: tf.Tensor, shapes: Sequence[Tuple[int, int]],
-                        self_attn_mask: Optional[tf.Tensor], training=None) -> Dict[str, tf.Tensor]:
+                        self_attn_mask: Optional[tf.Tensor], training=None,
+                        **kwargs) -> Dict[str, tf.Tensor]:
         """`decode`'s stacked per-layer 'pred_logits' and 'pred_boxes' (a subclass's decoder
-        may return more, see D-FINE's)."""
+        may return more, see D-FINE's); kwargs: more `decode` arguments."""
         logits, boxes = self.decode(content, reference_logits, memory, shapes, self_attn_mask,
-                                    training)
+                                    training, **kwargs)
         return {"pred_logits": logits, "pred_boxes": boxes}
