@@ -214,10 +214,11 @@ def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, sh
     _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
 
 
-@pytest.fixture(scope="module", params=["rtdetr", "dfine", "dfine_deim"])
+@pytest.fixture(scope="module", params=["rtdetr", "dfine", "dfine_deim", "dino_family"])
 def rtdetr_runs(request, shapes_cache, tmp_path_factory):
     """RT-DETR (rtdetr_tiny.gin), D-FINE (dfine_tiny.gin: the union's box losses, whose
-    normalizer the step averages over the replicas) or D-FINE with DEIM's loss and rate,
+    normalizer the step averages over the replicas), D-FINE with DEIM's loss and rate, or DINO
+    with the family's options (trainer_prog.py's dino_family),
     denoising noise off: jit='step' on one device, then one-device and mirrored runs with
     jit='loss' (trainer_prog.py engines_jit)."""
     return _engines_pair(shapes_cache, tmp_path_factory, request.param, mode="engines_jit")
@@ -230,7 +231,7 @@ def _variant_env(request):
 # RT-DETR and D-FINE on the engines and under jit='step': slow (three runs in one process per
 # model, each compiling it anew; 5.5 min for RT-DETR on a shared 2-core CPU; two processes for
 # the multi-process engines), so `pytest -m slow -k rtdetr tests/test_trainer.py` (`-k dfine`:
-# D-FINE's only).
+# D-FINE's only; `-k dino_family`: DINO's with the family's options).
 @pytest.mark.slow
 def test_rtdetr_mirrored_two_replicas_equals_one_device(rtdetr_runs):
     # Its batch norms train on batch statistics: equal only if the replicas share them.

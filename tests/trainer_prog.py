@@ -6,6 +6,7 @@
         default, mirrored; OUT_DIR/restored/ckpt: the model tools restore from 'default')
     TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising;
         rtdetr: RT-DETR, dfine: D-FINE, dfine_deim: D-FINE with DEIM's loss and rate,
+        dino_family: DINO with Relation-, Rank- and Focus-DETR's options,
         tf_keras: tf_keras's AdamW)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     horovodrun -np 2 python tests/trainer_prog.py horovod_jit OUT_DIR SHAPES_CACHE_DIR  (jit='step'
@@ -54,6 +55,9 @@ from detr_tf.training import trainer  # noqa: E402
 # distributions and DFineCriterion's FGL, DDF and pre-head losses, the union's box losses).
 # TRAINER_PROG_VARIANT=dfine_deim: D-FINE with DEIM's loss and rate (the MAL, the flat-cosine
 # schedule; DEIM's mosaic and mixup are the input pipeline's, which these runs replace).
+# TRAINER_PROG_VARIANT=dino_family: DINO (dino_tiny.gin) with every option of the family on:
+# Relation-DETR's position relation and hybrid queries, Rank-DETR's rank layers, GIoU-aware
+# loss and high-order matching cost, Focus-DETR's token selection and foreground loss.
 # Each variant: (Gin file, its extra bindings).
 # Denoising queries' noise off: its random streams differ per replica by design, as dropout's.
 NO_DN_NOISE = ["DenoisingQueries.box_noise_scale = 0.0",
@@ -65,6 +69,15 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 "build_model.denoising = True", "DenoisingQueries.num_groups = 2",
                 *NO_DN_NOISE]),
             "rtdetr": ("rtdetr_tiny.gin", NO_DN_NOISE),
+            "dino_family": ("dino_tiny.gin", NO_DN_NOISE + [
+                "import detr_tf.modeling.position_relation",
+                "build_rtdetr.position_relation = @PositionRelationEncoder()",
+                "PositionRelationEncoder.num_heads = 4", "build_rtdetr.num_hybrid_queries = 12",
+                "build_rtdetr.rank_class_head = True", "build_rtdetr.query_rank_layer = True",
+                "RTDetrCriterion.class_loss = @GIoUAwareLoss()",
+                "FocalSetCriterion.match_cost = @high_order_match_cost",
+                "import detr_tf.modeling.focus_encoder", "DinoEncoder.focus = @FocusSelector()",
+                "FocusSelector.d_model = %D_MODEL", "FocusSelector.cascade = (1.0, 0.8)"]),
             "dfine": ("dfine_tiny.gin", NO_DN_NOISE),
             "dfine_deim": ("dfine_tiny.gin", NO_DN_NOISE + [
                 "import detr_tf.losses.mal", "import detr_tf.training.optimization",
