@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
 from detr_tf.ops import box_ops
-from detr_tf.ops import matching
+from detr_tf.ops import matching, matching_cost
 
 
 def sigmoid_focal_loss(logits: tf.Tensor, targets: tf.Tensor, alpha: float = 0.25,
@@ -53,18 +53,11 @@ def focal_match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: 
     """
     logits = tf.cast(pred_logits, tf.float32)
     pred_boxes = tf.cast(pred_boxes, tf.float32)
-    lead = tf.shape(logits)[:-2]
-    num_classes = logits.shape[-1]
-    labels = tf.broadcast_to(tf.cast(tgt_labels, tf.int32),
-                             tf.concat([lead, tf.shape(tgt_labels)[-1:]], 0))
-    tgt_boxes = tf.broadcast_to(tf.cast(tgt_boxes, tf.float32),
-                                tf.concat([lead, tf.shape(tgt_boxes)[-2:]], 0))
+    labels, tgt_boxes = matching_cost.broadcast_targets(logits, tgt_labels, tgt_boxes)
     prob = tf.sigmoid(logits)
     neg = (1 - alpha) * prob ** gamma * -tf.math.log(1 - prob + 1e-8)  # [..., Q, C]
     pos = alpha * (1 - prob) ** gamma * -tf.math.log(prob + 1e-8)
-    # Picking each target's class column is a matmul with its one-hot: [..., Q, T].
-    onehot = tf.one_hot(tf.clip_by_value(labels, 0, num_classes - 1), num_classes)
-    class_cost = tf.linalg.matmul(pos - neg, onehot, transpose_b=True)
+    class_cost = matching_cost.class_columns(pos - neg, labels)  # [..., Q, T]
     l1 = tf.reduce_sum(tf.abs(pred_boxes[..., :, None, :] - tgt_boxes[..., None, :, :]), -1)
     giou = box_ops.generalized_box_iou(box_ops.box_cxcywh_to_xyxy(pred_boxes),
                                        box_ops.box_cxcywh_to_xyxy(tgt_boxes))

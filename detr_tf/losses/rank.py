@@ -35,7 +35,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import vfl as vfl_lib
-from detr_tf.ops import box_ops
+from detr_tf.ops import box_ops, matching_cost
 
 
 def giou_aware_focal_loss(logits: tf.Tensor, score: tf.Tensor, onehot: tf.Tensor,
@@ -118,15 +118,8 @@ def high_order_match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_lab
     """
     logits = tf.cast(pred_logits, tf.float32)
     pred_boxes = tf.cast(pred_boxes, tf.float32)
-    lead = tf.shape(logits)[:-2]
-    num_classes = logits.shape[-1]
-    labels = tf.broadcast_to(tf.cast(tgt_labels, tf.int32),
-                             tf.concat([lead, tf.shape(tgt_labels)[-1:]], 0))
-    tgt_boxes = tf.broadcast_to(tf.cast(tgt_boxes, tf.float32),
-                                tf.concat([lead, tf.shape(tgt_boxes)[-2:]], 0))
-    # Each target's class score, picked by a matmul with its one-hot: [..., Q, T].
-    onehot = tf.one_hot(tf.clip_by_value(labels, 0, num_classes - 1), num_classes)
-    score = tf.linalg.matmul(tf.sigmoid(logits), onehot, transpose_b=True)
+    labels, tgt_boxes = matching_cost.broadcast_targets(logits, tgt_labels, tgt_boxes)
+    score = matching_cost.class_columns(tf.sigmoid(logits), labels)  # [..., Q, T]
     iou = box_ops.box_iou(box_ops.box_cxcywh_to_xyxy(pred_boxes),
                           box_ops.box_cxcywh_to_xyxy(tgt_boxes))
     return -score * iou ** iou_power

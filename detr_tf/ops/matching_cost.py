@@ -1,9 +1,42 @@
 """The DETR matching cost: what `hungarian_matching` (matching.py) minimises for DETR's
-SetCriterion. The focal criterion's cost is `losses.focal.focal_match_cost`.
+SetCriterion. The focal criterion's cost is `losses.focal.focal_match_cost`; both, and Rank-DETR's
+high-order cost (losses/rank.py), broadcast their targets and pick each target's class column
+with `broadcast_targets` and `class_columns` here.
 """
+from typing import Tuple
+
 import tensorflow as tf
 
 from detr_tf.ops import box_ops
+
+
+def broadcast_targets(logits: tf.Tensor, tgt_labels: tf.Tensor,
+                      tgt_boxes: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The targets broadcast to the predictions' leading dims (e.g. decoder layers x images).
+
+    Args:
+      logits: [..., Q, C] predictions; only their leading dims are read.
+      tgt_labels: [..., T] int; tgt_boxes: [..., T, 4]; leading dims a suffix of the logits'.
+
+    Returns:
+      (labels [..., T] int32, boxes [..., T, 4] float32), leading dims those of the logits.
+    """
+    lead = tf.shape(logits)[:-2]
+    labels = tf.broadcast_to(tf.cast(tgt_labels, tf.int32),
+                             tf.concat([lead, tf.shape(tgt_labels)[-1:]], 0))
+    boxes = tf.broadcast_to(tf.cast(tgt_boxes, tf.float32),
+                            tf.concat([lead, tf.shape(tgt_boxes)[-2:]], 0))
+    return labels, boxes
+
+
+def class_columns(per_class: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    """Each target's class column of a per-class score: per_class [..., Q, C] and labels
+    [..., T] (clipped into [0, C), so padded targets may hold any value) -> [..., Q, T].
+
+    Picking the columns is a matmul with the labels' one-hot."""
+    num_classes = per_class.shape[-1]
+    onehot = tf.one_hot(tf.clip_by_value(labels, 0, num_classes - 1), num_classes)
+    return tf.linalg.matmul(per_class, onehot, transpose_b=True)
 
 
 def match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: tf.Tensor,
@@ -31,13 +64,9 @@ def match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: tf.Ten
     """
     logits = tf.cast(pred_logits, tf.float32)
     pred_boxes = tf.cast(pred_boxes, tf.float32)
-    tgt_boxes = tf.cast(tgt_boxes, tf.float32)
-    lead = tf.shape(logits)[:-2]
     num_classes = logits.shape[-1]
     num_targets = tgt_labels.shape[-1]
-    tgt_labels = tf.broadcast_to(tf.cast(tgt_labels, tf.int32),
-                                 tf.concat([lead, [tf.shape(tgt_labels)[-1]]], 0))
-    tgt_boxes = tf.broadcast_to(tgt_boxes, tf.concat([lead, tf.shape(tgt_boxes)[-2:]], 0))
+    tgt_labels, tgt_boxes = broadcast_targets(logits, tgt_labels, tgt_boxes)
 
     prob = tf.nn.softmax(logits, axis=-1)  # [..., Q, K]
     onehot = tf.one_hot(tgt_labels, num_classes, dtype=tf.float32)  # [..., T, K]
