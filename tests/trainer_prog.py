@@ -57,7 +57,8 @@ from detr_tf.training import trainer  # noqa: E402
 # schedule; DEIM's mosaic and mixup are the input pipeline's, which these runs replace).
 # TRAINER_PROG_VARIANT=dino_family: DINO (dino_tiny.gin) with every option of the family on:
 # Relation-DETR's position relation and hybrid queries, Rank-DETR's rank layers, GIoU-aware
-# loss and high-order matching cost, Focus-DETR's token selection and foreground loss.
+# loss and high-order matching cost, Focus-DETR's token selection (with its OESM) and
+# foreground loss.
 # Each variant: (Gin file, its extra bindings).
 # Denoising queries' noise off: its random streams differ per replica by design, as dropout's.
 NO_DN_NOISE = ["DenoisingQueries.box_noise_scale = 0.0",
@@ -77,7 +78,8 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 "RTDetrCriterion.class_loss = @GIoUAwareLoss()",
                 "FocalSetCriterion.match_cost = @high_order_match_cost",
                 "import detr_tf.modeling.focus_encoder", "DinoEncoder.focus = @FocusSelector()",
-                "FocusSelector.d_model = %D_MODEL", "FocusSelector.cascade = (1.0, 0.8)"]),
+                "FocusSelector.d_model = %D_MODEL", "FocusSelector.cascade = (1.0, 0.8)",
+                "FocusSelector.oesm_topk = 8", "FocusSelector.num_heads = 4"]),
             "dfine": ("dfine_tiny.gin", NO_DN_NOISE),
             "dfine_deim": ("dfine_tiny.gin", NO_DN_NOISE + [
                 "import detr_tf.losses.mal", "import detr_tf.training.optimization",

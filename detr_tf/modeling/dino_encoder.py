@@ -21,7 +21,9 @@ On an image that fills its canvas the two agree; on a padded one they differ.
 Focus-DETR. With `focus` (a FocusSelector, focus_encoder.py) each layer updates only the tokens
 scored as likely foreground, and the call returns {'maps': the maps, 'fg_logits': [B, S]
 float32, the scores the foreground loss trains}; RTDETR passes the scores on as
-'fg_outputs'. Without it (the default) the encoder is DINO's, unchanged.
+'fg_outputs'. Its OESM option scores tokens with the decoder's two-stage class head, which
+build_rtdetr hands over (`bind_class_head`). Without focus (the default) the encoder is DINO's,
+unchanged.
 """
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -83,6 +85,12 @@ class DinoEncoder(tf_keras.layers.Layer):
             d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
             name=f"encoder.layers.{i}") for i in range(num_layers)]
 
+    def bind_class_head(self, head: tf_keras.layers.Layer) -> None:
+        """Hands the decoder's two-stage class head to `focus` (its OESM scores tokens with
+        it; build_rtdetr calls this); nothing without focus."""
+        if self.focus is not None:
+            self.focus.bind_class_head(head)
+
     def call(self, features: Sequence[tf.Tensor],
              training=None) -> Union[List[tf.Tensor], Dict[str, object]]:
         """features: the backbone's maps [B, h, w, C_l], finest first (C3-C5) -> num_levels
@@ -107,8 +115,9 @@ class DinoEncoder(tf_keras.layers.Layer):
         else:
             fg_logits = self.focus(src, pos, shapes)  # [B, S]
             counts = self.focus.counts(focus_encoder.num_tokens(shapes), len(self.layers))
+            enhance = self.focus.enhance if self.focus.oesm_topk > 0 else None
             src = focus_encoder.sparse_encode(self.layers, counts, src, pos, reference,
-                                              fg_logits, shapes, training)
+                                              fg_logits, shapes, training, enhance)
         maps, start = [], 0
         for h, w in shapes:
             maps.append(tf.reshape(src[:, start:start + h * w], [-1, h, w, self.d_model]))

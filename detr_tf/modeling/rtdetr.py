@@ -275,6 +275,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         position_relation=position_relation, rank_class_head=rank_class_head,
         query_rank_layer=query_rank_layer, num_hybrid_queries=num_hybrid_queries,
         name="decoder")
+    if hasattr(encoder, "bind_class_head"):  # e.g. Focus-DETR's OESM scores with that head
+        encoder.bind_class_head(decoder.enc_score_head)
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,
