@@ -1,0 +1,379 @@
+"""Faster R-CNN head (detr_tf/modeling/rcnn_head.py, rcnn_sampling.py) and its losses
+(detr_tf/losses/rcnn.py) against float64 numpy transcriptions, written here, of mmdetection
+2.x's MaxIoUAssigner.assign_wrt_overlaps, RPNHead._get_bboxes_single and map_roi_levels, and
+mmcv's RoIAlign (aligned=True); hand-checked losses; sampler properties; XLA and gradients."""
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from detr_tf.losses import rcnn
+from detr_tf.modeling import rcnn_head, rcnn_sampling
+from detr_tf.modeling.positive_queries import select_positive_queries
+
+C = 3  # classes in the random cases
+SHAPES = [(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)]  # a 64 x 64 canvas, strides 4 .. 64
+
+
+def np_iou(a, b):
+    """[N, 4], [M, 4] xyxy -> [N, M] IoU, float64."""
+    lt = np.maximum(a[:, None, :2], b[None, :, :2])
+    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(rb - lt, 0, None), -1)
+    area = lambda x: (x[:, 2] - x[:, 0]) * (x[:, 3] - x[:, 1])  # noqa: E731
+    union = area(a)[:, None] + area(b)[None] - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+
+
+def np_max_iou_assign(boxes, gts, pos_thr, neg_thr, min_pos, low_quality):
+    """mmdet's assign_wrt_overlaps for one image (gt_max_assign_all), in this module's
+    encoding: gt index, -1 background, -2 ignored."""
+    if len(gts) == 0:
+        return np.full(len(boxes), -1)
+    ov = np_iou(gts, boxes)  # [G, N]
+    max_ov, argmax = ov.max(0), ov.argmax(0)  # numpy's argmax: the first maximum
+    out = np.full(len(boxes), -2)
+    out[(max_ov >= 0) & (max_ov < neg_thr)] = -1
+    out[max_ov >= pos_thr] = argmax[max_ov >= pos_thr]
+    if low_quality:
+        for i, best in enumerate(ov.max(1)):
+            if best >= min_pos:
+                out[ov[i] == best] = i
+    return out
+
+
+def _int_boxes(rng, n, size=32):
+    """Integer xyxy boxes in [0, size]: IoUs are exact ratios, so float32 keeps their ties."""
+    xy = rng.integers(0, size - 4, (n, 2))
+    wh = rng.integers(2, 12, (n, 2))
+    return np.concatenate([xy, np.minimum(xy + wh, size)], 1).astype(np.float64)
+
+
+@pytest.mark.parametrize("cfg", [(0.7, 0.3, 0.3, True), (0.5, 0.5, 0.5, False)])
+def test_max_iou_assign_matches_numpy(cfg):
+    rng = np.random.default_rng(0)
+    boxes = _int_boxes(rng, 60)
+    boxes[10:13] = boxes[5]  # ties in gt 2's best IoU: all of them are low-quality matches
+    gts = _int_boxes(rng, 8).reshape(2, 4, 4)
+    gts[0, 0] = boxes[7] + [0, 0, 1, 0]
+    gts[0, 1] = gts[0, 0]  # a duplicated gt: argmax takes the first, low quality the last
+    gts[0, 2] = boxes[5]
+    valid = np.array([[True, True, True, False], [True, True, False, False]])
+    padded = np.where(valid[..., None], gts, np.nan)  # padding may hold anything
+    got = rcnn_sampling.max_iou_assign(boxes.astype(np.float32), padded.astype(np.float32),
+                                       valid, *cfg).numpy()
+    for b in range(2):
+        want = np_max_iou_assign(boxes, gts[b][valid[b]], *cfg)
+        np.testing.assert_array_equal(got[b], want)
+
+
+def test_rpn_assigner_positives_are_threshold_or_best_anchor():
+    anchors, _ = rcnn_head.rpn_anchors(SHAPES)
+    gts = np.array([[[3, 5, 40, 30], [20, 20, 28, 27], [0, 0, 1e9, 1e9]]], np.float32)
+    valid = np.array([[True, True, False]])
+    assigned = rcnn_sampling.max_iou_assign(anchors, gts, valid, 0.7, 0.3, 0.3, True)[0]
+    iou = np_iou(gts[0, :2].astype(np.float64), anchors.astype(np.float64))  # [2, A]
+    best = iou.max(1, keepdims=True)
+    want_pos = (iou.max(0) >= 0.7) | ((iou == best) & (best >= 0.3)).any(0)
+    np.testing.assert_array_equal(assigned.numpy() >= 0, want_pos)
+    assert not np.any(assigned.numpy() == 2), "a padded gt was assigned"
+    want_neg = (iou.max(0) < 0.3) & ~want_pos
+    np.testing.assert_array_equal(assigned.numpy() == -1, want_neg)
+
+
+def test_random_sample_counts_caps_and_keys():
+    rng = np.random.default_rng(2)
+    n, num = 200, 32
+    pos = np.zeros([3, n], bool)
+    pos[0, :5], pos[1, :40], pos[2, :] = True, True, False  # few, many, no positives
+    neg = ~pos
+    neg[1, 40:190] = False  # image 1: 10 negatives only
+    keys = rng.random([3, n]).astype(np.float32)
+    sp, sn = (x.numpy() for x in rcnn_sampling.random_sample(pos, neg, num, 0.25, keys))
+    np.testing.assert_array_equal(sp.sum(1), [5, 8, 0])  # min(#pos, int(32 * 0.25))
+    np.testing.assert_array_equal(sn.sum(1), [27, 10, 32])  # min(#neg, 32 - sampled pos)
+    assert not np.any(sp & ~pos) and not np.any(sn & ~neg)
+    # The sampled positives of image 1 are its 8 smallest keys.
+    want = np.argsort(np.where(pos[1], keys[1], np.inf))[:8]
+    np.testing.assert_array_equal(np.flatnonzero(sp[1]), np.sort(want))
+
+
+def test_sample_rois_layout_and_gt_proposals():
+    rng = np.random.default_rng(3)
+    gts = np.array([[[4, 4, 20, 20], [30, 30, 50, 60], [0, 0, 0, 0]]], np.float32)
+    valid = np.array([[True, True, False]])
+    props = np.concatenate([gts[0, :2] + rng.normal(0, 1, (2, 4)), _int_boxes(rng, 40) * 2],
+                           0)[None].astype(np.float32)  # [1, 42, 4]
+    pvalid = np.ones([1, 42], bool)
+    pvalid[0, -1] = False
+    labels = np.array([[2, 0, 1]])
+    s = {k: v.numpy() for k, v in rcnn_sampling.sample_rois(
+        props, pvalid, gts, labels, valid, C, num=16, random_keys=rng.random([1, 45])).items()}
+    pos, v = s["positive"][0], s["valid"][0]
+    assert pos.sum() <= 4 and v.sum() == 16  # a quarter of 16 at most; 16 slots filled
+    k = pos.sum()
+    assert pos[:k].all() and not pos[k:].any(), "positives first"
+    assert not np.any(np.all(s["rois"][0] == props[0, -1], -1)), "an invalid proposal sampled"
+    assert not np.any(np.all(s["rois"][0] == 0, -1)), "the padded gt sampled"
+    iou = np_iou(s["rois"][0].astype(np.float64), gts[0, :2].astype(np.float64))
+    np.testing.assert_array_equal(iou[v].max(1) >= 0.5, pos[v])
+    own = np.array([labels[0, np.argmax(r)] for r in iou])
+    np.testing.assert_array_equal(s["labels"][0], np.where(pos, own, C))
+    np.testing.assert_array_equal(s["target_boxes"][0][~pos], 0)
+
+
+def test_rpn_loss_one_anchor_one_gt():
+    # Anchor 0 (0, 0, 10, 10), gt (0, 0, 10, 20): IoU 100 / 200 = 0.5 < 0.7, but the gt's
+    # best anchor with IoU >= 0.3, so positive; targets (dx, dy, dw, dh) = (0, (10 - 5) / 10,
+    # 0, log 2). Anchor 1 (40, 40, 50, 50): IoU 0, negative. Logits (0, -2), deltas 0:
+    # BCE = log 2 and log(1 + e^-2), L1 = 0.5 + log 2, over n = 2 sampled anchors.
+    anchors = np.array([[0, 0, 10, 10], [40, 40, 50, 50]], np.float32)
+    gts = np.array([[[0, 0, 10, 20], [np.nan] * 4]], np.float32)  # a padded gt of NaN
+    out = {"rpn_logits": tf.constant([[0.0, -2.0]]), "rpn_deltas": tf.zeros([1, 2, 4])}
+    got = rcnn.rpn_losses(out, anchors, gts, [[True, False]], random_keys=[[0.5, 0.5]])
+    cls = (math.log(2) + math.log1p(math.exp(-2))) / 2
+    box = (0.5 + math.log(2)) / 2
+    np.testing.assert_allclose(got["loss_rpn_cls"], cls, rtol=1e-6)
+    np.testing.assert_allclose(got["loss_rpn_bbox"], box, rtol=1e-6)
+    np.testing.assert_allclose(got["loss"], 12 * cls + 12 * box, rtol=1e-6)
+
+
+def test_rpn_losses_assign_and_sample_as_configured():
+    rng = np.random.default_rng(7)
+    anchors, _ = rcnn_head.rpn_anchors(SHAPES)
+    gts = (_int_boxes(rng, 6) * 2).reshape(2, 3, 4)
+    valid = np.array([[True, True, True], [True, False, False]])
+    out = {"rpn_logits": tf.zeros([2, len(anchors)]), "rpn_deltas": tf.zeros([2, len(anchors), 4])}
+    got = rcnn.rpn_losses(out, anchors, gts.astype(np.float32), valid)
+    for b in range(2):
+        want = np_max_iou_assign(anchors.astype(np.float64), gts[b][valid[b]], 0.7, 0.3, 0.3,
+                                 True)
+        np.testing.assert_array_equal(got["assigned"][b], want)
+        n_pos = got["sampled_positive"][b].numpy().sum()
+        assert n_pos == min((want >= 0).sum(), 128)
+        assert got["sampled_negative"][b].numpy().sum() == min((want == -1).sum(), 256 - n_pos)
+    # IoUs with the gt (0, 0, 10, 14): 100, 130, 90, 30 / 140 = 0.71, 0.93, 0.64, 0.21.
+    box = np.array([[[0, 0, 10, 14]]], np.float32)
+    few = np.array([[0, 0, 10, 10], [0, 0, 10, 13], [0, 0, 10, 9], [0, 0, 10, 3]], np.float32)
+    got = rcnn.rpn_losses({"rpn_logits": tf.zeros([1, 4]), "rpn_deltas": tf.zeros([1, 4, 4])},
+                          few, box, [[True]])
+    np.testing.assert_array_equal(got["assigned"], [[0, 0, -2, -1]])
+    # 300 anchors on the gt itself: all positive, 128 = 256 * 0.5 sampled.
+    box = box[0]
+    many = rcnn.rpn_losses({"rpn_logits": tf.zeros([1, 300]), "rpn_deltas": tf.zeros([1, 300, 4])},
+                           np.repeat(box, 300, 0), box[None], [[True]])
+    assert many["sampled_positive"].numpy().sum() == 128
+
+
+def test_roi_loss_hand_checked():
+    # RoI 0: (0, 0, 10, 10), positive, class 1, gt (0, 0, 10, 20); RoI 1 negative (class C=3);
+    # RoI 2: (20, 20, 30, 30), positive, class 0, gt (20, 25, 30, 45), i.e. dy = 10 / 10 and
+    # dh = log 2, which its deltas (0, 1 / 0.1, 0, log 2 / 0.2) give exactly: GIoU 1.
+    # Zero logits: CE = log 4 on each, / n = 3 -> log 4. Zero deltas of class 1 decode to RoI 0
+    # itself: GIoU = IoU 0.5 (the gt encloses both), (1 - 0.5 + 0) / n = 1 / 6 (n counts the
+    # negative). RoI 0's class 0 deltas are garbage and must not be read.
+    samples = {"rois": tf.constant([[[0, 0, 10, 10], [20, 20, 30, 30], [20, 20, 30, 30]]],
+                                   tf.float32),
+               "labels": tf.constant([[1, C, 0]]),
+               "target_boxes": tf.constant([[[0, 0, 10, 20], [0, 0, 0, 0], [20, 25, 30, 45]]],
+                                           tf.float32),
+               "positive": tf.constant([[True, False, True]]),
+               "valid": tf.constant([[True, True, True]])}
+    deltas = np.zeros([1, 3, C, 4], np.float32)
+    deltas[0, 0, 0] = 3.0
+    deltas[0, 2, 0] = [0, 10, 0, math.log(2) / 0.2]
+    out = {"cls_logits": tf.zeros([1, 3, C + 1]), "box_deltas": tf.constant(deltas)}
+    got = rcnn.roi_losses(out, samples)
+    np.testing.assert_allclose(got["loss_cls"], math.log(4), rtol=1e-6)
+    np.testing.assert_allclose(got["loss_bbox"], 1 / 6, rtol=1e-5)
+    np.testing.assert_allclose(got["loss"], 12 * math.log(4) + 120 / 6, rtol=1e-5)
+
+
+def np_bilinear(feat, y, x):
+    """mmcv's bilinear_interpolate (RoIAlign) on feat [H, W, C]."""
+    h, w = feat.shape[:2]
+    if y < -1.0 or y > h or x < -1.0 or x > w:
+        return np.zeros(feat.shape[2])
+    y, x = max(y, 0.0), max(x, 0.0)
+    y0, x0 = int(y), int(x)
+    y1, x1 = min(y0 + 1, h - 1), min(x0 + 1, w - 1)
+    if y0 >= h - 1:
+        y0 = y1 = h - 1
+        y = float(y0)
+    if x0 >= w - 1:
+        x0 = x1 = w - 1
+        x = float(x0)
+    ly, lx = y - y0, x - x0
+    return ((1 - ly) * (1 - lx) * feat[y0, x0] + (1 - ly) * lx * feat[y0, x1]
+            + ly * (1 - lx) * feat[y1, x0] + ly * lx * feat[y1, x1])
+
+
+def np_roi_align(feats, strides, roi, out=7, ratio=2, finest_scale=56):
+    """SingleRoIExtractor (map_roi_levels) + mmcv RoIAlign(out, ratio, aligned=True), one RoI."""
+    scale = np.sqrt((roi[2] - roi[0]) * (roi[3] - roi[1]))
+    lvl = int(np.clip(np.floor(np.log2(scale / finest_scale + 1e-6)), 0, len(feats) - 1))
+    x0, y0, x1, y1 = roi / strides[lvl] - 0.5
+    bh, bw = (y1 - y0) / out, (x1 - x0) / out
+    res = np.zeros([out, out, feats[lvl].shape[-1]])
+    for ph in range(out):
+        for pw in range(out):
+            for iy in range(ratio):
+                for ix in range(ratio):
+                    res[ph, pw] += np_bilinear(feats[lvl], y0 + ph * bh + (iy + 0.5) * bh / ratio,
+                                               x0 + pw * bw + (ix + 0.5) * bw / ratio)
+    return res / ratio ** 2
+
+
+def test_roi_align_matches_mmcv_numpy():
+    rng = np.random.default_rng(4)
+    strides = (4, 8, 16)
+    feats = [rng.normal(size=(1, 128 // s, 128 // s, 3)) for s in strides]
+    # Sizes on every level (sqrt area < 112, < 224, >= 224), inside the map: mmcv zeroes points
+    # more than a pixel outside, the aligner clamps them.
+    rois = np.array([[10, 12, 40, 30], [7.3, 20.1, 60.7, 90.2], [20, 8, 110, 120],
+                     [2, 3, 126, 125], [50, 50, 52.5, 51]])
+    got = rcnn_head.roi_align([tf.constant(f, tf.float32) for f in feats],
+                              tf.constant(rois[None], tf.float32), strides).numpy()[0]
+    for i, roi in enumerate(rois):
+        want = np_roi_align([f[0] for f in feats], strides, roi)
+        np.testing.assert_allclose(got[i], want, atol=2e-5, err_msg=f"RoI {i}")
+
+
+def np_nms(boxes, scores, thr):
+    """Greedy NMS, mmcv's rule (suppress IoU > thr), boxes sorted by score -> kept indices."""
+    keep, alive = [], np.ones(len(boxes), bool)
+    for i in range(len(boxes)):
+        if alive[i]:
+            keep.append(i)
+            alive &= ~(np_iou(boxes[i:i + 1], boxes)[0] > thr)
+    return np.array(keep, int)
+
+
+def np_propose(logits, deltas, anchors, counts, hw, nms_pre, max_per_img, thr):
+    """RPNHead._get_bboxes_single (mmdet 2.x) for one image."""
+    out_b, out_s, start = [], [], 0
+    for n in counts:
+        s = 1 / (1 + np.exp(-logits[start:start + n]))
+        order = np.argsort(-s, kind="stable")[:nms_pre]
+        a, d = anchors[start:start + n][order], deltas[start:start + n][order]
+        wh = a[:, 2:] - a[:, :2]
+        c = (a[:, :2] + a[:, 2:]) / 2 + wh * d[:, :2]
+        half = wh * np.exp(np.clip(d[:, 2:], -np.log(1000 / 16), np.log(1000 / 16))) / 2
+        b = np.concatenate([c - half, c + half], 1)
+        b = np.clip(b, 0, [hw[1], hw[0], hw[1], hw[0]])
+        ok = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
+        b, sc = b[ok], s[order][ok]
+        keep = np_nms(b, sc, thr)
+        out_b.append(b[keep])
+        out_s.append(sc[keep])
+        start += n
+    b, s = np.concatenate(out_b), np.concatenate(out_s)
+    order = np.argsort(-s, kind="stable")[:max_per_img]
+    return b[order]
+
+
+def test_propose_matches_numpy():
+    rng = np.random.default_rng(5)
+    anchors, counts = rcnn_head.rpn_anchors(SHAPES)
+    logits = rng.normal(0, 2, (2, len(anchors)))
+    deltas = rng.normal(0, 0.3, (2, len(anchors), 4))
+    hw = np.array([[64, 64], [48, 56]], np.float32)
+    props, valid = rcnn_head.propose(tf.constant(logits, tf.float32),
+                                     tf.constant(deltas, tf.float32), anchors, counts, hw,
+                                     nms_pre=60, max_per_img=80)
+    for b in range(2):
+        want = np_propose(logits[b], deltas[b], anchors.astype(np.float64), counts, hw[b],
+                          60, 80, 0.7)
+        got = props[b].numpy()[valid[b].numpy()]
+        assert len(got) == len(want)
+        np.testing.assert_allclose(got, want, atol=1e-3)
+
+
+def _roi_stage(bbox, feats, props, pvalid, gts, labels, valid, keys):
+    """Sampling, RoIAlign, box head and losses on given proposals."""
+    samples = rcnn_sampling.sample_rois(props, pvalid, gts, labels, valid, C, num=32,
+                                        random_keys=keys)
+    return rcnn.roi_losses(bbox(rcnn_head.roi_align(feats, samples["rois"])), samples), samples
+
+
+def _pipeline(rpn, bbox, feats, gts, labels, valid, keys_rpn, keys_roi):
+    """One training forward of the whole head: RPN, proposals, sampling, RoI head, losses."""
+    anchors, counts = rcnn_head.rpn_anchors(SHAPES)
+    out = rpn(feats)
+    rpn_l = rcnn.rpn_losses(out, anchors, gts, valid, keys_rpn)
+    props, pvalid = rcnn_head.propose(out["rpn_logits"], out["rpn_deltas"], anchors, counts,
+                                      tf.constant([[64.0, 64.0]] * 2), nms_pre=100,
+                                      max_per_img=50)
+    roi_l, samples = _roi_stage(bbox, feats, props, pvalid, gts, labels, valid, keys_roi)
+    return rpn_l["loss"] + roi_l["loss"], rpn_l, roi_l, samples
+
+
+def _inputs():
+    rng = np.random.default_rng(6)
+    feats = [tf.constant(rng.normal(size=(2, h, w, 8)), tf.float32) for h, w in SHAPES]
+    gts = tf.constant([[[4, 4, 30, 40], [10, 20, 60, 60], [0, 0, 0, 0]],
+                       [[0, 0, 64, 64], [8, 8, 24, 16], [0, 0, 0, 0]]], tf.float32)
+    labels = tf.constant([[0, 2, 0], [1, 1, 0]])
+    valid = tf.constant([[True, True, False], [True, True, False]])
+    n = sum(h * w * 9 for h, w in SHAPES)
+    return (feats, gts, labels, valid, tf.constant(rng.random((2, n)), tf.float32),
+            tf.constant(rng.random((2, 53)), tf.float32))
+
+
+def test_shapes_gradient_step_and_positive_queries():
+    rpn, bbox = rcnn_head.RPNHead(feat_channels=8), rcnn_head.Shared2FCBBoxHead(C, 32)
+    feats, gts, labels, valid, k1, k2 = _inputs()
+    with tf.GradientTape() as tape:
+        loss, rpn_l, roi_l, samples = _pipeline(rpn, bbox, feats, gts, labels, valid, k1, k2)
+    assert samples["rois"].shape == (2, 32, 4)
+    assert bbox(tf.zeros([2, 5, 7, 7, 8]))["box_deltas"].shape == (2, 5, C, 4)
+    variables = rpn.trainable_variables + bbox.trainable_variables
+    grads = tape.gradient(loss, variables)
+    assert all(g is not None and np.isfinite(g.numpy()).all() for g in grads)
+    tf.keras.optimizers.SGD(0.01).apply_gradients(zip(grads, variables))
+    loss2 = _pipeline(rpn, bbox, feats, gts, labels, valid, k1, k2)[0]
+    assert np.isfinite(loss2.numpy()) and loss2.numpy() < loss.numpy()
+
+    handed = rcnn.rcnn_positives(samples)
+    q = select_positive_queries(**handed, image_size=tf.constant([[64, 64]] * 2),
+                                num_classes=C, max_queries=20)
+    np.testing.assert_array_equal(q.num_positive, samples["positive"].numpy().sum(1))
+    np.testing.assert_array_equal(q.labels.numpy()[q.box_weights.numpy() > 0],
+                                  samples["labels"].numpy()[samples["positive"].numpy()])
+
+
+def _assert_same(xla, eager):
+    """(rpn losses, roi losses, samples) of an XLA and an eager run agree."""
+    for k in ("loss_rpn_cls", "loss_rpn_bbox", "sampled_positive", "sampled_negative"):
+        np.testing.assert_allclose(xla[0][k], eager[0][k], rtol=1e-5)
+    for k in ("loss_cls", "loss_bbox"):
+        np.testing.assert_allclose(xla[1][k], eager[1][k], rtol=1e-4)
+    for k in ("labels", "positive", "valid"):
+        np.testing.assert_array_equal(xla[2][k], eager[2][k])
+    np.testing.assert_allclose(xla[2]["rois"], eager[2]["rois"], atol=1e-4)
+
+
+def test_xla_equals_eager_given_proposals():
+    # Everything but `propose`, whose NMS takes about a minute to compile (the slow test).
+    rpn, bbox = rcnn_head.RPNHead(feat_channels=8), rcnn_head.Shared2FCBBoxHead(C, 32)
+    feats, gts, labels, valid, k1, k2 = _inputs()
+    anchors, _ = rcnn_head.rpn_anchors(SHAPES)
+    props = _pipeline(rpn, bbox, feats, gts, labels, valid, k1, k2)[3]["rois"]
+    pvalid = tf.ones(props.shape[:2], tf.bool)
+
+    def run(feats, props, k1, k2):
+        rpn_l = rcnn.rpn_losses(rpn(feats), anchors, gts, valid, k1)
+        return (rpn_l,) + _roi_stage(bbox, feats, props, pvalid, gts, labels, valid, k2[:, :35])
+
+    args = (feats, props, k1, k2)
+    _assert_same(tf.function(run, jit_compile=True)(*args), run(*args))
+
+
+@pytest.mark.slow
+def test_xla_equals_eager_whole_head():
+    rpn, bbox = rcnn_head.RPNHead(feat_channels=8), rcnn_head.Shared2FCBBoxHead(C, 32)
+    args = _inputs()
+    eager = _pipeline(rpn, bbox, *args)[1:]
+    _assert_same(tf.function(lambda *a: _pipeline(rpn, bbox, *a), jit_compile=True)(*args)[1:],
+                 eager)
