@@ -195,6 +195,8 @@ def test_the_recipe_turns_the_option_on():
         assert gin.query_parameter("FocusSelector.cascade") == focus_tokens.CASCADE
         assert gin.query_parameter("RTDetrCriterion.weight_fg") == 1.5
         assert gin.query_parameter("%NUM_EPOCHS") == 36
+        assert gin.query_parameter("FocusSelector.oesm_topk") == 300  # the OESM's tokens
+        assert gin.query_parameter("FocusSelector.num_heads") == 8
     finally:
         gin.clear_config()
 

@@ -225,19 +225,6 @@ def test_a_tiny_focus_detr_shares_the_class_head_and_trains_with_the_oesm():
             assert np.all(np.isfinite(g)) and np.any(g != 0), name
 
 
-def test_the_recipe_turns_the_oesm_on():
-    gin.clear_config()
-    try:
-        required = ["COCO_TRAIN_PATTERN", "COCO_VAL_PATTERN", "COCO_VAL_ANNOTATIONS",
-                    "BACKBONE_WEIGHTS"]
-        config.parse_gin_config(["focus_detr_r50.gin"], [f"{m} = '/dummy'" for m in required],
-                                finalize=False)
-        assert gin.query_parameter("FocusSelector.oesm_topk") == 300
-        assert gin.query_parameter("FocusSelector.num_heads") == 8
-    finally:
-        gin.clear_config()
-
-
 @pytest.mark.slow
 def test_the_oesm_encoder_compiles_with_xla_and_equals_eager():
     """Static shapes: the OESM's scores, top-k, gathers and scatters compile too."""
