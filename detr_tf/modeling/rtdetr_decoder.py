@@ -8,7 +8,8 @@ Everything after the hybrid encoder, as one layer:
    applies every extra conv to P5, which differs from the fifth level on and only runs when
    the encoder and decoder widths are equal). The levels are flattened into the memory
    [B, S, d] the cross-attention reads.
-2. Query selection. Every memory cell has a fixed anchor box centred on it, of side
+2. Query selection (rtdetr_select.py, with a note on the invalid anchors' float32 logits).
+   Every memory cell has a fixed anchor box centred on it, of side
    0.05 * 2^level (`generate_anchors`). Cells whose anchor pokes out of (0.01, 0.99) are
    invalid: their memory is zeroed before `enc_output` (Linear + LayerNorm), and their anchor
    logit is float32's largest value. `enc_score_head` scores every cell, `enc_bbox_head` (a
@@ -23,14 +24,6 @@ Everything after the hybrid encoder, as one layer:
    (query_pos='sine'); and
    its own heads `class_embed.i` / `bbox_embed.i` predict the logits and correct the reference
    in inverse-sigmoid space; the corrected box, gradient stopped, is the next reference.
-
-Invalid anchors in float32. Their logit is float32's maximum (3.4e38), as in transformers. In
-float32, adding the box head's correction leaves it there (one ulp at that magnitude is 2e31)
-unless a correction above ~1e31 overflows it to +inf; either way the sigmoid is exactly 1, its
-gradient exactly 0, and `inverse_sigmoid` clamps the box back to a finite logit (11.5) for
-the next layer, so nothing turns into NaN. The anchors stay float32 under every policy (cast to
-bfloat16 or float16 the maximum would be +inf from the start). A cell selected this way
-predicts the box (1, 1, 1, 1), as in the reference.
 
 Position relation (`position_relation`, Relation-DETR; off by default): from the second layer
 on, each layer's self-attention logits get a per-head bias from the boxes of the two layers
@@ -71,54 +64,30 @@ relation spans the queries before them only: the hybrid queries get no relation 
 reference decodes them in a pass of their own without it. The criterion matches them one to
 many (losses/rtdetr.py). Inference never builds them (a Python decision on `training`).
 
+Co-DETR's customized positive queries (training only): each group is decoded in a pass of its
+own by `decode_group` (rtdetr_decode.py, where the decode loop lives), by the same layers and
+heads; the call above never sees them.
+
 `num_inference_layers` (RT-DETRv2's eval_idx): at inference, only the first n decoder layers
 run and the n-th layer's heads give the output; training always runs them all, so a model
 trained with N layers can be served with fewer without retraining.
 """
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling import query_groups
 from detr_tf.modeling.csp_rep import ConvNorm
 from detr_tf.modeling.deformable_transformer import DeformableDecoderLayer
-from detr_tf.modeling.layers import MLP, box_head, inverse_sigmoid, layer_norm, prior_class_head
-from detr_tf.modeling.position_encoding import box_sine_embed
-from detr_tf.modeling.rank_layers import QueryRankLayer, RankAdaptiveClassHead, rank_order
+from detr_tf.modeling.layers import MLP, box_head, layer_norm, prior_class_head
+from detr_tf.modeling.rank_layers import QueryRankLayer, RankAdaptiveClassHead
+from detr_tf.modeling.rtdetr_decode import RefinementDecoding
+# FLOAT32_MAX and generate_anchors are this module's names too.
+from detr_tf.modeling.rtdetr_select import (FLOAT32_MAX, QuerySelection,  # noqa: F401
+                                            generate_anchors)
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 QUERY_POS = ("mlp", "sine")
-
-
-def generate_anchors(shapes: Sequence[Tuple[int, int]], grid_size: float = 0.05,
-                     eps: float = 0.01) -> Tuple[np.ndarray, np.ndarray]:
-    """Every cell's anchor box as logits, and whether it is valid.
-
-    Cell (i, j) of level l (h x w) has the box (cx, cy, w, h) = ((j + 0.5) / w, (i + 0.5) / h,
-    grid_size * 2^l, grid_size * 2^l); it is valid when all four lie strictly inside
-    (eps, 1 - eps). Computed in float32 as transformers does.
-
-    Args:
-      shapes: static (h, w) per level.
-
-    Returns:
-      logits [S, 4] float32, log(box / (1 - box)), FLOAT32_MAX on invalid cells; valid [S] bool.
-    """
-    boxes = []
-    for level, (h, w) in enumerate(shapes):
-        ys, xs = np.meshgrid(np.arange(h, dtype=np.float32), np.arange(w, dtype=np.float32),
-                             indexing="ij")
-        cx = (xs + np.float32(0.5)) / np.float32(w)
-        cy = (ys + np.float32(0.5)) / np.float32(h)
-        side = np.full_like(cx, np.float32(grid_size) * np.float32(2.0 ** level))
-        boxes.append(np.stack([cx, cy, side, side], -1).reshape(h * w, 4))
-    boxes = np.concatenate(boxes, 0)  # [S, 4]
-    valid = np.all((boxes > np.float32(eps)) & (boxes < np.float32(1.0 - eps)), -1)
-    with np.errstate(divide="ignore", invalid="ignore"):  # sides >= 1 only occur on invalid cells
-        logits = np.log(boxes / (np.float32(1.0) - boxes))
-    return np.where(valid[:, None], logits, np.float32(FLOAT32_MAX)).astype(np.float32), valid
 
 
 def _flatten(maps: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -129,7 +98,7 @@ def _flatten(maps: Sequence[tf.Tensor]) -> tf.Tensor:
                       tf.reshape(m, [tf.shape(m)[0], -1, m.shape[-1]]) for m in maps], 1)
 
 
-class RTDetrDecoder(tf_keras.layers.Layer):
+class RTDetrDecoder(QuerySelection, RefinementDecoding, tf_keras.layers.Layer):
     """RT-DETR after the encoder: input projection, query selection, decoder, heads.
 
     Sublayers are named after transformers' modules under `model.` (`decoder_input_proj.i`,
@@ -264,135 +233,9 @@ class RTDetrDecoder(tf_keras.layers.Layer):
                              f"attention and the anchors are built per size), got {shapes}")
         return _flatten(maps), [(int(h), int(w)) for h, w in shapes]
 
-    def select(self, memory: tf.Tensor, shapes: Sequence[Tuple[int, int]],
-               hybrid: bool = False) -> Dict[str, tf.Tensor]:
-        """Query selection (module doc, step 2).
-
-        Args:
-          hybrid: also select the hybrid queries (module doc).
-
-        Returns:
-          'content': [B, Q, d] content queries (gradient stopped, or learned).
-          'reference_logits': [B, Q, 4] float32 logits of the first references (stopped).
-          'enc_logits': [B, Q, C] float32 class logits of the selected cells.
-          'enc_boxes': [B, Q, 4] float32 cxcywh boxes of the selected cells.
-          'hybrid' (hybrid only): the same four keys for the num_hybrid_queries hybrid cells.
-        """
-        for name, k in (("num_queries", self.num_queries),
-                        ("num_hybrid_queries", self.num_hybrid_queries if hybrid else 0)):
-            if memory.shape[1] < k:
-                raise ValueError(f"RTDetrDecoder: {name}={k} cells are selected from the "
-                                 f"{memory.shape[1]} of levels {list(shapes)}; use larger "
-                                 "images or fewer queries")
-        anchors, valid = generate_anchors(shapes)
-        masked = memory * tf.constant(valid[None, :, None], memory.dtype)
-        output_memory = self.enc_output_norm(self.enc_output(masked))  # [B, S, d]
-        out = self._top_cells(output_memory, anchors, self.enc_score_head, self.enc_bbox_head,
-                              self.num_queries, self.weight_embedding)
-        if hybrid:
-            out["hybrid"] = self._top_cells(output_memory, anchors, self.hybrid_score_head,
-                                            self.hybrid_bbox_head, self.num_hybrid_queries,
-                                            self.hybrid_embedding)
-        return out
-
-    def _top_cells(self, output_memory: tf.Tensor, anchors: np.ndarray,
-                   score_head: tf_keras.layers.Layer, bbox_head: tf_keras.layers.Layer, k: int,
-                   embedding: Optional[tf_keras.layers.Layer]) -> Dict[str, tf.Tensor]:
-        """`select`'s four keys for the k cells `score_head` scores highest."""
-        logits = tf.cast(score_head(output_memory), tf.float32)  # [B, S, C]
-        coords = tf.cast(bbox_head(output_memory), tf.float32) + anchors[None]
-        _, top = tf.math.top_k(tf.reduce_max(logits, -1), k=k)  # [B, k]
-        top_coords = tf.gather(coords, top, batch_dims=1)  # [B, k, 4]
-        if embedding is not None:
-            content = embedding(tf.range(k))[None]
-            content = tf.tile(content, [tf.shape(output_memory)[0], 1, 1])
-        else:
-            content = tf.stop_gradient(tf.gather(output_memory, top, batch_dims=1))
-        return {"content": content, "reference_logits": tf.stop_gradient(top_coords),
-                "enc_logits": tf.gather(logits, top, batch_dims=1),
-                "enc_boxes": tf.sigmoid(top_coords)}
-
-    def decode(self, content: tf.Tensor, reference_logits: tf.Tensor, memory: tf.Tensor,
-               shapes: Sequence[Tuple[int, int]], self_attn_mask: Optional[tf.Tensor] = None,
-               training=None, num_related: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor]:
-        """The decoder layers with iterative refinement (module doc, step 3).
-
-        Args:
-          content: [B, N, d]; reference_logits: [B, N, 4] float32; memory: [B, S, d];
-          self_attn_mask: [B or 1, N, N] bool (True: may attend), None: all.
-          num_related: the leading queries the position relation spans (None: all N); the
-            others get no bias (the hybrid queries, module doc).
-
-        Returns:
-          logits [n, B, N, C] and boxes [n, B, N, 4] (cxcywh), float32, for the n layers run.
-        """
-        run = self.num_layers if training or self.num_inference_layers is None \
-            else self.num_inference_layers
-        b, n = tf.shape(content)[0], tf.shape(content)[1]
-        reference = tf.sigmoid(reference_logits)  # [B, N, 4], no gradient
-        previous = None  # the last layer's box with its gradient (training: look forward twice)
-        x, all_logits, all_boxes = content, [], []
-        relation_src, bias = reference, None  # the position relation's boxes and bias
-        ranking = self.rank_class_head is not None or self.query_rank_layer is not None
-        for i in range(run):
-            if ranking and i > 0:  # the slots in the last layer's ranking (module doc)
-                x = tf.gather(x, order, batch_dims=1)
-                if self.query_rank_layer is not None:
-                    x = self.query_rank_layer(x, i - 1)
-            pos = self.query_position(reference)
-            per_level = tf.broadcast_to(reference[:, :, None], [b, n, self.num_levels, 4])
-            x = self.decoder_layers[i](x, pos, per_level, memory, shapes, None,
-                                       training=training, self_attn_mask=self_attn_mask,
-                                       self_attn_bias=bias)
-            delta = tf.cast(self.bbox_embed[i](x), tf.float32)  # [B, N, 4]
-            box = tf.sigmoid(delta + inverse_sigmoid(reference))
-            out_box = box if previous is None else tf.sigmoid(delta + inverse_sigmoid(previous))
-            logits = tf.cast(self.class_embed[i](x), tf.float32)  # [B, N, C]
-            all_logits.append(logits if self.rank_class_head is None
-                              else self.rank_class_head(logits, i))
-            all_boxes.append(out_box if training else box)
-            previous, reference = box, tf.stop_gradient(box)
-            if ranking and i + 1 < run:
-                order = rank_order(logits, self.num_queries)  # [B, N]
-                previous = tf.gather(previous, order, batch_dims=1)
-                reference = tf.gather(reference, order, batch_dims=1)
-                relation_src = tf.gather(relation_src, order, batch_dims=1)
-            if self.position_relation is not None and i + 1 < run:
-                if num_related is None:
-                    bias = self.position_relation(relation_src, reference)  # [B, heads, N, N]
-                else:  # the first N' queries' bias, zero beyond them: [B, heads, N, N]
-                    bias = self.position_relation(relation_src[:, :num_related],
-                                                  reference[:, :num_related])
-                    rest = content.shape[1] - num_related
-                    bias = tf.pad(bias, [[0, 0], [0, 0], [0, rest], [0, rest]])
-                relation_src = reference
-        self._build_unused(run, x, memory, shapes)
-        return tf.stack(all_logits), tf.stack(all_boxes)
-
-    def query_position(self, reference: tf.Tensor) -> tf.Tensor:
-        """[B, N, 4] float32 reference boxes (cxcywh) -> [B, N, d] positional queries."""
-        if self.query_pos == "sine":
-            reference = box_sine_embed(reference, self.d_model // 2)  # [B, N, 2d]
-        return self.query_pos_head(reference)
-
-    def _build_unused(self, run: int, x: tf.Tensor, memory: tf.Tensor,
-                      shapes: Sequence[Tuple[int, int]]) -> None:
-        """Builds the layers an inference with fewer layers skips, on the first call only: their
-        variables must exist for loading weights and for training (the result is unused)."""
-        for i in range(run, self.num_layers):
-            if self.decoder_layers[i].built:
-                continue
-            reference = tf.fill(tf.concat([tf.shape(x)[:2], [4]], 0), 0.5)
-            pos = self.query_position(reference)
-            per_level = tf.broadcast_to(reference[:, :, None],
-                                        [tf.shape(x)[0], tf.shape(x)[1], self.num_levels, 4])
-            y = self.decoder_layers[i](x, pos, per_level, memory, shapes, None)
-            self.class_embed[i](y)
-            self.bbox_embed[i](y)
-
     def call(self, features: Sequence[tf.Tensor], training=None,
              dn: Optional[Dict[str, tf.Tensor]] = None,
-             dn_group_size: int = 0) -> Dict[str, object]:
+             dn_group_size: int = 0, return_memory: bool = False) -> Dict[str, object]:
         """Selects the queries and decodes them.
 
         Args:
@@ -401,6 +244,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             [B, N_dn, 4], 'content' [B, N_dn, d] and 'valid' [B, N_dn]; appended after the
             Q matching queries.
           dn_group_size: queries per denoising group (their attention blocks).
+          return_memory: also return 'memory': (memory [B, S, d], the levels' static (h, w)),
+            for the auxiliary heads that read it (Co-DETR's, co_atss.py).
 
         Returns (float32):
           'pred_logits': [n, B, Q (+ N_dn), C] per decoder layer run (n: see
@@ -439,6 +284,8 @@ class RTDetrDecoder(tf_keras.layers.Layer):
             out["hybrid_outputs"] = {
                 "pred_logits": logits[:, :, related:], "pred_boxes": boxes[:, :, related:],
                 "enc_outputs": {"pred_logits": h["enc_logits"], "pred_boxes": h["enc_boxes"]}}
+        if return_memory:
+            out["memory"] = (memory, shapes)
         return out
 
     def decoder_outputs(self, content: tf.Tensor, reference_logits: tf.Tensor,
