@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from detr_tf.losses.focal_class import focal_class_loss
 from detr_tf.ops import atss, box_ops
+from detr_tf.ops.atss import assigned_targets
 
 # Co-DETR's coder (DeltaXYWHBBoxCoder target_means / target_stds) and loss weights: num_dec_layer
 # (6) * lambda_2 (2) times 1 (FocalLoss), 2 (GIoULoss) and 1 (CrossEntropyLoss).
@@ -83,30 +84,6 @@ def centerness_targets(anchors: tf.Tensor, boxes: tf.Tensor) -> tf.Tensor:
     return tf.sqrt(ratio[..., 0] * ratio[..., 1])
 
 
-def assigned_targets(assigned: tf.Tensor, gt_boxes: tf.Tensor, gt_labels: tf.Tensor,
-                     anchors: tf.Tensor,
-                     num_classes: int) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """AnchorHead._get_target_single's labels and boxes from an ATSS assignment.
-
-    Args:
-      assigned: [B, A] int, the target index or -1 (`ops.atss.atss_assign`).
-      gt_boxes: [B, T, 4] xyxy pixels, gt_labels: [B, T] int; padded rows may hold anything.
-      anchors: [A, 4] xyxy, num_classes: C.
-
-    Returns:
-      positive [B, A] bool; boxes [B, A, 4] float32, the target's box for positives and the
-      anchor itself elsewhere (finite, so that masked losses stay NaN-free); labels [B, A]
-      int32, the target's label for positives and C (background) elsewhere.
-    """
-    positive = assigned >= 0
-    idx = tf.maximum(assigned, 0)
-    boxes = tf.gather(tf.cast(gt_boxes, tf.float32), idx, batch_dims=1)  # [B, A, 4]
-    anchors = tf.broadcast_to(tf.cast(anchors, tf.float32), tf.shape(boxes))
-    boxes = tf.where(positive[..., None], boxes, anchors)
-    labels = tf.gather(tf.cast(gt_labels, tf.int32), idx, batch_dims=1)  # [B, A]
-    return positive, boxes, tf.where(positive, labels, num_classes)
-
-
 def replica_mean(x: tf.Tensor) -> tf.Tensor:
     """x averaged over the replicas in sync (mmdet's reduce_mean); x itself with one."""
     ctx = tf.distribute.get_replica_context()
@@ -138,8 +115,8 @@ def atss_losses(outputs: Dict[str, tf.Tensor], anchors: np.ndarray, level_counts
                 num_classes: int, topk: int = 9, means: Sequence[float] = MEANS,
                 stds: Sequence[float] = STDS, alpha: float = 0.25, gamma: float = 2.0,
                 weights: Sequence[float] = WEIGHTS,
-                normalizers: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
-                ) -> Dict[str, tf.Tensor]:
+                normalizers: Optional[Tuple[tf.Tensor, tf.Tensor]] = None,
+                assigned: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
     """CoATSSHead.loss for a batch: assignment, targets and the three losses.
 
     Args:
@@ -155,6 +132,9 @@ def atss_losses(outputs: Dict[str, tf.Tensor], anchors: np.ndarray, level_counts
         num_dec_layer 6 * lambda_2 2 times the config's 1, 2, 1).
       normalizers: (n_samples, ctr_sum), global values to divide by (e.g. averaged over
         micro-batches too); None: `atss_normalizers` of this batch.
+      assigned: [B, A] int, `ops.atss.atss_assign`'s assignment of these targets when the
+        caller already has it (Co-DETR's model assigns to build its positive queries); None:
+        assigned here.
 
     Returns:
       'loss_cls', 'loss_bbox', 'loss_centerness': float32 scalars, unweighted;
@@ -168,7 +148,8 @@ def atss_losses(outputs: Dict[str, tf.Tensor], anchors: np.ndarray, level_counts
                          f"num_classes={num_classes}")
     gt_boxes_xyxy = tf.cast(gt_boxes_xyxy, tf.float32)
     gt_valid = tf.cast(gt_valid, tf.bool)
-    assigned, _ = atss.atss_assign(anchors, level_counts, gt_boxes_xyxy, gt_valid, topk)
+    if assigned is None:
+        assigned, _ = atss.atss_assign(anchors, level_counts, gt_boxes_xyxy, gt_valid, topk)
     positive, boxes, labels = assigned_targets(assigned, gt_boxes_xyxy, gt_labels, anchors,
                                                num_classes)
     pos = tf.cast(positive, tf.float32)  # [B, A]

@@ -36,6 +36,11 @@ denoising parts with its auxiliary loss too).
 Focus-DETR: when the model outputs its encoder tokens' foreground logits ('fg_outputs'), their
 focal loss against FCOS-style targets (losses/foreground.py) is 'loss_fg', weighted
 weight_fg (1.5, the reference's 'select_loss'); no other model outputs them.
+Co-DINO: when the model outputs its auxiliary heads' parts ('co_outputs', co_atss.py), each
+head's losses and those of its query group (losses/co_aux.py) enter 'loss': the ATSS losses
+'loss_atss_cls' / '_bbox' / '_centerness' (weights 12, 24, 12) and the group's
+'loss_qfl_aux{k}', 'loss_bbox_aux{k}', 'loss_giou_aux{k}' (+ '_{i}' per decoder layer) for
+head k, weighted as the decoder layers' (weight_vfl, weight_bbox, weight_giou) times co_lambda.
 """
 from typing import Callable, Dict, Optional, Tuple
 
@@ -43,6 +48,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import co_aux
 from detr_tf.losses import focal
 from detr_tf.losses import foreground
 from detr_tf.losses import vfl as vfl_lib
@@ -72,6 +78,9 @@ class RTDetrCriterion(focal.FocalSetCriterion):
       hybrid_assign: how many times the hybrid queries' targets are repeated (6), when the
         outputs have 'hybrid_outputs' (module doc).
       weight_hybrid: the factor of the hybrid queries' part of 'loss' (1).
+      co_lambda: Co-DETR's lambda_1, the factor of the auxiliary query groups' losses (1),
+        when the outputs have 'co_outputs' (module doc).
+      co_atss_weights: the ATSS head's (class, GIoU, centerness) loss weights (12, 24, 12).
     """
 
     def __init__(self, num_classes: int, cost_class: float = 2.0, cost_bbox: float = 5.0,
@@ -80,7 +89,9 @@ class RTDetrCriterion(focal.FocalSetCriterion):
                  weight_vfl: float = 1.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
                  aux_loss: bool = True, matcher: Optional[Callable] = None,
                  class_loss: Optional[Callable] = None, weight_fg: float = 1.5,
-                 hybrid_assign: int = 6, weight_hybrid: float = 1.0):
+                 hybrid_assign: int = 6, weight_hybrid: float = 1.0,
+                 co_lambda: float = 1.0,
+                 co_atss_weights: Tuple[float, float, float] = co_aux.ATSS_WEIGHTS):
         # The parent's focal alpha / gamma serve its matching cost only; its focal class loss
         # is never used here.
         super().__init__(num_classes, focal_alpha=matcher_alpha, focal_gamma=matcher_gamma,
@@ -91,6 +102,7 @@ class RTDetrCriterion(focal.FocalSetCriterion):
             raise ValueError(f"RTDetrCriterion: hybrid_assign={hybrid_assign} must be >= 1")
         self.weight_fg = weight_fg
         self.hybrid_assign, self.weight_hybrid = hybrid_assign, weight_hybrid
+        self.co_lambda, self.co_atss_weights = co_lambda, tuple(co_atss_weights)
         self.class_loss = (vfl_lib.VarifocalLoss(vfl_alpha, vfl_gamma) if class_loss is None
                            else class_loss)
 
@@ -200,7 +212,8 @@ class RTDetrCriterion(focal.FocalSetCriterion):
           outputs: 'pred_logits' [B, Q, C], 'pred_boxes' [B, Q, 4] normalized cxcywh,
             'aux_outputs' (list of L-1 such dicts, earliest first), optionally 'enc_outputs'
             ('pred_logits' [B, K, C], 'pred_boxes' [B, K, 4]), 'dn_outputs' (see
-            `denoising_losses`) and 'hybrid_outputs' (see `hybrid_losses`).
+            `denoising_losses`), 'hybrid_outputs' (see `hybrid_losses`) and 'co_outputs' (a
+            list, one CoATSSBranch dict per auxiliary head, see losses/co_aux.py).
           targets: 'labels' int [B, T], 'boxes' [B, T, 4] normalized cxcywh, 'mask' bool
             [B, T] (T may be 0).
           num_boxes: the (global, per replica) box count to normalize by; computed when None.
@@ -235,6 +248,11 @@ class RTDetrCriterion(focal.FocalSetCriterion):
             hybrid = self.hybrid_losses(outputs["hybrid_outputs"], targets, n_box)
             out["loss"] = out["loss"] + self.weight_hybrid * hybrid.pop("loss")
             out.update(hybrid)
+        for k, co in enumerate(outputs.get("co_outputs", ())):
+            parts = co_aux.co_losses(co, self.num_classes, f"_aux{k}", self.weights,
+                                     self.co_lambda, self.co_atss_weights, self.aux_loss)
+            out["loss"] = out["loss"] + parts.pop("loss")
+            out.update(parts)
         if "fg_outputs" in outputs:
             out["loss_fg"] = foreground.foreground_term(outputs["fg_outputs"], targets)
             out["loss"] = out["loss"] + self.weight_fg * out["loss_fg"]

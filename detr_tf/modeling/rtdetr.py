@@ -36,6 +36,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
+from detr_tf.modeling.co_atss import CoATSSBranch
 from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.detector import Detector, pad_to_canvas
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
@@ -50,8 +51,8 @@ class RTDETR(Detector):
       images: [B, H, W, 3] float, ImageNet-normalized (input_normalization='imagenet') or
         in [0, 1] ('unit').
       pixel_mask: [B, H, W] bool, True on real pixels; padding reads as 0 in [0, 1] scale.
-      targets: training only, when denoising is on: 'labels' [B, T], 'boxes' [B, T, 4]
-        cxcywh, 'mask' [B, T] (the batch's padded targets).
+      targets: training only, when denoising or Co-DINO's ATSS branch is on: 'labels'
+        [B, T], 'boxes' [B, T, 4] cxcywh, 'mask' [B, T] (the batch's padded targets).
     Returns, all float32:
       'pred_logits': [B, Q, num_classes] per-class sigmoid logits.
       'pred_boxes': [B, Q, 4] cx, cy, w, h normalized to the image (pixel_mask's real block).
@@ -72,6 +73,11 @@ class RTDETR(Detector):
         option): 'logits' [B, S] foreground logits of the encoder's tokens (levels flattened,
         finest first), 'shapes' the levels' static (h, w), 'image_size' [B, 2] (h, w) of the
         real image in pixels (foreground.foreground_term).
+      'co_outputs' (training with targets and Co-DINO's auxiliary ATSS branch, `co_atss`):
+        a list with one dict per auxiliary head, the ATSS head's outputs, its anchors and
+        assignment, and its positive query group's per-layer 'pred_logits' [L, B, M,
+        num_classes] and 'pred_boxes' [L, B, M, 4] with their targets (co_atss.py,
+        CoATSSBranch.call); the criterion's losses/co_aux.py reads it.
 
     `model.backbone.trainable_variables` take the backbone learning rate.
     """
@@ -82,7 +88,8 @@ class RTDETR(Detector):
                  decoder: RTDetrDecoder, aux_loss: bool = True,
                  denoising: Optional[DenoisingQueries] = None,
                  canvas_sizes: Sequence[Tuple[int, int]] = (),
-                 input_normalization: str = "imagenet", **kwargs):
+                 input_normalization: str = "imagenet",
+                 co_atss: Optional[CoATSSBranch] = None, **kwargs):
         kwargs.setdefault("name", "rtdetr")
         if input_normalization not in INPUT_NORMALIZATIONS:
             raise ValueError(f"RTDETR: input_normalization={input_normalization!r}; expected "
@@ -92,8 +99,9 @@ class RTDETR(Detector):
         self.encoder = encoder
         self.decoder = decoder
         self.denoising = denoising
+        self.co_atss = co_atss
         # The train step passes the targets to a model that asks for them.
-        self.trains_on_targets = denoising is not None
+        self.trains_on_targets = denoising is not None or co_atss is not None
         self.canvas_sizes = [(int(h), int(w)) for h, w in canvas_sizes]
         self.input_normalization = input_normalization
 
@@ -136,8 +144,21 @@ class RTDETR(Detector):
             features, fg_logits = features["maps"], features["fg_logits"]
         dn = self._denoising(targets, ratio) if training else None
         group_size = 0 if dn is None else dn["labels"].shape[1] // dn["num_groups"]
-        out = self.decoder(features, training=training, dn=dn, dn_group_size=group_size)
+        # Co-DINO's branch reads the decoder's memory: in training with targets, and once to
+        # create its variables (the build call); without the branch the call is unchanged.
+        co = bool(training) and self.co_atss is not None and targets is not None
+        build_co = self.co_atss is not None and not co and not self.co_atss.built
+        out = self.decoder(features, training=training, dn=dn, dn_group_size=group_size,
+                           **({"return_memory": True} if co or build_co else {}))
         outputs = self.assemble_outputs(out, ratio, dn)
+        if co or build_co:
+            memory, shapes = out["memory"]
+            co_outputs = self.co_atss(
+                memory, decoder=self.decoder, shapes=shapes, targets=targets if co else None,
+                ratio=ratio, canvas=(int(images.shape[1]), int(images.shape[2])),
+                training=training)
+            if co:
+                outputs["co_outputs"] = [co_outputs]
         if training and fg_logits is not None:
             canvas = tf.constant([images.shape[1], images.shape[2]], tf.float32)
             outputs["fg_outputs"] = {
@@ -221,7 +242,9 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
                  query_pos: str = "mlp",
                  position_relation: Optional[tf_keras.layers.Layer] = None,
                  rank_class_head: bool = False, query_rank_layer: bool = False,
-                 num_hybrid_queries: int = 0) -> RTDETR:
+                 num_hybrid_queries: int = 0,
+                 co_atss_head: Optional[tf_keras.layers.Layer] = None,
+                 co_max_queries: int = 300) -> RTDETR:
     """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
     R50-vd defaults.
 
@@ -258,6 +281,10 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         query rank layer (rank_layers.py), see RTDetrDecoder; both off by default.
       num_hybrid_queries: Relation-DETR's one-to-many training queries (1500 in its recipe;
         0: none), see RTDetrDecoder; the criterion's hybrid_assign sets their targets.
+      co_atss_head: Co-DINO's auxiliary ATSS head (`@ATSSHead()`, atss_head.py, with
+        num_classes classes), trained on the decoder's memory with its positive query group
+        (co_atss.py; training only, the criterion adds its losses); None: none.
+      co_max_queries: the slots of that group (300, the reference's max_pos_coords).
     """
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
@@ -279,5 +306,14 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         encoder.bind_class_head(decoder.enc_score_head)
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
+    co_atss = None
+    if co_atss_head is not None:
+        if co_atss_head.num_classes != num_classes:
+            raise ValueError(f"build_rtdetr: co_atss_head has {co_atss_head.num_classes} "
+                             f"classes, the model {num_classes}; bind ATSSHead.num_classes")
+        first_stride = min(getattr(backbone, "strides", None) or (8,))
+        co_atss = CoATSSBranch(co_atss_head, hidden_dim, first_stride,
+                               max_queries=co_max_queries)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,
-                  canvas_sizes=canvas_sizes, input_normalization=input_normalization)
+                  canvas_sizes=canvas_sizes, input_normalization=input_normalization,
+                  co_atss=co_atss)

@@ -11,7 +11,7 @@ Left out:
   - Per-image anchor validity: mmdet drops, per image, the anchors of feature cells outside that
     image's own (unpadded) extent before assigning, which changes each level's candidate count.
     Here every anchor of the static canvas takes part.
-  - The labels of AssignResult: gather the target labels with `assigned` (clipped at 0).
+  - The labels of AssignResult: `assigned_targets` gathers them (and the boxes) with `assigned`.
 """
 from typing import Sequence, Tuple
 
@@ -153,3 +153,27 @@ def _resolve(pos: tf.Tensor, iou: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     any_pos = tf.reduce_any(pos, axis=1)  # [B, A]
     assigned = tf.where(any_pos, first, -1)
     return assigned, tf.where(any_pos, best, 0.0)
+
+
+def assigned_targets(assigned: tf.Tensor, gt_boxes: tf.Tensor, gt_labels: tf.Tensor,
+                     anchors: tf.Tensor,
+                     num_classes: int) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """AnchorHead._get_target_single's labels and boxes from an ATSS assignment.
+
+    Args:
+      assigned: [B, A] int, the target index or -1 (`ops.atss.atss_assign`).
+      gt_boxes: [B, T, 4] xyxy pixels, gt_labels: [B, T] int; padded rows may hold anything.
+      anchors: [A, 4] xyxy, num_classes: C.
+
+    Returns:
+      positive [B, A] bool; boxes [B, A, 4] float32, the target's box for positives and the
+      anchor itself elsewhere (finite, so that masked losses stay NaN-free); labels [B, A]
+      int32, the target's label for positives and C (background) elsewhere.
+    """
+    positive = assigned >= 0
+    idx = tf.maximum(assigned, 0)
+    boxes = tf.gather(tf.cast(gt_boxes, tf.float32), idx, batch_dims=1)  # [B, A, 4]
+    anchors = tf.broadcast_to(tf.cast(anchors, tf.float32), tf.shape(boxes))
+    boxes = tf.where(positive[..., None], boxes, anchors)
+    labels = tf.gather(tf.cast(gt_labels, tf.int32), idx, batch_dims=1)  # [B, A]
+    return positive, boxes, tf.where(positive, labels, num_classes)
