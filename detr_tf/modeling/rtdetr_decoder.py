@@ -259,6 +259,8 @@ class RTDetrDecoder(QuerySelection, RefinementDecoding, tf_keras.layers.Layer):
         memory, shapes = self.memory(features, training=training)
         hybrid = bool(training) and self.num_hybrid_queries > 0
         queries = self.select(memory, shapes, hybrid)
+        if self.num_hybrid_queries and not hybrid and not self.hybrid_score_head.built:
+            self._build_hybrid(memory)
         content = tf.cast(queries["content"], memory.dtype)
         reference_logits, mask = queries["reference_logits"], None
         if dn is not None:
@@ -287,6 +289,16 @@ class RTDetrDecoder(QuerySelection, RefinementDecoding, tf_keras.layers.Layer):
         if return_memory:
             out["memory"] = (memory, shapes)
         return out
+
+    def _build_hybrid(self, memory: tf.Tensor) -> None:
+        """Creates the hybrid queries' heads in a call that does not use them (inference, the
+        build call; the result is unused), as _build_unused does for skipped layers: a model
+        restored for inference then holds every variable of the training checkpoint."""
+        cell = memory[:, :1]  # [B, 1, d]
+        self.hybrid_score_head(cell)
+        self.hybrid_bbox_head(cell)
+        if self.hybrid_embedding is not None:
+            self.hybrid_embedding(tf.zeros([1], tf.int32))
 
     def decoder_outputs(self, content: tf.Tensor, reference_logits: tf.Tensor,
                         memory: tf.Tensor, shapes: Sequence[Tuple[int, int]],
