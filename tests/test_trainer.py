@@ -267,7 +267,8 @@ def test_rtdetr_jit_step_trains_like_loss(rtdetr_runs):
 
 
 @pytest.mark.slow
-def test_rtdetr_losses_finite_batch_norm_statistics_trained_and_restored(rtdetr_runs):
+def test_rtdetr_losses_finite_batch_norm_statistics_trained_and_restored(rtdetr_runs,
+                                                                          request):
     run_dir = rtdetr_runs / "default"
     result = np.load(run_dir / "result.npz")
     assert result["losses"].size == 2 and np.all(np.isfinite(result["losses"]))
@@ -277,7 +278,9 @@ def test_rtdetr_losses_finite_batch_norm_statistics_trained_and_restored(rtdetr_
     # The encoder's moving statistics start at mean 0 / variance 1 and move at every step.
     moving = [k for k in result.files if k.startswith("model/encoder/")
               and ("moving_mean" in k or "moving_variance" in k)]
-    assert len(moving) > 10, moving
+    # DINO's encoder normalizes with GroupNorm (and its ResNet's batch norms are frozen).
+    dino = request.node.callspec.params["rtdetr_runs"] == "dino_family"
+    assert (moving == []) if dino else (len(moving) > 10), moving
     for k in moving:
         start = 0.0 if "moving_mean" in k else 1.0
         assert np.abs(result["step1/" + k] - start).max() > 0, k
