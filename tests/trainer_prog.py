@@ -70,7 +70,7 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 "build_model.denoising = True", "DenoisingQueries.num_groups = 2",
                 *NO_DN_NOISE]),
             "rtdetr": ("rtdetr_tiny.gin", NO_DN_NOISE),
-            "dino_family": ("dino_tiny.gin", NO_DN_NOISE + [
+            "dino_family": ("dino_tiny.gin", [
                 "import detr_tf.modeling.position_relation",
                 "build_rtdetr.position_relation = @PositionRelationEncoder()",
                 "PositionRelationEncoder.num_heads = 4", "build_rtdetr.num_hybrid_queries = 12",
