@@ -14,20 +14,15 @@ import tensorflow as tf
 from detr_tf.ops import box_ops
 
 
-def replica_mean(x: tf.Tensor) -> tf.Tensor:
-    """x averaged over the replicas in sync (the reference's all-reduce / world size, mmdet's
-    reduce_mean); x itself with one."""
-    ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
-        x = ctx.all_reduce(tf.distribute.ReduceOp.SUM, x) / ctx.num_replicas_in_sync
-    return x
-
-
 def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
     """The loss normalizer: `num_boxes` if given, else the real boxes of `tgt_mask` averaged over
     the replicas in sync (the reference's all-reduced num_boxes / world size); at least 1."""
     if num_boxes is None:
-        num_boxes = replica_mean(tf.reduce_sum(tf.cast(tgt_mask, tf.float32)))
+        num_boxes = tf.reduce_sum(tf.cast(tgt_mask, tf.float32))
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
+            num_boxes = num_boxes / ctx.num_replicas_in_sync
     return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
 
 
