@@ -12,6 +12,7 @@ import tf_keras
 from detr_tf.losses import atss as atss_loss
 from detr_tf.modeling.atss_head import ATSSHead
 from detr_tf.ops import atss
+from detr_tf.training import distribution
 from tests.test_atss import _batch, _shapes
 
 C = 4  # classes in the random cases
@@ -303,7 +304,7 @@ def test_one_gradient_step_is_finite():
 
 
 def test_normalizers_average_over_replicas():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = distribution.fresh_mirrored_strategy(["/cpu:0", "/cpu:1"])
     pos = [np.array([[True, True, False], [False, False, False]]),
            np.array([[True, True, True], [True, False, False]])]
     ctr = [np.full((2, 3), 0.25, np.float32), np.full((2, 3), 0.5, np.float32)]

@@ -15,6 +15,7 @@ import tf_keras
 from detr_tf.losses import co_aux
 from detr_tf.modeling.layers import inverse_sigmoid
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
+from detr_tf.training import distribution
 from tests import dino_helpers
 
 F32_EPS = float(np.finfo(np.float32).eps)  # mmdet's weight_reduce_loss adds it to avg_factor
@@ -172,7 +173,7 @@ def test_iou_soft_label_carries_no_box_gradient():
 
 
 def test_normalizer_averages_over_replicas():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = distribution.fresh_mirrored_strategy(["/cpu:0", "/cpu:1"])
     groups = [_group(5, num_pos=(1, 0, 0)), _group(6, num_pos=(4, 2, 3))]  # 1 and 9 positives
 
     def step():

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from detr_tf.ops import matching, matching_cost
+from detr_tf.training import distribution
 
 _JIT = tf.function(matching.hungarian_matching, jit_compile=True)
 _PLAIN = tf.function(matching.hungarian_matching)
@@ -239,7 +240,7 @@ def test_no_gradient_flows_through_the_matching():
 def test_replica_context():
     cpus = tf.config.list_logical_devices("CPU")  # two of them: see tests/conftest.py
     assert len(cpus) >= 2
-    strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
+    strategy = distribution.fresh_mirrored_strategy([d.name for d in cpus[:2]])
     rng = np.random.default_rng(8)
     per_replica_cost = rng.normal(size=(strategy.num_replicas_in_sync, 8, 10, 6)).astype(
         np.float32)

@@ -156,6 +156,24 @@ def test_many_steps_per_loop_train_like_one(one_step_per_loop, tmp_path, engine,
     assert result["step"] == 10
 
 
+def test_a_strategy_used_earlier_in_the_process_leaves_the_trainers_collectives_alone(
+        one_step_per_loop, tmp_path):
+    """Every MirroredStrategy numbers its collectives from one class-wide base, and the runtime
+    keeps each number's first shape: a scalar all-reduce of an earlier strategy, at the number the
+    trainer's first collective takes, used to abort the trainer's [1]-shaped one."""
+    earlier = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    for _ in range(3):
+        earlier.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.constant(1.0)))
+    later = distribution.fresh_mirrored_strategy(["/cpu:0", "/cpu:1"])
+    assert later.extended._collective_key_base != earlier.extended._collective_key_base
+    result, _ = train(tmp_path, 4, steps_per_loop=1, distribution="mirrored", eval_every=None)
+    assert result["step"] == 4
+    ref, got = weights(one_step_per_loop[0], 4), weights(tmp_path, 4)
+    assert len(ref) >= 8 and set(ref) == set(got)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_resumed_mid_run_with_many_steps_per_loop_ends_like_an_uninterrupted_run(
         one_step_per_loop, tmp_path):
     ref_dir, _ = one_step_per_loop

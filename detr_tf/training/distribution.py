@@ -40,6 +40,27 @@ def configure_logical_cpus(count: int) -> None:
         cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
 
 
+_KEY_STRIDE = 100_000
+
+
+def fresh_mirrored_strategy(devices=None, **kwargs) -> tf.distribute.MirroredStrategy:
+    """A MirroredStrategy whose collective keys no other strategy of this process shares.
+
+    Every MirroredStrategy numbers its collective groups and instances from one class-wide base,
+    and the runtime remembers the shape each (group, instance) key first carried. A second
+    strategy in the same process (a second training in a notebook, a test after a test) whose
+    collective number N carries another shape aborts every collective of the process ("Shape
+    mismatch in the collective instance"). The base moves on before and after this strategy
+    takes its keys, so neither earlier nor later strategies meet them. TF's own tests do the same.
+    """
+    cls = tf.distribute.MirroredStrategy
+    cls._collective_key_base += _KEY_STRIDE  # pylint: disable=protected-access
+    try:
+        return cls(devices=devices, **kwargs)
+    finally:
+        cls._collective_key_base += _KEY_STRIDE  # pylint: disable=protected-access
+
+
 class Engine:
     """Base: the tf.distribute engines; Horovod overrides the collective parts."""
 
@@ -121,7 +142,7 @@ class MirroredEngine(Engine):
             devices = [d.name for d in tf.config.list_logical_devices("CPU")]
         else:
             devices = None  # all local GPUs, or the one CPU
-        super().__init__(tf.distribute.MirroredStrategy(devices=devices))
+        super().__init__(fresh_mirrored_strategy(devices))
 
 
 class MultiWorkerEngine(Engine):
