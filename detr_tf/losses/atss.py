@@ -33,6 +33,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from detr_tf.losses.boxes import replica_mean
 from detr_tf.losses.focal_class import focal_class_loss
 from detr_tf.ops import atss, box_ops
 from detr_tf.ops.atss import assigned_targets
@@ -82,14 +83,6 @@ def centerness_targets(anchors: tf.Tensor, boxes: tf.Tensor) -> tf.Tensor:
     ratio = tf.math.divide_no_nan(tf.maximum(tf.minimum(near, far), 0.0),
                                   tf.maximum(near, far))  # [B, A, 2]
     return tf.sqrt(ratio[..., 0] * ratio[..., 1])
-
-
-def replica_mean(x: tf.Tensor) -> tf.Tensor:
-    """x averaged over the replicas in sync (mmdet's reduce_mean); x itself with one."""
-    ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
-        x = ctx.all_reduce(tf.distribute.ReduceOp.SUM, x) / ctx.num_replicas_in_sync
-    return x
 
 
 def atss_normalizers(positive: tf.Tensor, ctr_t: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:

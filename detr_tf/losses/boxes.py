@@ -12,17 +12,23 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from detr_tf.ops import box_ops
+from detr_tf.ops.box_ops import padded_targets  # noqa: F401 -- the criteria call it from here
+
+
+def replica_mean(x: tf.Tensor) -> tf.Tensor:
+    """x averaged over the replicas in sync (the reference's all-reduce / world size, mmdet's
+    reduce_mean); x itself with one."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        x = ctx.all_reduce(tf.distribute.ReduceOp.SUM, x) / ctx.num_replicas_in_sync
+    return x
 
 
 def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
     """The loss normalizer: `num_boxes` if given, else the real boxes of `tgt_mask` averaged over
     the replicas in sync (the reference's all-reduced num_boxes / world size); at least 1."""
     if num_boxes is None:
-        num_boxes = tf.reduce_sum(tf.cast(tgt_mask, tf.float32))
-        ctx = tf.distribute.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1:
-            num_boxes = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_boxes)
-            num_boxes = num_boxes / ctx.num_replicas_in_sync
+        num_boxes = replica_mean(tf.reduce_sum(tf.cast(tgt_mask, tf.float32)))
     return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
 
 
@@ -34,19 +40,6 @@ def stack_layers(outputs: Dict[str, object], aux_loss: bool) -> Tuple[tf.Tensor,
     logits = tf.stack([tf.cast(o["pred_logits"], tf.float32) for o in layers])
     boxes = tf.stack([tf.cast(o["pred_boxes"], tf.float32) for o in layers])
     return logits, boxes
-
-
-def padded_targets(targets: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
-    """'labels' int32 [B, T], 'boxes' float32 [B, T, 4], 'mask' bool [B, T]; a batch padded to
-    T = 0 gets one masked dummy target, which keeps every gather in range."""
-    labels = tf.cast(targets["labels"], tf.int32)
-    boxes = tf.cast(targets["boxes"], tf.float32)
-    mask = tf.cast(targets["mask"], tf.bool)
-    if labels.shape[1] == 0:
-        b = tf.shape(labels)[0]
-        labels, boxes, mask = tf.zeros([b, 1], tf.int32), tf.zeros([b, 1, 4]), tf.zeros(
-            [b, 1], tf.bool)
-    return {"labels": labels, "boxes": boxes, "mask": mask}
 
 
 def gather_matched(x: tf.Tensor, idx: tf.Tensor) -> tf.Tensor:

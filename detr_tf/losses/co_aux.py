@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
 from detr_tf.losses.atss import WEIGHTS as ATSS_WEIGHTS
-from detr_tf.losses.atss import atss_losses, replica_mean
+from detr_tf.losses.atss import atss_losses
 from detr_tf.ops import box_ops
 
 
@@ -75,8 +75,7 @@ def group_losses(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, labels: tf.Tenso
     num_classes = logits.shape[-1]
     labels = tf.cast(labels, tf.int32)
     positive = (labels >= 0) & (labels < num_classes)  # [B, M]
-    n_pos = tf.stop_gradient(tf.maximum(
-        replica_mean(tf.reduce_sum(tf.cast(positive, tf.float32))), 1.0))
+    n_pos = tf.stop_gradient(box_losses.box_normalizer(positive, None))
     target = tf.broadcast_to(tf.cast(target_boxes, tf.float32)[None], tf.shape(pred))
     iou = box_ops.paired_iou(tf.stop_gradient(pred), target)  # [L, B, M]
     iou = tf.where(positive[None], iou, 0.0)

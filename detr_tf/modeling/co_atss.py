@@ -102,7 +102,8 @@ class CoATSSBranch(tf_keras.layers.Layer):
             return {}
         anchors, counts = self.anchors(list(shapes) + [extra_shape])
 
-        labels, boxes, valid = _nonempty(targets)
+        padded = box_ops.padded_targets(targets)  # one masked dummy row when T = 0
+        labels, boxes, valid = padded["labels"], padded["boxes"], padded["mask"]
         size = tf.constant([canvas[1], canvas[0]] * 2, tf.float32)  # (W, H, W, H)
         gt_xyxy = box_ops.box_cxcywh_to_xyxy(boxes * ratio[:, None]) * size  # [B, T, 4]
         assigned, _ = atss.atss_assign(anchors, counts, gt_xyxy, valid, self.topk)
@@ -137,15 +138,3 @@ class CoATSSBranch(tf_keras.layers.Layer):
         extra = self.downsample(maps[-1], ones, ones[:, ::2, ::2])  # [B, ceil(h/2), ...]
         return self.head(maps + [extra]), (int(extra.shape[1]), int(extra.shape[2]))
 
-
-def _nonempty(targets: Dict[str, tf.Tensor]) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(labels int32 [B, T], boxes float32 [B, T, 4], mask bool [B, T]), with one masked
-    dummy row when T = 0, so that the assignment's shapes stay non-empty."""
-    labels = tf.cast(targets["labels"], tf.int32)
-    boxes = tf.cast(targets["boxes"], tf.float32)
-    mask = tf.cast(targets["mask"], tf.bool)
-    if labels.shape[1] == 0:
-        b = tf.shape(labels)[0]
-        labels, boxes, mask = (tf.zeros([b, 1], tf.int32), tf.zeros([b, 1, 4]),
-                               tf.zeros([b, 1], tf.bool))
-    return labels, boxes, mask

@@ -9,6 +9,8 @@ ratio whose denominator is zero is defined as 0 rather than NaN, so a degenerate
 never poison a loss or a matching cost with NaN. Boxes with x1 < x0 (or y1 < y0) are treated as
 having zero extent along that axis.
 """
+from typing import Dict
+
 import tensorflow as tf
 
 
@@ -105,3 +107,16 @@ def paired_giou(pred: tf.Tensor, target: tf.Tensor) -> tf.Tensor:
     [-1, 1] (`generalized_box_iou` on each pair)."""
     return generalized_box_iou(box_cxcywh_to_xyxy(pred)[..., None, :],
                                box_cxcywh_to_xyxy(target)[..., None, :])[..., 0, 0]
+
+
+def padded_targets(targets: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+    """'labels' int32 [B, T], 'boxes' float32 [B, T, 4], 'mask' bool [B, T]; a batch padded to
+    T = 0 gets one masked dummy target, which keeps every gather in range."""
+    labels = tf.cast(targets["labels"], tf.int32)
+    boxes = tf.cast(targets["boxes"], tf.float32)
+    mask = tf.cast(targets["mask"], tf.bool)
+    if labels.shape[1] == 0:
+        b = tf.shape(labels)[0]
+        labels, boxes, mask = tf.zeros([b, 1], tf.int32), tf.zeros([b, 1, 4]), tf.zeros(
+            [b, 1], tf.bool)
+    return {"labels": labels, "boxes": boxes, "mask": mask}
