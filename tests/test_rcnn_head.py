@@ -3,6 +3,7 @@
 2.x's MaxIoUAssigner.assign_wrt_overlaps, RPNHead._get_bboxes_single and map_roi_levels, and
 mmcv's RoIAlign (aligned=True); hand-checked losses; sampler properties; XLA and gradients."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -226,19 +227,85 @@ def np_roi_align(feats, strides, roi, out=7, ratio=2, finest_scale=56):
     return res / ratio ** 2
 
 
-def test_roi_align_matches_mmcv_numpy():
-    rng = np.random.default_rng(4)
-    strides = (4, 8, 16)
-    feats = [rng.normal(size=(1, 128 // s, 128 // s, 3)) for s in strides]
-    # Sizes on every level (sqrt area < 112, < 224, >= 224), inside the map: mmcv zeroes points
-    # more than a pixel outside, the aligner clamps them.
-    rois = np.array([[10, 12, 40, 30], [7.3, 20.1, 60.7, 90.2], [20, 8, 110, 120],
-                     [2, 3, 126, 125], [50, 50, 52.5, 51]])
+ROI_STRIDES = [(4, 8, 16), (8, 16, 32, 64, 128)]  # Co-DETR's R-CNN on ResNet + FPN, on DINO
+
+
+def _roi_case(strides, seed):
+    """Features [2, h_l, w_l, 3], the first level 17 x 13 and each next ceil(h / 2) x
+    ceil(w / 2), and RoIs [2, N, 4] (values float32 holds exactly): per image 3 random RoIs in
+    each level's sqrt-area range under mmdet's index rule, centred up to 20 % outside the
+    canvas, and, on the first level, RoIs with a sample exactly at -1 and one exactly at H and
+    W (bins of one pixel), partly outside, wholly outside and tiny."""
+    rng = np.random.default_rng(seed)
+    shapes = [(17, 13)]
+    while len(shapes) < len(strides):
+        shapes.append(tuple(-(-n // 2) for n in shapes[-1]))
+    feats = [rng.normal(size=(2, h, w, 3)) for h, w in shapes]
+    s = strides[0]
+    hand = np.array([[-0.75, -0.75, 6.25, 6.25], [6.75, 10.75, 13.75, 17.75], [-3, -2, 5, 4],
+                     [25, 0, 45, 20], [12.6, 5.05, 12.8, 5.5]]) * s
+    rois = []
+    for _ in range(2):
+        scale = 56 * 2 ** (np.repeat(np.arange(len(strides)), 3) + rng.uniform(0.05, 0.95,
+                                                                              3 * len(strides)))
+        ratio = np.exp(rng.uniform(-0.7, 0.7, len(scale)))
+        wh = np.stack([scale * np.sqrt(ratio), scale / np.sqrt(ratio)], 1)
+        centre = rng.uniform(-0.2, 1.2, (len(scale), 2)) * [13 * s, 17 * s]
+        rois.append(np.concatenate([np.concatenate([centre - wh / 2, centre + wh / 2], 1),
+                                    hand]))
+    return feats, np.array(rois).astype(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("strides", ROI_STRIDES)
+def test_roi_align_matches_mmcv_numpy(strides):
+    feats, rois = _roi_case(strides, 4)
+    levels = rcnn_head.roi_levels(tf.constant(rois, tf.float32), len(strides)).numpy()
+    assert set(levels.ravel()) == set(range(len(strides))), "a level without RoIs"
     got = rcnn_head.roi_align([tf.constant(f, tf.float32) for f in feats],
-                              tf.constant(rois[None], tf.float32), strides).numpy()[0]
-    for i, roi in enumerate(rois):
-        want = np_roi_align([f[0] for f in feats], strides, roi)
-        np.testing.assert_allclose(got[i], want, atol=2e-5, err_msg=f"RoI {i}")
+                              tf.constant(rois, tf.float32), strides).numpy()
+    assert not got[:, -2].any(), "a RoI beyond the map but not zero"
+    for b in range(2):
+        for i, roi in enumerate(rois[b]):
+            want = np_roi_align([f[b] for f in feats], strides, roi)
+            np.testing.assert_allclose(got[b, i], want, atol=1e-5, err_msg=f"RoI {b}, {i}")
+
+
+@pytest.mark.parametrize("strides", [(4, 8), (8, 16, 24), (4, 8, 16, 64)])
+def test_roi_align_rejects_strides(strides):
+    with pytest.raises(ValueError, match=re.escape(str(strides))):
+        rcnn_head.roi_align([tf.zeros([1, 4, 4, 1])] * 3, tf.zeros([1, 2, 4]), strides)
+
+
+def test_roi_align_xla_equals_eager_and_keeps_dtype():
+    strides = ROI_STRIDES[1]
+    feats, rois = _roi_case(strides, 8)
+    args = ([tf.constant(f, tf.float32) for f in feats], tf.constant(rois, tf.float32))
+    xla = tf.function(lambda f, r: rcnn_head.roi_align(f, r, strides), jit_compile=True)(*args)
+    np.testing.assert_allclose(xla, rcnn_head.roi_align(*args, strides), atol=1e-5)
+    half = rcnn_head.roi_align([tf.cast(f, tf.bfloat16) for f in args[0]], args[1], strides)
+    assert half.dtype == tf.bfloat16
+
+
+def test_roi_align_gradient_is_the_reference_linear_map():
+    # The output is linear in the features, out = A f over the T pixels of all levels; the
+    # reference on one-hot features (channel t is 1 at pixel t) gives A, and the gradient of
+    # sum(out * w) is A^T w.
+    strides = ROI_STRIDES[1]
+    feats, rois = _roi_case(strides, 9)
+    sizes = [f.shape[1] * f.shape[2] for f in feats]
+    eye = np.split(np.eye(sum(sizes)), np.cumsum(sizes)[:-1])
+    eye = [e.reshape(f.shape[1], f.shape[2], -1) for e, f in zip(eye, feats)]
+    w = np.random.default_rng(10).normal(size=rois.shape[:2] + (7, 7, 3))
+    fs = [tf.constant(f, tf.float32) for f in feats]
+    boxes = tf.constant(rois, tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([fs, boxes])
+        loss = tf.reduce_sum(rcnn_head.roi_align(fs, boxes, strides) * w)
+    assert tape.gradient(loss, boxes) is None
+    got = np.concatenate([g.numpy().reshape(2, -1, 3) for g in tape.gradient(loss, fs)], 1)
+    for b in range(2):
+        a = np.stack([np_roi_align(eye, strides, roi) for roi in rois[b]])  # [N, 7, 7, T]
+        np.testing.assert_allclose(got[b], np.einsum("nijt,nijc->tc", a, w[b]), atol=1e-5)
 
 
 def np_nms(boxes, scores, thr):

@@ -22,12 +22,17 @@ Model Garden components (tf-models-official, `official.vision`):
     is taken before the generator, to give the boxes left empty by clipping a zero score (mmdet
     drops them before NMS, min_bbox_size 0); fewer survivors than 1000 leave zero boxes, and
     both are `valid` False.
-  - Used: MultilevelROIAligner, whose level rule floor(4 + log2(sqrt(wh) / 224)) is mmdet's
-    finest_scale 56 rule for strides 4, 8, 16, ... Boxes are shifted by half a stride to give
-    mmcv's aligned=True half-pixel grid. mmcv's sampling_ratio 0 takes ceil(bin size) samples
-    per bin (2 to 4 per side for RoIs on their level), a shape that depends on the RoI; here
-    a fixed sampling_ratio (default 2): a (7 r)x(7 r) crop average-pooled r x r. Border points
-    are clamped to the map (mmcv: zero beyond one pixel outside).
+  - Not used: MultilevelROIAligner. Its level rule floor(4 + log2(sqrt(wh) / 224)) is in
+    pixels, mmdet's finest_scale 56 rule only for strides 4, 8, 16, ...; Co-DETR also runs the
+    head on DINO's levels of strides 8 to 128, where mmdet's rule, by level index, puts a RoI
+    of sqrt(wh) < 112 on the first level whatever its stride. The aligner also clamps border
+    points to the map, where mmcv gives 0 beyond one pixel outside. `roi_align` is our own:
+    the levels flattened into one map, the RoI's level by mmdet's index rule, mmcv's
+    aligned=True grid (the box / stride - 0.5) and mmcv's bilinear_interpolate (points up to
+    one pixel outside take the edge's value, points beyond it 0), by gathers.
+    mmcv's sampling_ratio 0 takes ceil(bin size) samples per bin (2 to 4 per side for RoIs on
+    their level), a shape that depends on the RoI; here a fixed sampling_ratio (default 2),
+    averaged r x r.
   - Not used: Model Garden's RPNHead (a BatchNorm after the conv, 1e-5 init), its anchor
     generator (anchors centered at (x + 0.5) * stride) and its DetectionHead (BatchNorm after
     each fc): not mmdet's. The anchors are mmdet's AnchorGenerator (`ops.atss.level_anchors`).
@@ -42,7 +47,7 @@ import gin
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from official.vision.modeling.layers import roi_aligner, roi_generator
+from official.vision.modeling.layers import roi_generator
 from official.vision.ops import box_ops as mg_box_ops
 
 from detr_tf.ops.atss import level_anchors
@@ -165,39 +170,63 @@ def roi_levels(boxes: tf.Tensor, num_levels: int, finest_scale: float = 56.0) ->
     return tf.cast(tf.clip_by_value(level, 0.0, num_levels - 1.0), tf.int32)
 
 
+def _axis_neighbours(p: tf.Tensor, n: tf.Tensor):
+    """mmcv's bilinear_interpolate along one axis: sample coordinates p [B, N, S] on n
+    [B, N, 1] cells -> low, high int32 cells and their weights, both 0 where p < -1 or p > n."""
+    inside = tf.cast((p >= -1.0) & (p <= n), tf.float32)
+    p = tf.maximum(p, 0.0)
+    top = tf.floor(p) >= n - 1  # mmcv: y_low = y_high = H - 1, y = y_low
+    low = tf.where(top, n - 1, tf.floor(p))
+    frac = tf.where(top, 0.0, p - low)
+    high = tf.where(top, low, low + 1)
+    return (tf.cast(low, tf.int32), tf.cast(high, tf.int32), (1 - frac) * inside,
+            frac * inside)
+
+
 def roi_align(features: Sequence[tf.Tensor], boxes: tf.Tensor,
-              strides: Sequence[int] = STRIDES[:5], output_size: int = 7,
+              strides: Sequence[int] = STRIDES, output_size: int = 7,
               sampling_ratio: int = 2) -> tf.Tensor:
-    """SingleRoIExtractor(RoIAlign(7, aligned=True), finest_scale 56) by Model Garden's
-    MultilevelROIAligner; see the module docstring for the sampling. No gradient to the boxes
-    (mmcv's RoIAlign has none).
+    """SingleRoIExtractor(RoIAlign(7, aligned=True), finest_scale 56): each RoI on the level
+    of mmdet's index rule (`roi_levels`), bilinear samples as mmcv's; see the module docstring.
+    No gradient to the boxes (mmcv's RoIAlign has none). XLA-compilable.
 
     Args:
-      features: per level [B, h_l, w_l, C], finest first, strides 4, 8, 16, ... (required:
-        the aligner's level rule is mmdet's for these only).
+      features: per level [B, h_l, w_l, C], finest first, any sizes.
       boxes: [B, N, 4] xyxy pixels.
+      strides: per level, the first len(features) used; each twice the previous.
       output_size: bins per side; sampling_ratio: samples per bin side.
 
     Returns:
       [B, N, output_size, output_size, C], the features' dtype.
     """
-    expected = tuple(4 * 2 ** i for i in range(len(features)))
-    if tuple(strides[:len(features)]) != expected:
-        raise ValueError(f"roi_align: strides {tuple(strides)} for {len(features)} levels; "
-                         f"expected {expected} (mmdet's finest_scale 56 level rule)")
+    n_lvl, strides = len(features), tuple(strides)
+    if len(strides) < n_lvl or any(b != 2 * a for a, b in zip(strides, strides[1:])):
+        raise ValueError(f"roi_align: strides {strides} for {n_lvl} levels; expected at "
+                         "least one per level, each twice the previous")
+    b, c = tf.shape(features[0])[0], features[0].shape[-1]
+    flat = tf.concat([tf.reshape(tf.cast(f, tf.float32), [b, -1, c]) for f in features], 1)
+    hw = tf.stack([tf.shape(f)[1:3] for f in features])  # [L, 2] (h, w)
+    offsets = tf.cumsum(hw[:, 0] * hw[:, 1], exclusive=True)  # of each level in `flat`
     boxes = tf.stop_gradient(tf.cast(boxes, tf.float32))
-    # Half a pixel of the RoI's own level: the aligner samples feature j at j, mmcv at j + 0.5.
-    half = 0.5 * tf.cast(tf.gather(expected, roi_levels(boxes, len(features))), tf.float32)
-    aligner = roi_aligner.MultilevelROIAligner(crop_size=output_size * sampling_ratio,
-                                               sample_offset=0.5)
-    maps = {str(i + 2): f for i, f in enumerate(features)}  # stride 2 ** key
-    crops = aligner(maps, _yxyx(boxes - half[..., None]))  # [B, N, 7r, 7r, C]
-    if sampling_ratio == 1:
-        return crops
-    shape = tf.shape(crops)
-    flat = tf.reshape(crops, tf.concat([[-1], shape[2:]], 0))  # [B*N, 7r, 7r, C]
-    pooled = tf.nn.avg_pool2d(flat, sampling_ratio, sampling_ratio, "VALID")
-    return tf.reshape(pooled, tf.concat([shape[:2], tf.shape(pooled)[1:]], 0))
+    level = tf.clip_by_value(roi_levels(boxes, n_lvl), 0, n_lvl - 1)  # NaN scale: 0
+    stride = tf.gather(tf.constant(strides[:n_lvl], tf.float32), level)[..., None, None]
+    start = boxes[..., :2, None] / stride - 0.5  # [B, N, 2 (x, y), 1], mmcv's aligned=True
+    size = (boxes[..., 2:, None] / stride - 0.5 - start) / output_size  # bin size
+    steps = (np.arange(output_size * sampling_ratio) + 0.5) / sampling_ratio  # in bins
+    points = start + size * tf.constant(steps, tf.float32)  # [B, N, 2, S]
+    cells = tf.cast(tf.gather(hw, level)[..., ::-1, None], tf.float32)  # [B, N, 2 (w, h), 1]
+    xl, xh, wxl, wxh = _axis_neighbours(points[..., 0, :], cells[..., 0, :])
+    yl, yh, wyl, wyh = _axis_neighbours(points[..., 1, :], cells[..., 1, :])
+    width = tf.gather(hw[:, 1], level)[..., None, None]
+    base = tf.gather(offsets, level)[..., None, None]
+    out = 0.0
+    for y, wy in ((yl, wyl), (yh, wyh)):
+        for x, wx in ((xl, wxl), (xh, wxh)):
+            index = tf.reshape(base + y[..., :, None] * width + x[..., None, :], [b, -1])
+            weight = tf.reshape(wy[..., :, None] * wx[..., None, :], [b, -1, 1])
+            out += weight * tf.gather(flat, index, batch_dims=1)  # [B, N S S, C]
+    out = tf.reshape(out, [b, -1, output_size, sampling_ratio, output_size, sampling_ratio, c])
+    return tf.cast(tf.reduce_mean(out, [3, 5]), features[0].dtype)
 
 
 @gin.configurable
