@@ -138,6 +138,30 @@ def test_quality_focal_loss_matches_mmdet():
                                atol=1e-7)
 
 
+def test_main_query_qfl_matches_loss_single():
+    """CoDINOHead.loss_single's class loss: QFL on the matched queries, the IoU of each
+    positive's (detached) box as its score, summed / the box count; [L, B, Q] queries."""
+    rng = np.random.default_rng(3)
+    L, B, Q, C = 2, 2, 7, 4
+    logits = rng.normal(0, 2, (L, B, Q, C))
+    cxcy = rng.uniform(0.2, 0.8, (L, B, Q, 2))
+    boxes = np.concatenate([cxcy, rng.uniform(0.05, 0.4, (L, B, Q, 2))], -1)
+    targets = np.concatenate([cxcy + rng.normal(0, 0.03, cxcy.shape),
+                              rng.uniform(0.05, 0.4, (L, B, Q, 2))], -1)
+    labels = rng.integers(0, C, (L, B, Q))
+    positive = rng.uniform(size=(L, B, Q)) < 0.4
+    n_box = 3.0
+    got = co_aux.QualityFocalLoss()(
+        tf.constant(logits, tf.float32), tf.constant(boxes, tf.float32), tf.constant(labels),
+        tf.constant(targets, tf.float32), tf.constant(positive), tf.constant(n_box), [1, 2])
+    for layer in range(L):
+        flat = lambda x: x[layer].reshape(B * Q, *x.shape[3:])  # noqa: E731
+        iou = np_bbox_overlaps(np_cxcywh_to_xyxy(flat(boxes)), np_cxcywh_to_xyxy(flat(targets)))
+        label = np.where(flat(positive), flat(labels), C)
+        want = np_quality_focal_loss(flat(logits), label, np.where(flat(positive), iou, 0))
+        np.testing.assert_allclose(got[layer], want.sum() / n_box, rtol=1e-5)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_group_losses_match_loss_single_aux(seed):
     logits, pred, labels, lw, target, bw = _group(seed)
@@ -267,10 +291,12 @@ def test_group_skips_ranking():
 
 # --- a tiny Co-DINO -----------------------------------------------------------------------
 
-CO_TINY = dino_helpers.TINY + ["build_rtdetr.co_max_queries = 20"]
-NEW_LOSSES = ("loss_atss_cls", "loss_atss_bbox", "loss_atss_centerness", "loss_qfl_aux0",
-              "loss_bbox_aux0", "loss_giou_aux0", "loss_qfl_0_aux0", "loss_bbox_0_aux0",
-              "loss_giou_0_aux0")
+CO_TINY = dino_helpers.TINY + ["build_rtdetr.co_max_queries = 20",
+                             "Shared2FCBBoxHead.fc_out_channels = 64"]
+GROUP_LOSSES = tuple(f"loss_{k}{layer}_aux{g}" for g in (0, 1) for layer in ("", "_0")
+                     for k in ("qfl", "bbox", "giou"))
+NEW_LOSSES = ("loss_rpn_cls", "loss_rpn_bbox", "loss_roi_cls", "loss_roi_bbox", "loss_atss_cls",
+              "loss_atss_bbox", "loss_atss_centerness") + GROUP_LOSSES
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +304,10 @@ def models():
     """(Co-DINO model, criterion, DINO model, criterion), the DINO's weights copied into the
     Co-DINO's shared variables, both built on the tiny batch."""
     co, co_crit = dino_helpers.assemble(["models/co_dino.gin"], CO_TINY)
-    dino, dino_crit = dino_helpers.assemble(["models/dino.gin"], dino_helpers.TINY)
+    # DINO with Co-DINO's class loss (QFL), so that the two criteria differ by the branches.
+    dino, dino_crit = dino_helpers.assemble(
+        ["models/dino.gin"], dino_helpers.TINY + ["RTDetrCriterion.class_loss = "
+                                                  "@QualityFocalLoss()"])
     images, mask, _ = dino_helpers.tiny_batch()
     co(images, mask)
     dino(images, mask)
@@ -312,17 +341,10 @@ def _train_losses(model, criterion, targets, images, mask, drop_co=False):
     return outputs, losses, dict(zip(_keys(variables), grads))
 
 
-def test_tiny_co_dino_trains_one_step(models):
-    co, criterion = models[:2]
-    images, mask, targets = dino_helpers.tiny_batch()
-    outputs, losses, grads = _train_losses(co, criterion, targets, images, mask)
-    group = outputs["co_outputs"][0]
-    # Four memory levels and the extra one (the 8x8 map's stride-2 neighbours down to 1x1).
-    assert group["level_counts"] == (64, 16, 4, 1, 1) and len(co.co_atss.head.scales) == 5
-    assert group["pred_logits"].shape == (2, 2, 20, 5)
+def _assert_group_targets(group, targets):
+    """Each positive slot's target is one of its image's targets, on the image's frame (the
+    images fill 48 of their canvas's 64 columns), with its label."""
     assert float(tf.reduce_sum(group["box_weights"])) > 0
-    # Each positive slot's target is one of its image's targets, on the image's frame (the
-    # images fill 48 of their canvas's 64 columns).
     for b in range(2):
         real = targets["mask"][b].numpy()
         gt = targets["boxes"][b].numpy()[real]
@@ -332,24 +354,45 @@ def test_tiny_co_dino_trains_one_step(models):
             hit = np.nonzero(np.all(np.abs(gt - box) < 1e-5, -1))[0]
             assert len(hit) == 1, (b, slot, box, gt)
             assert group["labels"][b, slot] == gt_labels[hit[0]]
+
+
+def test_tiny_co_dino_trains_one_step(models):
+    co, criterion = models[:2]
+    images, mask, targets = dino_helpers.tiny_batch()
+    outputs, losses, grads = _train_losses(co, criterion, targets, images, mask)
+    rcnn, group = outputs["co_outputs"]  # the reference's order: R-CNN's group is '_aux0'
+    # Four memory levels and the extra one (the 8x8 map's stride-2 neighbours down to 1x1).
+    assert group["level_counts"] == (64, 16, 4, 1, 1) and len(co.co_atss.head.scales) == 5
+    assert rcnn["rpn_anchors"].shape == (9 * 86, 4)
+    for g in (rcnn, group):
+        assert g["pred_logits"].shape == (2, 2, 20, 5)
+        _assert_group_targets(g, targets)
+    # The RPN's proposals stay on each image (48 x 64 pixels of the 64 x 64 canvas).
+    rois = rcnn["samples"]["rois"].numpy()[rcnn["samples"]["valid"].numpy()]
+    assert rois[:, 2].max() <= 48 + 1e-4 and rois.min() >= 0
     for key in NEW_LOSSES:
         assert np.isfinite(losses[key].numpy()), key
     assert losses["loss_qfl_aux0"].numpy() > 0 and losses["loss_atss_cls"].numpy() > 0
-    # 'loss' = DINO's + ATSS (12, 24, 12) + the group's every layer (1, 5, 2) x lambda_1 = 1.
-    extra = (12 * losses["loss_atss_cls"] + 24 * losses["loss_atss_bbox"]
+    assert losses["loss_rpn_cls"].numpy() > 0 and losses["loss_roi_cls"].numpy() > 0
+    # 'loss' = DINO's + R-CNN (12, 12, 12, 120) + ATSS (12, 24, 12) + both groups' every layer
+    # (1, 5, 2) x lambda_1 = 1.
+    extra = (12 * losses["loss_rpn_cls"] + 12 * losses["loss_rpn_bbox"]
+             + 12 * losses["loss_roi_cls"] + 120 * losses["loss_roi_bbox"]
+             + 12 * losses["loss_atss_cls"] + 24 * losses["loss_atss_bbox"]
              + 12 * losses["loss_atss_centerness"])
-    for suffix in ("_aux0", "_0_aux0"):
-        extra += (losses["loss_qfl" + suffix] + 5 * losses["loss_bbox" + suffix]
-                  + 2 * losses["loss_giou" + suffix])
+    for key in GROUP_LOSSES:
+        extra += {"qfl": 1, "bbox": 5, "giou": 2}[key.split("_")[1]] * losses[key]
     without = criterion({k: v for k, v in outputs.items() if k != "co_outputs"}, targets)
     np.testing.assert_allclose(losses["loss"], without["loss"] + extra, rtol=1e-5)
     for name, g in grads.items():
         assert g is not None and np.all(np.isfinite(tf.convert_to_tensor(g).numpy())), name
-    co_names = [n for n in grads if n.startswith("co_atss/")]
-    assert any("query_embed" in n for n in co_names) and any("downsample" in n for n in co_names)
-    assert any("atss_cls" in n for n in co_names)
-    for name in co_names:
-        if "query_embed" in name or "atss_cls" in name:
+    co_names = [n for n in grads if n.startswith(("co_atss/", "co_rcnn/"))]
+    assert any("downsample" in n for n in co_names)
+    for part in ("co_atss/query_embed", "atss_cls", "co_rcnn/query_embed", "rpn_cls",
+                 "fc_cls"):
+        named = [n for n in co_names if part in n]
+        assert named, part
+        for name in named:
             assert np.any(tf.convert_to_tensor(grads[name]).numpy()), name
 
 
@@ -358,7 +401,7 @@ def test_co_dino_is_dino_at_inference_and_off_is_unchanged(models):
     ours, theirs = _by_name(co.variables), _by_name(dino.variables)
     # The option adds the branch's variables only.
     assert set(theirs) < set(ours)
-    assert all(name.startswith("co_atss/") for name in set(ours) - set(theirs))
+    assert all(name.startswith(("co_atss/", "co_rcnn/")) for name in set(ours) - set(theirs))
     assert co.trains_on_targets and dino.trains_on_targets
     for name, v in theirs.items():
         ours[name].assign(v)
@@ -377,4 +420,4 @@ def test_co_dino_is_dino_at_inference_and_off_is_unchanged(models):
     for name, g in grads.items():
         np.testing.assert_array_equal(tf.convert_to_tensor(co_grads[name]).numpy(),
                                       tf.convert_to_tensor(g).numpy(), name)
-    assert all(co_grads[n] is None for n in co_grads if n.startswith("co_atss/"))
+    assert all(co_grads[n] is None for n in co_grads if n.startswith(("co_atss/", "co_rcnn/")))

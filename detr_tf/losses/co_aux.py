@@ -1,5 +1,5 @@
-"""Co-DINO's auxiliary losses (Zong et al. 2023): the ATSS head's, and those of the decoder query
-group built from its positives (detr_tf/modeling/co_atss.py).
+"""Co-DINO's auxiliary losses (Zong et al. 2023): the ATSS and Faster R-CNN heads' own, and those of
+the decoder query groups built from their positives (detr_tf/modeling/co_atss.py, co_rcnn.py).
 
 Reference: Sense-X/Co-DETR `projects/models/co_dino_head.py` (CoDINOHead.loss_single_aux),
 `projects/models/co_deformable_detr_head.py` (loss_aux: every decoder layer, no matching),
@@ -27,12 +27,29 @@ matter for degenerate boxes.
 """
 from typing import Dict, Sequence
 
+import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import rcnn
+from detr_tf.losses import vfl as vfl_lib
 from detr_tf.losses.atss import WEIGHTS as ATSS_WEIGHTS
 from detr_tf.losses.atss import atss_losses
 from detr_tf.ops import box_ops
+
+
+def _qfl_terms(logits: tf.Tensor, score: tf.Tensor, onehot: tf.Tensor,
+               beta: float) -> tf.Tensor:
+    """mmdet's quality_focal_loss per class: logits, score (the soft target, broadcastable)
+    and onehot (nonzero on each query's label) [..., C] -> [...,  C] float32."""
+    logits = tf.cast(logits, tf.float32)
+    prob = tf.sigmoid(logits)
+    negative = tf.nn.sigmoid_cross_entropy_with_logits(
+        labels=tf.zeros_like(logits), logits=logits) * tf.pow(prob, beta)
+    score = tf.broadcast_to(tf.cast(score, tf.float32), tf.shape(logits))
+    positive = tf.nn.sigmoid_cross_entropy_with_logits(
+        labels=score, logits=logits) * tf.pow(tf.abs(score - prob), beta)
+    return tf.where(tf.cast(onehot, tf.bool), positive, negative)
 
 
 def quality_focal_loss(logits: tf.Tensor, labels: tf.Tensor, score: tf.Tensor,
@@ -46,16 +63,29 @@ def quality_focal_loss(logits: tf.Tensor, labels: tf.Tensor, score: tf.Tensor,
     Returns:
       [...] float32, the loss summed over the classes.
     """
-    logits = tf.cast(logits, tf.float32)
-    prob = tf.sigmoid(logits)
-    negative = tf.nn.sigmoid_cross_entropy_with_logits(
-        labels=tf.zeros_like(logits), logits=logits) * tf.pow(prob, beta)  # [..., C]
-    score = tf.cast(score, tf.float32)[..., None]  # [..., 1]
-    positive = tf.nn.sigmoid_cross_entropy_with_logits(
-        labels=tf.broadcast_to(score, tf.shape(logits)), logits=logits) * tf.pow(
-            tf.abs(score - prob), beta)
     onehot = tf.one_hot(labels, logits.shape[-1], on_value=True, off_value=False)  # C: none
-    return tf.reduce_sum(tf.where(onehot, positive, negative), -1)
+    return tf.reduce_sum(_qfl_terms(logits, tf.cast(score, tf.float32)[..., None], onehot,
+                                    beta), -1)
+
+
+@gin.configurable
+class QualityFocalLoss:
+    """Co-DINO's class loss of its matched, encoder and denoising queries (CoDINOHead's
+    loss_single and loss_dn_single): QFL with the IoU each positive's box reaches (gradient
+    stopped) as its soft target, summed over classes and queries / the box count; a set
+    criterion's `class_loss` (RTDetrCriterion), logged as 'loss_qfl'."""
+    name = "qfl"
+
+    def __init__(self, beta: float = 2.0):
+        self.beta = beta
+
+    def __call__(self, logits, pred_boxes, labels, target_boxes, positive, normalizer, axes,
+                 query_weight=None) -> tf.Tensor:
+        def elementwise(x, score, onehot):
+            return _qfl_terms(x, score, onehot, self.beta)
+
+        return vfl_lib.iou_target_loss(elementwise, logits, pred_boxes, labels, target_boxes,
+                                       positive, normalizer, axes, query_weight)
 
 
 def group_losses(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, labels: tf.Tensor,
@@ -94,7 +124,7 @@ def co_losses(co: Dict[str, object], num_classes: int, suffix: str,
     """One auxiliary head's logged losses and their weighted sum 'loss'.
 
     Args:
-      co: one entry of the model's 'co_outputs' (CoATSSBranch's dict).
+      co: one entry of the model's 'co_outputs' (CoRCNNBranch's or CoATSSBranch's dict).
       num_classes: C.
       suffix: of the group's names ('_aux0': 'loss_qfl_aux0', 'loss_qfl_0_aux0', ...).
       weights: the group's (class, L1, GIoU) weights, the main queries' (1, 5, 2).
@@ -104,22 +134,44 @@ def co_losses(co: Dict[str, object], num_classes: int, suffix: str,
       all_layers: every decoder layer's group losses (else the last one's).
 
     Returns:
-      'loss_atss_cls', 'loss_atss_bbox', 'loss_atss_centerness' (unweighted), the group's
+      the head's own losses (`head_losses`, unweighted), the group's
       'loss_qfl', 'loss_bbox', 'loss_giou' (+ '_{i}' for layer i < L-1) + suffix, lambda_1
       included, unweighted otherwise; 'loss' the weighted sum of all.
     """
-    atss = atss_losses(co["head_outputs"], co["anchors"], co["level_counts"],
-                       co["gt_boxes_xyxy"], co["gt_labels"], co["gt_valid"], num_classes,
-                       weights=atss_weights, assigned=co["assigned"])
+    out = head_losses(co, num_classes, atss_weights)
     logits, boxes = co["pred_logits"], co["pred_boxes"]
     if not all_layers:
         logits, boxes = logits[-1:], boxes[-1:]
     group = group_losses(logits, boxes, co["labels"], co["label_weights"],
                          co["target_boxes"], co["box_weights"], beta)
     group = {k: lambda_1 * v for k, v in group.items()}
-    out = {f"loss_atss_{k}": atss[f"loss_{k}"] for k in ("cls", "bbox", "centerness")}
     named = box_losses.per_layer({f"loss_{k}": v for k, v in group.items()})
     out.update({k + suffix: v for k, v in named.items()})
     total = sum(w * tf.reduce_sum(group[k]) for w, k in zip(weights, ("qfl", "bbox", "giou")))
-    out["loss"] = atss["loss"] + total
+    out["loss"] = out["loss"] + total
+    return out
+
+
+def head_losses(co: Dict[str, object], num_classes: int,
+                atss_weights: Sequence[float] = ATSS_WEIGHTS) -> Dict[str, tf.Tensor]:
+    """The auxiliary head's own losses, unweighted, and their weighted sum 'loss'.
+
+    The R-CNN branch's (co_rcnn.py: 'rpn_outputs' in `co`): 'loss_rpn_cls', 'loss_rpn_bbox',
+    'loss_roi_cls', 'loss_roi_bbox', weighted (12, 12, 12, 120) (losses/rcnn.py). The ATSS
+    branch's: 'loss_atss_cls', 'loss_atss_bbox', 'loss_atss_centerness', weighted
+    `atss_weights`.
+    """
+    if "rpn_outputs" in co:
+        rpn = rcnn.rpn_losses(co["rpn_outputs"], co["rpn_anchors"], co["gt_boxes_xyxy"],
+                              co["gt_valid"])
+        roi = rcnn.roi_losses(co["roi_outputs"], co["samples"])
+        out = {k: rpn[k] for k in ("loss_rpn_cls", "loss_rpn_bbox")}
+        out.update({"loss_roi_cls": roi["loss_cls"], "loss_roi_bbox": roi["loss_bbox"]})
+        out["loss"] = rpn["loss"] + roi["loss"]
+        return out
+    atss = atss_losses(co["head_outputs"], co["anchors"], co["level_counts"],
+                       co["gt_boxes_xyxy"], co["gt_labels"], co["gt_valid"], num_classes,
+                       weights=atss_weights, assigned=co["assigned"])
+    out = {f"loss_atss_{k}": atss[f"loss_{k}"] for k in ("cls", "bbox", "centerness")}
+    out["loss"] = atss["loss"]
     return out

@@ -31,14 +31,15 @@ Left out: CoDINOHead's positional-feature option (with_coord_feat, off in the re
 config); the downsample conv starts from Glorot uniform (torch's default init is Kaiming
 uniform).
 """
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling.multiscale import _Projection
-from detr_tf.modeling.positive_queries import PositiveQueryEmbed, select_positive_queries
+from detr_tf.modeling.positive_queries import (PositiveQueries, PositiveQueryEmbed,
+                                               select_positive_queries)
 from detr_tf.ops import atss, box_ops
 
 
@@ -74,12 +75,13 @@ class CoATSSBranch(tf_keras.layers.Layer):
         strides = [self.first_stride * 2 ** level for level in range(len(shapes))]
         return atss.level_anchors(shapes, strides)
 
-    def call(self, memory: tf.Tensor, decoder: tf_keras.layers.Layer,
+    def call(self, maps: List[tf.Tensor], memory: tf.Tensor, decoder: tf_keras.layers.Layer,
              shapes: Sequence[Tuple[int, int]], targets: Optional[Dict[str, tf.Tensor]],
              ratio: tf.Tensor, canvas: Tuple[int, int], training=None) -> Dict[str, object]:
         """Runs the branch (module doc); without targets, only creates its variables.
 
         Args:
+          maps: `levels(memory, shapes)`, the maps the head reads.
           memory: [B, S, d] the decoder's memory, levels of static `shapes` (h, w).
           decoder: the RTDetrDecoder whose `decode_group` decodes the group.
           targets: 'labels' [B, T], 'boxes' [B, T, 4] cxcywh on the image, 'mask' [B, T];
@@ -96,45 +98,66 @@ class CoATSSBranch(tf_keras.layers.Layer):
           'target_boxes' [B, M, 4] (cxcywh on the image), 'box_weights' [B, M] and
           'valid' [B, M].
         """
-        head_outputs, extra_shape = self._head(memory, shapes)
+        head_outputs = self.head(maps)
         if targets is None:
             self.query_embed(tf.fill([1, 1, 4], 0.5))
             return {}
-        anchors, counts = self.anchors(list(shapes) + [extra_shape])
-
-        padded = box_ops.padded_targets(targets)  # one masked dummy row when T = 0
-        labels, boxes, valid = padded["labels"], padded["boxes"], padded["mask"]
-        size = tf.constant([canvas[1], canvas[0]] * 2, tf.float32)  # (W, H, W, H)
-        gt_xyxy = box_ops.box_cxcywh_to_xyxy(boxes * ratio[:, None]) * size  # [B, T, 4]
+        anchors, counts = self.anchors([tuple(m.shape[1:3]) for m in maps])
+        gt_xyxy, labels, valid = canvas_targets(targets, ratio, canvas)
         assigned, _ = atss.atss_assign(anchors, counts, gt_xyxy, valid, self.topk)
         positive, target_xyxy, target_labels = atss.assigned_targets(
             assigned, gt_xyxy, labels, anchors, self.num_classes)
         batch = tf.shape(assigned)[0]
         group = select_positive_queries(
             tf.broadcast_to(tf.constant(anchors), [batch, anchors.shape[0], 4]), positive,
-            target_xyxy, target_labels, tf.broadcast_to(tf.constant(canvas, tf.float32),
-                                                        [batch, 2]),
-            self.num_classes, self.max_queries, self.min_queries)
-        content = tf.cast(self.query_embed(group.boxes), memory.dtype)  # [B, M, d]
-        logits, pred = decoder.decode_group(content, group.boxes, group.valid, memory, shapes,
-                                            training=training)
-        return {"head_outputs": head_outputs, "anchors": anchors, "level_counts": counts,
-                "gt_boxes_xyxy": gt_xyxy, "gt_labels": labels, "gt_valid": valid,
-                "assigned": assigned, "pred_logits": logits,
-                "pred_boxes": pred / ratio[None, :, None],
-                "labels": group.labels, "label_weights": group.label_weights,
-                "target_boxes": group.target_boxes / ratio[:, None],
-                "box_weights": group.box_weights, "valid": group.valid}
+            target_xyxy, target_labels, canvas_size(canvas, batch), self.num_classes,
+            self.max_queries, self.min_queries)
+        out = decode_positive_group(group, self.query_embed, decoder, memory, shapes, ratio,
+                                    training)
+        out.update({"head_outputs": head_outputs, "anchors": anchors, "level_counts": counts,
+                    "gt_boxes_xyxy": gt_xyxy, "gt_labels": labels, "gt_valid": valid,
+                    "assigned": assigned})
+        return out
 
-    def _head(self, memory: tf.Tensor, shapes: Sequence[Tuple[int, int]]
-              ) -> Tuple[Dict[str, tf.Tensor], Tuple[int, int]]:
-        """The ATSSHead on the memory's levels and the extra one: (its outputs, the extra
-        level's static (h, w))."""
+    def levels(self, memory: tf.Tensor, shapes: Sequence[Tuple[int, int]]) -> List[tf.Tensor]:
+        """The auxiliary heads' maps: the memory's levels ([B, S, d] -> per level [B, h, w, d])
+        and the extra one, downsample(last level). The R-CNN branch reads the same maps (the
+        reference's heads share CoDINOHead's downsample)."""
         maps, start = [], 0
-        for h, w in shapes:  # [B, S, d] -> per level [B, h, w, d]
+        for h, w in shapes:
             maps.append(tf.reshape(memory[:, start:start + h * w], [-1, h, w, memory.shape[-1]]))
             start += h * w
         ones = tf.ones(tf.shape(maps[-1])[:3], tf.bool)
-        extra = self.downsample(maps[-1], ones, ones[:, ::2, ::2])  # [B, ceil(h/2), ...]
-        return self.head(maps + [extra]), (int(extra.shape[1]), int(extra.shape[2]))
+        with tf.name_scope(self.name):  # called by the model: keep the variables' names ours
+            return maps + [self.downsample(maps[-1], ones, ones[:, ::2, ::2])]
 
+
+def canvas_size(canvas: Tuple[int, int], batch: tf.Tensor) -> tf.Tensor:
+    """[B, 2] (h, w) of the canvas: the frame the positive queries are normalized to."""
+    return tf.broadcast_to(tf.constant(canvas, tf.float32), [batch, 2])
+
+
+def canvas_targets(targets: Dict[str, tf.Tensor], ratio: tf.Tensor, canvas: Tuple[int, int]
+                   ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The targets as the auxiliary heads take them: (boxes [B, T, 4] xyxy canvas pixels,
+    labels [B, T], valid [B, T]), one masked dummy row when T = 0."""
+    padded = box_ops.padded_targets(targets)
+    size = tf.constant([canvas[1], canvas[0]] * 2, tf.float32)  # (W, H, W, H)
+    gt_xyxy = box_ops.box_cxcywh_to_xyxy(padded["boxes"] * ratio[:, None]) * size
+    return gt_xyxy, padded["labels"], padded["mask"]
+
+
+def decode_positive_group(group: PositiveQueries, query_embed: PositiveQueryEmbed,
+                          decoder: tf_keras.layers.Layer, memory: tf.Tensor,
+                          shapes: Sequence[Tuple[int, int]], ratio: tf.Tensor,
+                          training=None) -> Dict[str, tf.Tensor]:
+    """One head's query group through the decoder, predictions and targets on the image frame:
+    'pred_logits' [L, B, M, C], 'pred_boxes' [L, B, M, 4], 'labels', 'label_weights',
+    'target_boxes', 'box_weights', 'valid' (the criterion's group inputs, losses/co_aux.py)."""
+    content = tf.cast(query_embed(group.boxes), memory.dtype)  # [B, M, d]
+    logits, pred = decoder.decode_group(content, group.boxes, group.valid, memory, shapes,
+                                        training=training)
+    return {"pred_logits": logits, "pred_boxes": pred / ratio[None, :, None],
+            "labels": group.labels, "label_weights": group.label_weights,
+            "target_boxes": group.target_boxes / ratio[:, None],
+            "box_weights": group.box_weights, "valid": group.valid}

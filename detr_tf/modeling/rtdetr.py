@@ -29,7 +29,7 @@ multiply-add per pixel), so RT-DETR runs unchanged through the whole framework; 
 Classification is per-class sigmoid (VFL / focal); 'pred_logits' has num_classes entries and no
 no-object class.
 """
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import gin
 import tensorflow as tf
@@ -37,6 +37,7 @@ import tf_keras
 
 from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from detr_tf.modeling.co_atss import CoATSSBranch
+from detr_tf.modeling.co_rcnn import CoRCNNBranch
 from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.detector import Detector, pad_to_canvas
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
@@ -51,7 +52,7 @@ class RTDETR(Detector):
       images: [B, H, W, 3] float, ImageNet-normalized (input_normalization='imagenet') or
         in [0, 1] ('unit').
       pixel_mask: [B, H, W] bool, True on real pixels; padding reads as 0 in [0, 1] scale.
-      targets: training only, when denoising or Co-DINO's ATSS branch is on: 'labels'
+      targets: training only, when denoising or Co-DINO's branches are on: 'labels'
         [B, T], 'boxes' [B, T, 4] cxcywh, 'mask' [B, T] (the batch's padded targets).
     Returns, all float32:
       'pred_logits': [B, Q, num_classes] per-class sigmoid logits.
@@ -73,10 +74,10 @@ class RTDETR(Detector):
         option): 'logits' [B, S] foreground logits of the encoder's tokens (levels flattened,
         finest first), 'shapes' the levels' static (h, w), 'image_size' [B, 2] (h, w) of the
         real image in pixels (foreground.foreground_term).
-      'co_outputs' (training with targets and Co-DINO's auxiliary ATSS branch, `co_atss`):
-        a list with one dict per auxiliary head, the ATSS head's outputs, its anchors and
+      'co_outputs' (training with targets and Co-DINO's auxiliary branches, `co_rcnn` then
+        `co_atss`): a list with one dict per auxiliary head, the head's outputs and
         assignment, and its positive query group's per-layer 'pred_logits' [L, B, M,
-        num_classes] and 'pred_boxes' [L, B, M, 4] with their targets (co_atss.py,
+        num_classes] and 'pred_boxes' [L, B, M, 4] with their targets (CoRCNNBranch.call,
         CoATSSBranch.call); the criterion's losses/co_aux.py reads it.
 
     `model.backbone.trainable_variables` take the backbone learning rate.
@@ -89,7 +90,8 @@ class RTDETR(Detector):
                  denoising: Optional[DenoisingQueries] = None,
                  canvas_sizes: Sequence[Tuple[int, int]] = (),
                  input_normalization: str = "imagenet",
-                 co_atss: Optional[CoATSSBranch] = None, **kwargs):
+                 co_atss: Optional[CoATSSBranch] = None,
+                 co_rcnn: Optional[CoRCNNBranch] = None, **kwargs):
         kwargs.setdefault("name", "rtdetr")
         if input_normalization not in INPUT_NORMALIZATIONS:
             raise ValueError(f"RTDETR: input_normalization={input_normalization!r}; expected "
@@ -99,7 +101,9 @@ class RTDETR(Detector):
         self.encoder = encoder
         self.decoder = decoder
         self.denoising = denoising
-        self.co_atss = co_atss
+        if co_rcnn is not None and co_atss is None:
+            raise ValueError("RTDETR: co_rcnn needs co_atss, whose extra level it reads")
+        self.co_atss, self.co_rcnn = co_atss, co_rcnn
         # The train step passes the targets to a model that asks for them.
         self.trains_on_targets = denoising is not None or co_atss is not None
         self.canvas_sizes = [(int(h), int(w)) for h, w in canvas_sizes]
@@ -152,19 +156,26 @@ class RTDETR(Detector):
                            **({"return_memory": True} if co or build_co else {}))
         outputs = self.assemble_outputs(out, ratio, dn)
         if co or build_co:
-            memory, shapes = out["memory"]
-            co_outputs = self.co_atss(
-                memory, decoder=self.decoder, shapes=shapes, targets=targets if co else None,
-                ratio=ratio, canvas=(int(images.shape[1]), int(images.shape[2])),
-                training=training)
+            outputs_co = self._co_branches(out["memory"], targets if co else None, ratio,
+                                           (int(images.shape[1]), int(images.shape[2])),
+                                           training)
             if co:
-                outputs["co_outputs"] = [co_outputs]
+                outputs["co_outputs"] = outputs_co
         if training and fg_logits is not None:
             canvas = tf.constant([images.shape[1], images.shape[2]], tf.float32)
             outputs["fg_outputs"] = {
                 "logits": fg_logits, "shapes": [tuple(f.shape[1:3]) for f in features],
                 "image_size": tf.stack([ratio[:, 1], ratio[:, 0]], -1) * canvas}  # [B, 2]
         return outputs
+
+    def _co_branches(self, memory_and_shapes, targets, ratio, canvas, training) -> List[Dict]:
+        """Co-DINO's auxiliary branches on the decoder's memory, R-CNN's first (the reference's
+        order: its group is '_aux0'); targets None: the build call, creating their variables."""
+        memory, shapes = memory_and_shapes
+        maps = self.co_atss.levels(memory, shapes)
+        branches = [b for b in (self.co_rcnn, self.co_atss) if b is not None]
+        return [b(maps, memory, decoder=self.decoder, shapes=shapes, targets=targets,
+                  ratio=ratio, canvas=canvas, training=training) for b in branches]
 
     def assemble_outputs(self, out: Dict[str, object], ratio: tf.Tensor,
                 dn: Optional[Dict]) -> Dict[str, object]:
@@ -244,6 +255,8 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
                  rank_class_head: bool = False, query_rank_layer: bool = False,
                  num_hybrid_queries: int = 0,
                  co_atss_head: Optional[tf_keras.layers.Layer] = None,
+                 co_rpn_head: Optional[tf_keras.layers.Layer] = None,
+                 co_roi_head: Optional[tf_keras.layers.Layer] = None,
                  co_max_queries: int = 300) -> RTDETR:
     """Builds RT-DETR (v1, or v2 through the decoder options); components left None get the
     R50-vd defaults.
@@ -284,7 +297,10 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
       co_atss_head: Co-DINO's auxiliary ATSS head (`@ATSSHead()`, atss_head.py, with
         num_classes classes), trained on the decoder's memory with its positive query group
         (co_atss.py; training only, the criterion adds its losses); None: none.
-      co_max_queries: the slots of that group (300, the reference's max_pos_coords).
+      co_rpn_head, co_roi_head: Co-DINO's auxiliary Faster R-CNN head (`@RPNHead()` and
+        `@Shared2FCBBoxHead()`, rcnn_head.py), on the ATSS head's maps, with its own query
+        group (co_rcnn.py); both or neither, and only with co_atss_head.
+      co_max_queries: the slots of each group (300, the reference's max_pos_coords).
     """
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
@@ -306,14 +322,34 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         encoder.bind_class_head(decoder.enc_score_head)
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
-    co_atss = None
-    if co_atss_head is not None:
-        if co_atss_head.num_classes != num_classes:
-            raise ValueError(f"build_rtdetr: co_atss_head has {co_atss_head.num_classes} "
-                             f"classes, the model {num_classes}; bind ATSSHead.num_classes")
-        first_stride = min(getattr(backbone, "strides", None) or (8,))
-        co_atss = CoATSSBranch(co_atss_head, hidden_dim, first_stride,
-                               max_queries=co_max_queries)
+    first_stride = min(getattr(backbone, "strides", None) or (8,))
+    co_atss, co_rcnn = _co_branches(num_classes, hidden_dim, first_stride, co_atss_head,
+                                    co_rpn_head, co_roi_head, co_max_queries)
     return RTDETR(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,
                   canvas_sizes=canvas_sizes, input_normalization=input_normalization,
-                  co_atss=co_atss)
+                  co_atss=co_atss, co_rcnn=co_rcnn)
+
+
+def _co_branches(num_classes: int, hidden_dim: int, first_stride: int,
+                 atss_head: Optional[tf_keras.layers.Layer],
+                 rpn_head: Optional[tf_keras.layers.Layer],
+                 roi_head: Optional[tf_keras.layers.Layer], max_queries: int
+                 ) -> Tuple[Optional[CoATSSBranch], Optional[CoRCNNBranch]]:
+    """build_rtdetr's Co-DINO branches (None where not asked for), their settings checked."""
+    if (rpn_head is None) != (roi_head is None):
+        raise ValueError("build_rtdetr: co_rpn_head and co_roi_head go together; bind both "
+                         "or neither")
+    if rpn_head is not None and atss_head is None:
+        raise ValueError("build_rtdetr: co_rpn_head needs co_atss_head (the R-CNN branch "
+                         "reads the ATSS branch's maps)")
+    for name, head in (("co_atss_head", atss_head), ("co_roi_head", roi_head)):
+        if head is not None and head.num_classes != num_classes:
+            raise ValueError(f"build_rtdetr: {name} has {head.num_classes} classes, the "
+                             f"model {num_classes}; bind its num_classes")
+    co_atss = co_rcnn = None
+    if atss_head is not None:
+        co_atss = CoATSSBranch(atss_head, hidden_dim, first_stride, max_queries=max_queries)
+    if rpn_head is not None:
+        co_rcnn = CoRCNNBranch(rpn_head, roi_head, hidden_dim, first_stride,
+                               max_queries=max_queries)
+    return co_atss, co_rcnn
