@@ -7,11 +7,13 @@ gfocal_loss.py), `bbox_overlaps` (aligned IoU / GIoU), `weight_reduce_loss` (mea
 avg_factor), and Sense-X/Co-DETR `CoDINOHead.loss_single_aux` (projects/models/co_dino_head.py)
 with the config's QualityFocalLoss(beta 2, weight 1), L1Loss(5), GIoULoss(2).
 """
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import config
 from detr_tf.losses import co_aux
 from detr_tf.modeling.layers import inverse_sigmoid
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
@@ -421,3 +423,51 @@ def test_co_dino_is_dino_at_inference_and_off_is_unchanged(models):
         np.testing.assert_array_equal(tf.convert_to_tensor(co_grads[name]).numpy(),
                                       tf.convert_to_tensor(g).numpy(), name)
     assert all(co_grads[n] is None for n in co_grads if n.startswith(("co_atss/", "co_rcnn/")))
+
+
+# --- the recipes ---------------------------------------------------------------------------
+
+def _count(layer):
+    return sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
+
+
+def test_the_recipe_builds_at_full_size_with_the_references_heads():
+    """co_dino_r50.gin: DINO-4scale R50 with the reference's head sizes (256 channels, 9 RPN
+    anchors, two fc 1024, 91 classes), its class loss and its optimizer."""
+    model, criterion = dino_helpers.assemble(["co_dino_r50.gin"], dino_helpers.RECIPE)
+    h, w = model.build_size
+    model(tf.zeros([1, h, w, 3]), tf.ones([1, h, w], tf.bool))
+    d, c = 256, 91
+    rpn = (9 * d * d + d) + (d * 9 + 9) + (d * 36 + 36)
+    roi = (7 * 7 * d * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * (c + 1) + c + 1) \
+        + (1024 * 4 * c + 4 * c)
+    assert _count(model.co_rcnn.rpn) == rpn and _count(model.co_rcnn.roi_head) == roi
+    assert model.co_atss.max_queries == model.co_rcnn.max_queries == 300
+    assert (model.co_rcnn.nms_pre, model.co_rcnn.max_proposals, model.co_rcnn.num_rois) == (
+        4000, 1000, 512)
+    assert model.num_queries == 900 and isinstance(criterion.class_loss, co_aux.QualityFocalLoss)
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["co_dino_r50.gin"], dino_helpers.RECIPE, finalize=False)
+        assert gin.query_parameter("build_optimizers.learning_rate") == 2e-4
+        assert gin.query_parameter("build_optimizers.backbone_learning_rate") == 2e-5
+        assert gin.query_parameter("%SLOW_PATTERNS") == ()
+    finally:
+        gin.clear_config()
+
+
+def test_the_cpu_option_trains_one_step():
+    """co_dino_quickstart.gin: dino_quickstart.gin's model with the heads scaled down."""
+    model, criterion = dino_helpers.assemble(["co_dino_quickstart.gin"],
+                                             ["build_rtdetr.canvas_sizes = ()"])
+    assert (model.co_rcnn.num_rois, model.co_atss.max_queries) == (128, 48)
+    images, mask, targets = dino_helpers.tiny_batch()
+    images = tf.image.resize(images, [128, 128])
+    mask = tf.ones([2, 128, 128], tf.bool)
+    model(images, mask)
+    with tf.GradientTape() as tape:
+        outputs = model(images, mask, training=True, targets=targets)
+        losses = criterion(outputs, targets)
+    grads = tape.gradient(losses["loss"], model.trainable_variables)
+    assert np.isfinite(losses["loss"].numpy()) and len(outputs["co_outputs"]) == 2
+    assert all(g is not None for g in grads)
