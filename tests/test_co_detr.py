@@ -7,6 +7,8 @@ gfocal_loss.py), `bbox_overlaps` (aligned IoU / GIoU), `weight_reduce_loss` (mea
 avg_factor), and Sense-X/Co-DETR `CoDINOHead.loss_single_aux` (projects/models/co_dino_head.py)
 with the config's QualityFocalLoss(beta 2, weight 1), L1Loss(5), GIoULoss(2).
 """
+import os
+
 import gin
 import numpy as np
 import pytest
@@ -14,11 +16,12 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import config
+from detr_tf.evaluation import export, restore
 from detr_tf.losses import co_aux
 from detr_tf.modeling.layers import inverse_sigmoid
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
 from detr_tf.training import distribution
-from tests import dino_helpers
+from tests import dino_helpers, export_helpers
 
 F32_EPS = float(np.finfo(np.float32).eps)  # mmdet's weight_reduce_loss adds it to avg_factor
 
@@ -471,3 +474,52 @@ def test_the_cpu_option_trains_one_step():
     grads = tape.gradient(losses["loss"], model.trainable_variables)
     assert np.isfinite(losses["loss"].numpy()) and len(outputs["co_outputs"]) == 2
     assert all(g is not None for g in grads)
+
+
+@pytest.fixture(scope="module")
+def restored_co_dino(tmp_path_factory):
+    """(run dir, restored model, its inference twin) of a random-weight co_dino_quickstart run,
+    its Gin config parsed (cleared afterwards)."""
+    run_dir = export_helpers.random_run_dir(str(tmp_path_factory.mktemp("run")),
+                                            ["co_dino_quickstart.gin"], export_helpers.SMALL_DATA)
+    model, _ = restore.load_trained_model(run_dir)
+    yield run_dir, model, restore.inference_model(model)
+    gin.clear_config()
+
+
+def _stored_variables(module, path):
+    """The variable entries of `module`'s object-graph checkpoint (what a SavedModel of it
+    stores in variables/)."""
+    prefix = tf.train.Checkpoint(module=module).write(path)
+    return [n for n, _ in tf.train.list_variables(prefix) if n.endswith("VARIABLE_VALUE")]
+
+
+def test_the_inference_twin_is_the_dino_model_with_the_same_weights(restored_co_dino, tmp_path):
+    _, model, twin = restored_co_dino
+    heads = model.co_atss.variables + model.co_rcnn.variables
+    assert twin.co_atss is None and twin.co_rcnn is None and not twin.training_only_bindings
+    assert restore.inference_model(twin) is twin
+    assert len(twin.variables) == len(model.variables) - len(heads)
+    assert gin.query_parameter("build_rtdetr.co_rpn_head") is not None  # bindings restored
+    h, w = model.build_size
+    images = tf.random.stateless_normal([2, h, w, 3], [1, 2])
+    mask = tf.ones([2, h, w], tf.bool)
+    for a, b in zip(tf.nest.flatten(model(images, mask)), tf.nest.flatten(twin(images, mask))):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    stored = _stored_variables(export.DetectionModule(twin), str(tmp_path / "twin"))
+    assert len(stored) == len(twin.variables)
+    assert not any("co_atss" in n or "co_rcnn" in n for n in stored)
+    full = _stored_variables(export.DetectionModule(model), str(tmp_path / "full"))
+    assert sum("co_atss" in n or "co_rcnn" in n for n in full) == len(heads)
+
+
+@pytest.mark.slow
+def test_tools_export_writes_the_dino_model_alone(restored_co_dino, tmp_path):
+    """export_run (tools/export.py): the SavedModel stores no head variable (several minutes:
+    the serving signatures' traces)."""
+    run_dir, _, twin = restored_co_dino
+    out = export.export_run(run_dir, str(tmp_path / "export"))
+    stored = [n for n, _ in tf.train.list_variables(os.path.join(out, "variables",
+                                                                  "variables"))]
+    assert not any("co_atss" in n or "co_rcnn" in n for n in stored)
+    assert sum(n.endswith("VARIABLE_VALUE") for n in stored) == len(twin.variables)

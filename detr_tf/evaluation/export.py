@@ -266,6 +266,7 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     """
     model, path = restore.load_trained_model(model_dir, checkpoint)
     print(f"export: restored {path}", flush=True)
+    model = restore.inference_model(model)  # without training-only heads (Co-DINO's)
     info = run_lib.assemble().eval_info()
     preprocess_fn = preprocess.eval_preprocess_fn(info.buckets)
     if fixed_input_size == "canvas":

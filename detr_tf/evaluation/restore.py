@@ -6,8 +6,10 @@ run's bindings (detr_tf/run.py), which the run's config.gin records. A new model
 therefore needs no change here.
 """
 import os
+import tempfile
 from typing import Optional, Tuple
 
+import gin
 import tensorflow as tf
 import tf_keras
 
@@ -55,6 +57,39 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
     model = build_eval_model()
     path = checkpointing.restore_for_eval(model, model_dir, checkpoint, use_ema)
     return model, path
+
+
+def inference_model(model: tf_keras.Model) -> tf_keras.Model:
+    """The model as it is exported: without its training-only parts (Co-DINO's auxiliary heads,
+    named by the model's `training_only_bindings`), with the same weights; `model` itself when
+    it has none.
+
+    The twin is built from the current Gin bindings (the run's) with those parts bound to None,
+    and takes the model's weights through a checkpoint of the model (object paths: the parts
+    they share carry the same names). Its variables, and so a SavedModel of it, hold none of
+    the heads'.
+    """
+    keys = tuple(getattr(model, "training_only_bindings", ()))
+    if not keys:
+        return model
+    saved = {}
+    with gin.unlock_config():
+        for key in keys:
+            try:
+                saved[key] = gin.query_parameter(key)
+            except ValueError:  # not bound: that part is None already
+                continue
+            gin.bind_parameter(key, None)
+        try:
+            twin = build_eval_model()
+        finally:
+            for key, value in saved.items():
+                gin.bind_parameter(key, value)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tf.train.Checkpoint(model=model).write(os.path.join(tmp, "weights"))
+        tf.train.Checkpoint(model=twin).read(path).expect_partial() \
+            .assert_existing_objects_matched()
+    return twin
 
 
 def checkpoint_step(path: str) -> Optional[int]:

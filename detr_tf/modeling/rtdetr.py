@@ -110,6 +110,15 @@ class RTDETR(Detector):
         self.input_normalization = input_normalization
 
     @property
+    def training_only_bindings(self) -> Tuple[str, ...]:
+        """The Gin bindings that, set to None, build this model without its training-only
+        branches (evaluation.restore.inference_model, used by export)."""
+        if self.co_atss is None:
+            return ()
+        return ("build_rtdetr.co_atss_head", "build_rtdetr.co_rpn_head",
+                "build_rtdetr.co_roi_head")
+
+    @property
     def denoising_class_embed(self) -> Optional[tf.Variable]:
         """RT-DETR's denoising label embedding, [num_classes + 1, d], the last row the padding
         slots' (None without denoising)."""
