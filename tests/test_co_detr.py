@@ -523,3 +523,18 @@ def test_tools_export_writes_the_dino_model_alone(restored_co_dino, tmp_path):
                                                                   "variables"))]
     assert not any("co_atss" in n or "co_rcnn" in n for n in stored)
     assert sum(n.endswith("VARIABLE_VALUE") for n in stored) == len(twin.variables)
+
+
+def test_bad_head_bindings_name_the_problem():
+    from detr_tf.modeling import rtdetr
+    from detr_tf.modeling.atss_head import ATSSHead
+    from detr_tf.modeling.rcnn_head import RPNHead, Shared2FCBBoxHead
+    atss, rpn, roi = ATSSHead(5), RPNHead(), Shared2FCBBoxHead(5)
+    with pytest.raises(ValueError, match="co_rpn_head and co_roi_head go together"):
+        rtdetr._co_branches(5, 32, 8, atss, rpn, None, 20)
+    with pytest.raises(ValueError, match="co_rpn_head needs co_atss_head"):
+        rtdetr._co_branches(5, 32, 8, None, rpn, roi, 20)
+    with pytest.raises(ValueError, match="co_roi_head has 4 classes, the model 5"):
+        rtdetr._co_branches(5, 32, 8, atss, rpn, Shared2FCBBoxHead(4), 20)
+    co_atss, co_rcnn = rtdetr._co_branches(5, 32, 8, atss, rpn, roi, 20)
+    assert co_rcnn.max_queries == co_atss.max_queries == 20 and co_rcnn.first_stride == 8

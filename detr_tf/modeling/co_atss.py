@@ -18,8 +18,9 @@ One training step, after the encoder and the decoder's main pass:
       -> per layer 'pred_logits' [L, B, M, C], 'pred_boxes' [L, B, M, 4]
 
 The extra level is the reference's `downsample`: a 3x3 stride-2 conv (torch's padding 1) and
-GroupNorm(32) on the last memory level; the ATSS head reads it, the decoder does not (as
-forward_aux reads the maps without it). Its anchors' stride doubles the last level's.
+GroupNorm(32) on the last memory level (`levels`); the ATSS and R-CNN heads read it, the
+decoder does not (as forward_aux reads the maps without it). Its anchors' stride doubles the
+last level's.
 
 Frames. Anchors are in canvas pixels, and the group's boxes are normalized to the canvas, the
 frame the decoder works in (RT-DETR's model has no pixel mask, rtdetr.py); its predictions and
