@@ -389,6 +389,14 @@ def test_tiny_co_dino_trains_one_step(models):
         extra += {"qfl": 1, "bbox": 5, "giou": 2}[key.split("_")[1]] * losses[key]
     without = criterion({k: v for k, v in outputs.items() if k != "co_outputs"}, targets)
     np.testing.assert_allclose(losses["loss"], without["loss"] + extra, rtol=1e-5)
+    # As train.jit='loss' calls it: a function of the outputs, whose numpy anchors arrive as
+    # tensors. The RPN's sampler draws anew (its loss is only finite); the rest is fixed by
+    # the outputs.
+    traced = tf.function(criterion.__call__)(outputs, targets)
+    assert np.isfinite(traced["loss_rpn_cls"].numpy())
+    for key in ("loss_roi_cls", "loss_roi_bbox", "loss_atss_cls", "loss_qfl_aux0",
+                "loss_qfl_aux1"):
+        np.testing.assert_allclose(traced[key], losses[key], rtol=1e-5, err_msg=key)
     for name, g in grads.items():
         assert g is not None and np.all(np.isfinite(tf.convert_to_tensor(g).numpy())), name
     co_names = [n for n in grads if n.startswith(("co_atss/", "co_rcnn/"))]

@@ -79,7 +79,7 @@ def rpn_losses(outputs: Dict[str, tf.Tensor], anchors: np.ndarray, gt_boxes: tf.
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=pos_f, logits=logits)  # [B, A]
     loss_cls = tf.reduce_sum(tf.where(pos | neg, bce, 0.0)) / n
 
-    anchors = tf.constant(anchors, tf.float32)
+    anchors = tf.cast(anchors, tf.float32)  # numpy, or a tensor once passed to a tf.function
     gt = tf.gather(gt_boxes, tf.maximum(assigned, 0), batch_dims=1)  # [B, A, 4]
     gt = tf.where(pos[..., None], gt, anchors)  # finite targets off positives
     targets = tf.stop_gradient(encode_deltas(anchors, gt))  # [B, A, 4]

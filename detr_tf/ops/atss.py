@@ -115,7 +115,7 @@ def atss_assign(anchors: np.ndarray, level_counts: Sequence[int], gt_boxes: tf.T
         raise ValueError(f"atss_assign: level_counts {tuple(level_counts)} must sum to the "
                          f"{anchors.shape[0]} anchors and give at least 2 candidates (the "
                          f"unbiased std needs 2)")
-    anchors = tf.constant(anchors, tf.float32)
+    anchors = tf.cast(anchors, tf.float32)  # numpy, or a tensor once passed to a tf.function
     gt_boxes = tf.cast(gt_boxes, tf.float32)
     iou = box_ops.box_iou(gt_boxes, anchors[None])  # [B, T, A]
     acx, acy = tf.unstack(_centers(anchors), 2, axis=-1)  # each [A]
