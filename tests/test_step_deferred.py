@@ -70,3 +70,33 @@ def test_jit_step_refuses_synchronized_norms_and_auto_avoids_them(engine, confli
         auto = step_lib.StepBuilder(*args, auto_jit=True)
     assert auto.jit == ("loss" if conflict else "step")
     assert ("synced_norm" in auto.jit_why) == conflict
+
+
+class AllReducingModel(ToyModel):
+    """The toy model, declaring a loss that all-reduces inside (as Co-DINO's)."""
+
+    loss_all_reduces = True
+
+
+class MatchingCriterion(ToyCriterion):
+    matcher = staticmethod(lambda cost, target_mask=None: cost)
+
+
+@pytest.mark.parametrize("engine,jit,conflict", [("mirrored", "loss", True),
+                                                 ("mirrored", "step", True),
+                                                 ("mirrored", "matcher", False),
+                                                 ("default", "loss", False)])
+def test_a_loss_that_all_reduces_is_never_compiled_on_replicas(engine, jit, conflict):
+    eng = distribution.make_engine(engine, cpu_devices=2)
+    with eng.scope():
+        model = AllReducingModel()
+        model(tf.zeros([2, 8, 8, 3]), None)
+        opts = (tf_keras.optimizers.SGD(), tf_keras.optimizers.SGD())
+        args = (eng, model, MatchingCriterion(), opts, jit, 0.0, 1, None, None,
+                tf.Variable(0, dtype=tf.int64))
+        if conflict:
+            with pytest.raises(ValueError, match="inside the loss.*train.jit='matcher'"):
+                step_lib.StepBuilder(*args)
+        auto = step_lib.StepBuilder(*args, auto_jit=True)
+    assert auto.jit == ("matcher" if conflict else jit)
+    assert ("Co-DINO" in auto.jit_why) == conflict

@@ -119,6 +119,13 @@ class RTDETR(Detector):
                 "build_rtdetr.co_roi_head")
 
     @property
+    def loss_all_reduces(self) -> bool:
+        """Whether its loss all-reduces normalizers inside (Co-DINO's heads average their
+        positive counts over the replicas): no compiled function may then hold the loss on
+        several tf.distribute replicas (training.step.jit_replica_conflict)."""
+        return self.co_atss is not None
+
+    @property
     def denoising_class_embed(self) -> Optional[tf.Variable]:
         """RT-DETR's denoising label embedding, [num_classes + 1, d], the last row the padding
         slots' (None without denoising)."""

@@ -75,15 +75,21 @@ def resolve_jit_why(jit: str, deterministic: bool = False, hw=None) -> Tuple[str
 
 
 def jit_replica_conflict(jit: str, engine, model) -> str:
-    """Why jit='step' cannot compile this model's forward pass on these replicas, or '': batch
-    norms synchronized across the replicas of a Mirrored or MultiWorkerMirrored engine hold a
-    tf.distribute collective, which XLA cannot compile. (Horovod's replicas are processes whose
-    norms stay local.)"""
-    if jit != "step" or engine.name == "horovod" or engine.num_replicas < 2:
+    """Why `jit` cannot compile this model's step on these replicas, or ''. Two cases hold a
+    tf.distribute collective where no compiled (or nested) function may: batch norms
+    synchronized across the replicas of a Mirrored or MultiWorkerMirrored engine, inside the
+    forward pass (jit='step'); a model whose loss all-reduces its own normalizers
+    (`loss_all_reduces`: Co-DINO's auxiliary heads), inside the loss (jit='step' or 'loss').
+    (Horovod's replicas are processes whose norms stay local.)"""
+    if engine.name == "horovod" or engine.num_replicas < 2 or jit not in ("step", "loss"):
         return ""
+    if getattr(model, "loss_all_reduces", False):
+        return (f"{engine.num_replicas} replicas ({engine.name}) all-reduce the loss's own "
+                "normalizers inside the loss (Co-DINO's auxiliary heads), which no compiled "
+                "function can hold")
     synced = [layer.name for layer in model.submodules
               if getattr(layer, "synchronizes_replicas", False) and layer.trainable]
-    if not synced:
+    if jit != "step" or not synced:
         return ""
     return (f"{engine.num_replicas} replicas ({engine.name}) synchronize the model's batch "
             f"norms ({len(synced)}, e.g. '{synced[0]}') inside the forward pass, which XLA "
@@ -120,11 +126,14 @@ class StepBuilder:
     def __init__(self, engine, model, criterion, optimizers, jit: str, clip_norm: float,
                  grad_accum_steps: int, loss_scale, ema, global_step, auto_jit: bool = False):
         conflict = jit_replica_conflict(jit, engine, model)
+        # What compiles instead: the loss, or only the matcher when the loss all-reduces.
+        fallback = "matcher" if getattr(model, "loss_all_reduces", False) else "loss"
         if conflict and not auto_jit:
-            raise ValueError(f"train.jit='step': {conflict}; use train.jit='loss' (or 'auto')")
-        # 'auto' gives 'loss' then; jit_why says so.
+            raise ValueError(f"train.jit={jit!r}: {conflict}; use train.jit={fallback!r} "
+                             "(or 'auto')")
+        # 'auto' gives the fallback then; jit_why says so.
         self.jit_why = f"auto: {conflict}" if conflict else ""
-        jit = "loss" if conflict else jit
+        jit = fallback if conflict else jit
         self.engine = engine
         self.model = model
         self.criterion = with_compiled_matcher(criterion) if jit == "matcher" else criterion
