@@ -13,6 +13,7 @@ import tf_keras
 from detr_tf.losses import rcnn
 from detr_tf.modeling import rcnn_head, rcnn_sampling
 from detr_tf.modeling.positive_queries import select_positive_queries
+from detr_tf.training import distribution
 
 C = 3  # classes in the random cases
 SHAPES = [(16, 16), (8, 8), (4, 4), (2, 2), (1, 1)]  # a 64 x 64 canvas, strides 4 .. 64
@@ -190,6 +191,37 @@ def test_roi_loss_hand_checked():
     np.testing.assert_allclose(got["loss_cls"], math.log(4), rtol=1e-6)
     np.testing.assert_allclose(got["loss_bbox"], 1 / 6, rtol=1e-5)
     np.testing.assert_allclose(got["loss"], 12 * math.log(4) + 120 / 6, rtol=1e-5)
+
+
+def test_normalizers_average_over_replicas():
+    """Replica 0 samples 3 anchors and 3 RoIs, replica 1 two anchors (its third, IoU 0.5 with
+    its target, is ignored) and one RoI: each divides by the means, 2.5 and 2 (one replica
+    alone divides by its own counts, the tests above)."""
+    strategy = distribution.fresh_mirrored_strategy(["/cpu:0", "/cpu:1"])
+    anchors = np.array([[0, 0, 10, 10], [40, 40, 50, 50], [40, 40, 50, 60]], np.float32)
+    gts = tf.constant([[[[0, 0, 10, 10]]], [[[40, 40, 50, 50]]]], tf.float32)
+    valid = tf.constant([[[True, True, True]], [[True, False, False]]])
+
+    def step():
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        out = {"rpn_logits": tf.zeros([1, 3]), "rpn_deltas": tf.zeros([1, 3, 4])}
+        rpn = rcnn.rpn_losses(out, anchors, tf.gather(gts, r), [[True]], tf.fill([1, 3], 0.5),
+                              num=4)
+        samples = {"rois": tf.constant([[[0, 0, 10, 10]] * 3], tf.float32),
+                   "labels": tf.constant([[C, C, C]]), "target_boxes": tf.zeros([1, 3, 4]),
+                   "positive": tf.zeros([1, 3], tf.bool), "valid": tf.gather(valid, r)}
+        roi = rcnn.roi_losses({"cls_logits": tf.zeros([1, 3, C + 1]),
+                               "box_deltas": tf.zeros([1, 3, C, 4])}, samples)
+        sampled = tf.reduce_sum(tf.cast(rpn["sampled_positive"] | rpn["sampled_negative"],
+                                        tf.float32))
+        return rpn["loss_rpn_cls"], roi["loss_cls"], sampled
+
+    results = strategy.experimental_local_results(strategy.run(step))
+    assert [float(r[2]) for r in results] == [3.0, 2.0]
+    for (rpn_cls, roi_cls, sampled), n_roi in zip(results, (3, 1)):
+        # Zero logits: BCE log 2 per sampled anchor, CE log(C + 1) per valid RoI.
+        np.testing.assert_allclose(rpn_cls, float(sampled) * math.log(2) / 2.5, rtol=1e-6)
+        np.testing.assert_allclose(roi_cls, n_roi * math.log(C + 1) / 2, rtol=1e-6)
 
 
 def np_bilinear(feat, y, x):

@@ -214,11 +214,13 @@ def test_group_dn_multi_worker_two_processes_equals_one_device(group_dn_runs, sh
     _assert_same_training(group_dn_runs / "default", group_dn_runs / "multi_worker")
 
 
-@pytest.fixture(scope="module", params=["rtdetr", "dfine", "dfine_deim", "dino_family"])
+@pytest.fixture(scope="module", params=["rtdetr", "dfine", "dfine_deim", "dino_family",
+                                        "co_dino"])
 def rtdetr_runs(request, shapes_cache, tmp_path_factory):
     """RT-DETR (rtdetr_tiny.gin), D-FINE (dfine_tiny.gin: the union's box losses, whose
     normalizer the step averages over the replicas), D-FINE with DEIM's loss and rate, or DINO
-    with the family's options (trainer_prog.py's dino_family),
+    with the family's options (trainer_prog.py's dino_family), or Co-DINO (co_dino: its
+    runs but jit='step' compile only the matcher, its loss all-reducing),
     denoising noise off: jit='step' on one device, then one-device and mirrored runs with
     jit='loss' (trainer_prog.py engines_jit)."""
     return _engines_pair(shapes_cache, tmp_path_factory, request.param, mode="engines_jit")
@@ -231,7 +233,7 @@ def _variant_env(request):
 # RT-DETR and D-FINE on the engines and under jit='step': slow (three runs in one process per
 # model, each compiling it anew; 5.5 min for RT-DETR on a shared 2-core CPU; two processes for
 # the multi-process engines), so `pytest -m slow -k rtdetr tests/test_trainer.py` (`-k dfine`:
-# D-FINE's only; `-k dino_family`: DINO's with the family's options).
+# D-FINE's only; `-k dino_family`: DINO's with the family's options; `-k co_dino`: Co-DINO's).
 @pytest.mark.slow
 def test_rtdetr_mirrored_two_replicas_equals_one_device(rtdetr_runs):
     # Its batch norms train on batch statistics: equal only if the replicas share them.
@@ -279,7 +281,7 @@ def test_rtdetr_losses_finite_batch_norm_statistics_trained_and_restored(rtdetr_
     moving = [k for k in result.files if k.startswith("model/encoder/")
               and ("moving_mean" in k or "moving_variance" in k)]
     # DINO's encoder normalizes with GroupNorm (and its ResNet's batch norms are frozen).
-    dino = request.node.callspec.params["rtdetr_runs"] == "dino_family"
+    dino = request.node.callspec.params["rtdetr_runs"] in ("dino_family", "co_dino")
     assert (moving == []) if dino else (len(moving) > 10), moving
     for k in moving:
         start = 0.0 if "moving_mean" in k else 1.0

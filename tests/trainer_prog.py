@@ -6,7 +6,7 @@
         default, mirrored; OUT_DIR/restored/ckpt: the model tools restore from 'default')
     TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising;
         rtdetr: RT-DETR, dfine: D-FINE, dfine_deim: D-FINE with DEIM's loss and rate,
-        dino_family: DINO with Relation-, Rank- and Focus-DETR's options,
+        dino_family: DINO with Relation-, Rank- and Focus-DETR's options, co_dino: Co-DINO,
         tf_keras: tf_keras's AdamW)
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     horovodrun -np 2 python tests/trainer_prog.py horovod_jit OUT_DIR SHAPES_CACHE_DIR  (jit='step'
@@ -59,7 +59,9 @@ from detr_tf.training import trainer  # noqa: E402
 # Relation-DETR's position relation and hybrid queries, Rank-DETR's rank layers, GIoU-aware
 # loss and high-order matching cost, Focus-DETR's token selection (with its OESM) and
 # foreground loss.
-# Each variant: (Gin file, its extra bindings).
+# TRAINER_PROG_VARIANT=co_dino: DINO (dino_tiny.gin) with Co-DETR's Faster R-CNN and ATSS heads
+# and their query groups.
+# Each variant: (Gin file or files, its extra bindings[, the jit of its runs]).
 # Denoising queries' noise off: its random streams differ per replica by design, as dropout's.
 NO_DN_NOISE = ["DenoisingQueries.box_noise_scale = 0.0",
                "DenoisingQueries.label_noise_ratio = 0.0"]
@@ -85,6 +87,13 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 # turns into moves of ~lr in the box heads, which jit='step' and 'loss' round
                 # differently (measured: step 2's loss 1.3e-4 apart).
                 "build_rtdetr.denoising = False"]),
+            # Co-DINO: every sampler takes all its candidates and the groups pad with zero
+            # boxes, so no random draw decides anything (the draws differ per engine).
+            "co_dino": (["dino_tiny.gin", "models/co_heads.gin"], [
+                "build_rtdetr.denoising = False", "build_rtdetr.co_max_queries = 1100",
+                "CoATSSBranch.zero_padding = True", "CoRCNNBranch.zero_padding = True",
+                "CoRCNNBranch.rpn_samples = 100000", "CoRCNNBranch.num_rois = 100000",
+                "Shared2FCBBoxHead.fc_out_channels = 64"], "matcher"),
             "dfine": ("dfine_tiny.gin", NO_DN_NOISE),
             "dfine_deim": ("dfine_tiny.gin", NO_DN_NOISE + [
                 "import detr_tf.losses.mal", "import detr_tf.training.optimization",
@@ -96,8 +105,11 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 # (Adam's first step is sign-like), which no two engines round alike.
                 "FlatCosineSchedule.warmup_steps = 200",
                 "FlatCosineSchedule.final_factor = 0.5"])}
-GIN_FILE, GIN_PARAMS = VARIANTS[os.environ.get("TRAINER_PROG_VARIANT", "")]
-config.parse_gin_config([GIN_FILE], [
+# A variant's optional third entry: the jit of its runs but jit='step' ones ('loss' if none;
+# Co-DINO's loss all-reduces, so no replica may compile it).
+GIN_FILE, GIN_PARAMS, *PAIR_JIT = VARIANTS[os.environ.get("TRAINER_PROG_VARIANT", "")]
+PAIR_JIT = PAIR_JIT[0] if PAIR_JIT else "loss"
+config.parse_gin_config(GIN_FILE if isinstance(GIN_FILE, list) else [GIN_FILE], [
     f"SHAPES_CACHE_DIR = '{CACHE}'",
     "Transformer.dropout = 0.0",  # dropout streams differ per replica by design
     "train.log_every = 1",
@@ -133,7 +145,7 @@ def same_global_batches(is_training, global_batch_size, input_context=None, num_
     return ds.flat_map(slices)
 
 
-def run(model_dir, distribution, num_steps=STEPS, jit="loss", deterministic=True, **kwargs):
+def run(model_dir, distribution, num_steps=STEPS, jit=PAIR_JIT, deterministic=True, **kwargs):
     trainer.train(model_dir, dataset_fn=same_global_batches,
                   global_batch_size=GLOBAL_BATCH // kwargs.get("grad_accum_steps", 1),
                   num_steps=num_steps, distribution=distribution, cpu_devices=2,

@@ -163,7 +163,7 @@ def head_losses(co: Dict[str, object], num_classes: int,
     """
     if "rpn_outputs" in co:
         rpn = rcnn.rpn_losses(co["rpn_outputs"], co["rpn_anchors"], co["gt_boxes_xyxy"],
-                              co["gt_valid"])
+                              co["gt_valid"], num=co["rpn_samples"])
         roi = rcnn.roi_losses(co["roi_outputs"], co["samples"])
         out = {k: rpn[k] for k in ("loss_rpn_cls", "loss_rpn_bbox")}
         out.update({"loss_roi_cls": roi["loss_cls"], "loss_roi_bbox": roi["loss_bbox"]})

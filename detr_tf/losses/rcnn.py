@@ -19,7 +19,9 @@ bbox_head.py` (BBoxHead.loss), DeltaXYWHBBoxCoder and CrossEntropyLoss, L1Loss, 
 The RPN's box targets use Model Garden's `box_ops.encode_boxes` (mmdet's bbox2delta with
 stds 1; it adds 1e-8 to the sizes before the log); the RoI boxes are decoded by
 `losses.atss.decode_deltas` (mmdet's delta2bbox, stds 0.1, 0.1, 0.2, 0.2, no max_shape). The
-normalizers are per replica (mmdet does not average them over GPUs here), floored at 1.
+normalizers are averaged over the replicas in sync, floored at 1. mmdet keeps each GPU's own;
+the two agree whenever every image fills its 256 (RPN) and 512 (RoI) samples, nearly always,
+and the average makes the loss independent of how a batch is split over replicas.
 
 Left out: mmdet's GIoU eps 1e-6 (box_ops divides with divide_no_nan) and the float32 epsilon
 on avg_factor; the RoI head's accuracy metric.
@@ -31,6 +33,7 @@ import tensorflow as tf
 from official.vision.ops import box_ops as mg_box_ops
 
 from detr_tf.losses.atss import decode_deltas
+from detr_tf.losses.boxes import replica_mean
 from detr_tf.modeling import rcnn_sampling
 from detr_tf.ops import box_ops
 
@@ -75,7 +78,8 @@ def rpn_losses(outputs: Dict[str, tf.Tensor], anchors: np.ndarray, gt_boxes: tf.
     pos, neg = rcnn_sampling.random_sample(assigned >= 0, assigned == -1, num, pos_fraction,
                                            random_keys)
     pos_f = tf.cast(pos, tf.float32)
-    n = tf.stop_gradient(tf.maximum(tf.reduce_sum(tf.cast(pos | neg, tf.float32)), 1.0))
+    n = tf.stop_gradient(tf.maximum(replica_mean(tf.reduce_sum(tf.cast(pos | neg, tf.float32))),
+                                    1.0))
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=pos_f, logits=logits)  # [B, A]
     loss_cls = tf.reduce_sum(tf.where(pos | neg, bce, 0.0)) / n
 
@@ -108,7 +112,8 @@ def roi_losses(outputs: Dict[str, tf.Tensor], samples: Dict[str, tf.Tensor],
     """
     logits = tf.cast(outputs["cls_logits"], tf.float32)  # [B, K, C + 1]
     valid, positive = samples["valid"], samples["positive"]
-    n = tf.stop_gradient(tf.maximum(tf.reduce_sum(tf.cast(valid, tf.float32)), 1.0))
+    n = tf.stop_gradient(tf.maximum(replica_mean(tf.reduce_sum(tf.cast(valid, tf.float32))),
+                                    1.0))
     ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=samples["labels"],
                                                         logits=logits)  # [B, K]
     loss_cls = tf.reduce_sum(tf.where(valid, ce, 0.0)) / n

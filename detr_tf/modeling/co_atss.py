@@ -34,6 +34,7 @@ uniform).
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import gin
 import numpy as np
 import tensorflow as tf
 import tf_keras
@@ -44,6 +45,7 @@ from detr_tf.modeling.positive_queries import (PositiveQueries, PositiveQueryEmb
 from detr_tf.ops import atss, box_ops
 
 
+@gin.configurable
 class CoATSSBranch(tf_keras.layers.Layer):
     """The ATSS head, its extra level and its query group's content (module doc).
 
@@ -54,6 +56,8 @@ class CoATSSBranch(tf_keras.layers.Layer):
       max_queries, min_queries: the group's slots and the reference's shortest group (300, 9).
       topk: ATSS candidates per level (9).
       groups: the downsample's GroupNorm groups (32).
+      zero_padding: pad the query group with zero boxes instead of random negatives (the
+        reference's use_zero_padding, off; select_positive_queries).
 
     Sublayers: `head`, `downsample` ('0' conv, '1' norm) and `query_embed`
     (PositiveQueryEmbed: 'aux_pos_trans', 'aux_pos_trans_norm').
@@ -61,13 +65,14 @@ class CoATSSBranch(tf_keras.layers.Layer):
 
     def __init__(self, head: tf_keras.layers.Layer, d_model: int = 256, first_stride: int = 8,
                  max_queries: int = 300, min_queries: int = 9, topk: int = 9,
-                 groups: int = 32, **kwargs):
+                 groups: int = 32, zero_padding: bool = False, **kwargs):
         kwargs.setdefault("name", "co_atss")
         super().__init__(**kwargs)
         self.head = head
         self.num_classes = head.num_classes
         self.first_stride = first_stride
         self.max_queries, self.min_queries, self.topk = max_queries, min_queries, topk
+        self.zero_padding = zero_padding
         self.downsample = _Projection(d_model, 3, 2, groups, name="downsample")
         self.query_embed = PositiveQueryEmbed(d_model, name="query_embed")
 
@@ -112,7 +117,7 @@ class CoATSSBranch(tf_keras.layers.Layer):
         group = select_positive_queries(
             tf.broadcast_to(tf.constant(anchors), [batch, anchors.shape[0], 4]), positive,
             target_xyxy, target_labels, canvas_size(canvas, batch), self.num_classes,
-            self.max_queries, self.min_queries)
+            self.max_queries, self.min_queries, zero_padding=self.zero_padding)
         out = decode_positive_group(group, self.query_embed, decoder, memory, shapes, ratio,
                                     training)
         out.update({"head_outputs": head_outputs, "anchors": anchors, "level_counts": counts,

@@ -43,7 +43,10 @@ class CoRCNNBranch(tf_keras.layers.Layer):
       first_stride: the first map's stride in canvas pixels (the next ones double).
       max_queries, min_queries: the group's slots and the reference's shortest group (300, 9).
       nms_pre, max_proposals: proposals per level before NMS (4000) and per image (1000).
-      num_rois: sampled RoIs per image (512).
+      num_rois: sampled RoIs per image (512); rpn_samples: the RPN's sampled anchors per image
+        (256).
+      zero_padding: pad the query group with zero boxes instead of random negatives (the
+        reference's use_zero_padding, off; select_positive_queries).
 
     Sublayers: `rpn`, `roi_head` and `query_embed` (PositiveQueryEmbed).
     """
@@ -51,7 +54,8 @@ class CoRCNNBranch(tf_keras.layers.Layer):
     def __init__(self, rpn: tf_keras.layers.Layer, roi_head: tf_keras.layers.Layer,
                  d_model: int = 256, first_stride: int = 8, max_queries: int = 300,
                  min_queries: int = 9, nms_pre: int = 4000, max_proposals: int = 1000,
-                 num_rois: int = 512, **kwargs):
+                 num_rois: int = 512, rpn_samples: int = 256, zero_padding: bool = False,
+                 **kwargs):
         kwargs.setdefault("name", "co_rcnn")
         super().__init__(**kwargs)
         self.rpn, self.roi_head = rpn, roi_head
@@ -59,6 +63,7 @@ class CoRCNNBranch(tf_keras.layers.Layer):
         self.first_stride, self.d_model = first_stride, d_model
         self.max_queries, self.min_queries = max_queries, min_queries
         self.nms_pre, self.max_proposals, self.num_rois = nms_pre, max_proposals, num_rois
+        self.rpn_samples, self.zero_padding = rpn_samples, zero_padding
         self.query_embed = PositiveQueryEmbed(d_model, name="query_embed")
 
     def strides(self, num_levels: int) -> List[int]:
@@ -73,9 +78,9 @@ class CoRCNNBranch(tf_keras.layers.Layer):
 
         Returns:
           The criterion's inputs (losses/co_aux.py): 'rpn_outputs' (the RPNHead's dict),
-          'rpn_anchors' [A, 4] numpy, 'gt_boxes_xyxy' [B, T, 4] canvas pixels, 'gt_valid',
-          'samples' (sample_rois' dict), 'roi_outputs' (the RoI head's dict), and the group's
-          fields (co_atss.decode_positive_group).
+          'rpn_anchors' [A, 4] numpy, 'rpn_samples', 'gt_boxes_xyxy' [B, T, 4] canvas pixels,
+          'gt_valid', 'samples' (sample_rois' dict), 'roi_outputs' (the RoI head's dict), and
+          the group's fields (co_atss.decode_positive_group).
         """
         rpn_outputs = self.rpn(maps)
         if targets is None:
@@ -95,10 +100,11 @@ class CoRCNNBranch(tf_keras.layers.Layer):
         group = select_positive_queries(
             **rcnn_positives(samples), image_size=canvas_size(canvas, tf.shape(labels)[0]),
             num_classes=self.num_classes, max_queries=self.max_queries,
-            min_queries=self.min_queries)
+            min_queries=self.min_queries, zero_padding=self.zero_padding)
         out = decode_positive_group(group, self.query_embed, decoder, memory, shapes, ratio,
                                     training)
         out.update({"rpn_outputs": rpn_outputs, "rpn_anchors": anchors,
+                    "rpn_samples": self.rpn_samples,
                     "gt_boxes_xyxy": gt_xyxy, "gt_valid": valid, "samples": samples,
                     "roi_outputs": roi_outputs})
         return out
