@@ -209,6 +209,27 @@ def test_distance_ties_go_to_the_lower_index():
     _check_against_reference(anchors, counts, boxes, valid, assigned.numpy(), max_iou.numpy())
 
 
+def test_a_tie_survives_the_rounding_of_normalized_boxes():
+    """The tie case's box as the pipeline hands it over: normalized, then scaled back, a few
+    ulps off its integer corners (the way XLA's fused multiply-adds and the graph differ). The
+    true tie must still go to the lower index, eagerly and under XLA; ranking the unrounded
+    distances picks other anchors for 24 of these 32 boxes."""
+    anchors, counts, boxes, valid = _tie_case()
+    exact = atss.atss_assign(anchors, counts, boxes, valid)[0].numpy()
+    compiled = tf.function(lambda b: atss.atss_assign(anchors, counts, b, valid)[0],
+                           jit_compile=True)
+    rng = np.random.default_rng(0)
+    for _ in range(32):
+        off = boxes.copy()
+        steps = rng.integers(-8, 9, size=4)
+        for i, n in enumerate(steps):
+            for _ in range(abs(int(n))):  # both copies of the target alike
+                off[0, 1:, i] = np.nextafter(off[0, 1:, i], np.float32(np.sign(n) * np.inf))
+        np.testing.assert_array_equal(atss.atss_assign(anchors, counts, off, valid)[0].numpy(),
+                                      exact, err_msg=str(steps))
+        np.testing.assert_array_equal(compiled(tf.constant(off)).numpy(), exact)
+
+
 def test_assign_under_xla_equals_eager():
     anchors, counts = atss.level_anchors(_shapes(CANVAS, STRIDES), STRIDES)
     compiled = tf.function(lambda b, v: atss.atss_assign(anchors, counts, b, v),

@@ -1,6 +1,7 @@
 """Training runs for tests/test_trainer.py, each in its own process (engines need a fresh runtime).
 
-    python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR   (2 logical CPUs: default, mirrored)
+    python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR
+        (2 logical CPUs: default, mirrored)
     python tests/trainer_prog.py engines_pair OUT_DIR SHAPES_CACHE_DIR   (default, mirrored only)
     python tests/trainer_prog.py engines_jit OUT_DIR SHAPES_CACHE_DIR   (jit='step' on one device,
         default, mirrored; OUT_DIR/restored/ckpt: the model tools restore from 'default')
@@ -92,6 +93,9 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
             "co_dino": (["dino_tiny.gin", "models/co_heads.gin"], [
                 "build_rtdetr.denoising = False", "build_rtdetr.co_max_queries = 1100",
                 "CoATSSBranch.zero_padding = True", "CoRCNNBranch.zero_padding = True",
+                # Groups as long as their budget: the reference's length (the batch's largest
+                # positive count) differs between a replica's half batch and the whole one.
+                "CoATSSBranch.min_queries = 1100", "CoRCNNBranch.min_queries = 1100",
                 "CoRCNNBranch.rpn_samples = 100000", "CoRCNNBranch.num_rois = 100000",
                 "Shared2FCBBoxHead.fc_out_channels = 64"], "matcher"),
             "dfine": ("dfine_tiny.gin", NO_DN_NOISE),

@@ -143,6 +143,12 @@ def canvas_size(canvas: Tuple[int, int], batch: tf.Tensor) -> tf.Tensor:
     return tf.broadcast_to(tf.constant(canvas, tf.float32), [batch, 2])
 
 
+def image_extent(ratio: tf.Tensor, canvas: Tuple[int, int]) -> tf.Tensor:
+    """[B, 2] (h, w) float32: each image's own size in canvas pixels (ratio [B, 4] w, h, w, h,
+    the image's share of the canvas; canvas: static (H, W))."""
+    return tf.stack([ratio[:, 1], ratio[:, 0]], -1) * tf.constant(canvas, tf.float32)
+
+
 def canvas_targets(targets: Dict[str, tf.Tensor], ratio: tf.Tensor, canvas: Tuple[int, int]
                    ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """The targets as the auxiliary heads take them: (boxes [B, T, 4] xyxy canvas pixels,

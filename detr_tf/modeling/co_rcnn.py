@@ -29,7 +29,8 @@ import tf_keras
 
 from detr_tf.losses.rcnn import rcnn_positives
 from detr_tf.modeling import rcnn_head, rcnn_sampling
-from detr_tf.modeling.co_atss import canvas_size, canvas_targets, decode_positive_group
+from detr_tf.modeling.co_atss import (canvas_size, canvas_targets, decode_positive_group,
+                                        image_extent)
 from detr_tf.modeling.positive_queries import PositiveQueryEmbed, select_positive_queries
 
 
@@ -90,7 +91,7 @@ class CoRCNNBranch(tf_keras.layers.Layer):
         strides = self.strides(len(maps))
         anchors, counts = rcnn_head.rpn_anchors([tuple(m.shape[1:3]) for m in maps], strides)
         gt_xyxy, labels, valid = canvas_targets(targets, ratio, canvas)
-        extent = tf.stack([ratio[:, 1], ratio[:, 0]], -1) * tf.constant(canvas, tf.float32)
+        extent = image_extent(ratio, canvas)
         proposals, proposal_valid = rcnn_head.propose(
             rpn_outputs["rpn_logits"], rpn_outputs["rpn_deltas"], anchors, counts, extent,
             self.nms_pre, self.max_proposals)

@@ -36,7 +36,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
-from detr_tf.modeling.co_atss import CoATSSBranch
+from detr_tf.modeling.co_atss import CoATSSBranch, image_extent
 from detr_tf.modeling.co_rcnn import CoRCNNBranch
 from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.detector import Detector, pad_to_canvas
@@ -178,10 +178,9 @@ class RTDETR(Detector):
             if co:
                 outputs["co_outputs"] = outputs_co
         if training and fg_logits is not None:
-            canvas = tf.constant([images.shape[1], images.shape[2]], tf.float32)
             outputs["fg_outputs"] = {
                 "logits": fg_logits, "shapes": [tuple(f.shape[1:3]) for f in features],
-                "image_size": tf.stack([ratio[:, 1], ratio[:, 0]], -1) * canvas}  # [B, 2]
+                "image_size": image_extent(ratio, (int(images.shape[1]), int(images.shape[2])))}
         return outputs
 
     def _co_branches(self, memory_and_shapes, targets, ratio, canvas, training) -> List[Dict]:

@@ -74,26 +74,29 @@ def resolve_jit_why(jit: str, deterministic: bool = False, hw=None) -> Tuple[str
     return hardware.auto_jit(hw or hardware.detect(), deterministic)
 
 
-def jit_replica_conflict(jit: str, engine, model) -> str:
-    """Why `jit` cannot compile this model's step on these replicas, or ''. Two cases hold a
+def jit_replica_conflict(jit: str, engine, model) -> Tuple[str, str]:
+    """(Why `jit` cannot compile this model's step on these replicas, or ''; the jit that
+    compiles instead: 'matcher' for a model whose loss all-reduces, else 'loss'). Two cases hold a
     tf.distribute collective where no compiled (or nested) function may: batch norms
     synchronized across the replicas of a Mirrored or MultiWorkerMirrored engine, inside the
     forward pass (jit='step'); a model whose loss all-reduces its own normalizers
     (`loss_all_reduces`: Co-DINO's auxiliary heads), inside the loss (jit='step' or 'loss').
     (Horovod's replicas are processes whose norms stay local.)"""
+    all_reduces = getattr(model, "loss_all_reduces", False)
+    fallback = "matcher" if all_reduces else "loss"
     if engine.name == "horovod" or engine.num_replicas < 2 or jit not in ("step", "loss"):
-        return ""
-    if getattr(model, "loss_all_reduces", False):
+        return "", fallback
+    if all_reduces:
         return (f"{engine.num_replicas} replicas ({engine.name}) all-reduce the loss's own "
                 "normalizers inside the loss (Co-DINO's auxiliary heads), which no compiled "
-                "function can hold")
+                "function can hold"), fallback
     synced = [layer.name for layer in model.submodules
               if getattr(layer, "synchronizes_replicas", False) and layer.trainable]
     if jit != "step" or not synced:
-        return ""
+        return "", fallback
     return (f"{engine.num_replicas} replicas ({engine.name}) synchronize the model's batch "
             f"norms ({len(synced)}, e.g. '{synced[0]}') inside the forward pass, which XLA "
-            "cannot compile")
+            "cannot compile"), fallback
 
 
 def _zeros_for_missing(grads, variables):
@@ -125,9 +128,7 @@ class StepBuilder:
 
     def __init__(self, engine, model, criterion, optimizers, jit: str, clip_norm: float,
                  grad_accum_steps: int, loss_scale, ema, global_step, auto_jit: bool = False):
-        conflict = jit_replica_conflict(jit, engine, model)
-        # What compiles instead: the loss, or only the matcher when the loss all-reduces.
-        fallback = "matcher" if getattr(model, "loss_all_reduces", False) else "loss"
+        conflict, fallback = jit_replica_conflict(jit, engine, model)
         if conflict and not auto_jit:
             raise ValueError(f"train.jit={jit!r}: {conflict}; use train.jit={fallback!r} "
                              "(or 'auto')")
