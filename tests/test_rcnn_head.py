@@ -126,6 +126,25 @@ def test_sample_rois_layout_and_gt_proposals():
     np.testing.assert_array_equal(s["target_boxes"][0][~pos], 0)
 
 
+def test_sample_rois_without_gt_proposals():
+    """add_gt_as_proposals off: every proposal is a candidate and no gt is; with room for all,
+    the positives are exactly the proposals whose IoU with a gt reaches 0.5."""
+    rng = np.random.default_rng(4)
+    gts = np.array([[[4, 4, 20, 20], [30, 30, 50, 60], [0, 0, 0, 0]]], np.float32)
+    valid = np.array([[True, True, False]])
+    props = np.concatenate([gts[0, :2] + rng.normal(0, 1, (2, 4)), _int_boxes(rng, 20) * 2],
+                           0)[None].astype(np.float32)  # [1, 22, 4]
+    pvalid = np.ones([1, 22], bool)
+    s = {k: v.numpy() for k, v in rcnn_sampling.sample_rois(
+        props, pvalid, gts, np.array([[2, 0, 1]]), valid, C, num=100, pos_fraction=1.0,
+        random_keys=rng.random([1, 25]), add_gt_as_proposals=False).items()}
+    rois = s["rois"][0][s["valid"][0]]
+    assert len(rois) == 22, "every proposal, and nothing else, sampled"
+    assert not any(np.all(rois == g, -1).any() for g in gts[0]), "a gt sampled"
+    iou = np_iou(props[0].astype(np.float64), gts[0, :2].astype(np.float64)).max(1)
+    assert s["positive"][0].sum() == (iou >= 0.5).sum() >= 2
+
+
 def test_rpn_loss_one_anchor_one_gt():
     # Anchor 0 (0, 0, 10, 10), gt (0, 0, 10, 20): IoU 100 / 200 = 0.5 < 0.7, but the gt's
     # best anchor with IoU >= 0.3, so positive; targets (dx, dy, dw, dh) = (0, (10 - 5) / 10,

@@ -19,7 +19,8 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 
 flags.DEFINE_multi_string("config", [], "A configuration: Gin files and bindings separated by "
                           "';' (repeat for each; the first is the reference).")
-flags.DEFINE_string("jit", "loss", "'step', 'loss' or 'none' (the same for every config).")
+flags.DEFINE_string("jit", "loss", "'step', 'loss' or 'none' (the same for every config), or "
+                    "'config': each config's own train.jit.")
 flags.DEFINE_string("precision", "float32", "Keras policy (the same for every config).")
 flags.DEFINE_integer("image_size", 256, "Square synthetic image side in pixels.")
 flags.DEFINE_integer("batch_size", 2, "Images per step.")

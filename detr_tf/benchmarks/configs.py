@@ -42,6 +42,8 @@ def build_step(spec: Spec, jit: str, precision: str, batch_size: int,
     try:
         config.parse_gin_config(*spec, defer_required=True)
         run = run_lib.assemble()
+        if jit == "config":  # each configuration's own train.jit ('loss' where it sets none)
+            jit = _bound("train.jit", "loss")
         t0 = time.perf_counter()
         ts = ours.build_train_step(run.model_fn, run.criterion, jit, precision)
         build_s = time.perf_counter() - t0
@@ -58,6 +60,14 @@ def build_step(spec: Spec, jit: str, precision: str, batch_size: int,
         "gin_files": spec[0], "gin_params": spec[1], "model": type(ts.model).__name__,
         "criterion": type(ts.criterion).__name__, "jit": ts.jit, "trainable_params": params,
         "build_s": build_s, "first_call_s": first}
+
+
+def _bound(name: str, default: object) -> object:
+    """The current Gin configuration's value of `name`, or `default` where it binds none."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
 
 
 def run(specs: Sequence[str], jit: str, precision: str, batch_size: int,

@@ -48,6 +48,8 @@ class CoRCNNBranch(tf_keras.layers.Layer):
         (256).
       zero_padding: pad the query group with zero boxes instead of random negatives (the
         reference's use_zero_padding, off; select_positive_queries).
+      add_gt_as_proposals: sample the gts among the RoIs too (the reference's sampler: on).
+        Their queries then start on their targets, where the L1 loss has its kink.
 
     Sublayers: `rpn`, `roi_head` and `query_embed` (PositiveQueryEmbed).
     """
@@ -56,7 +58,7 @@ class CoRCNNBranch(tf_keras.layers.Layer):
                  d_model: int = 256, first_stride: int = 8, max_queries: int = 300,
                  min_queries: int = 9, nms_pre: int = 4000, max_proposals: int = 1000,
                  num_rois: int = 512, rpn_samples: int = 256, zero_padding: bool = False,
-                 **kwargs):
+                 add_gt_as_proposals: bool = True, **kwargs):
         kwargs.setdefault("name", "co_rcnn")
         super().__init__(**kwargs)
         self.rpn, self.roi_head = rpn, roi_head
@@ -65,6 +67,7 @@ class CoRCNNBranch(tf_keras.layers.Layer):
         self.max_queries, self.min_queries = max_queries, min_queries
         self.nms_pre, self.max_proposals, self.num_rois = nms_pre, max_proposals, num_rois
         self.rpn_samples, self.zero_padding = rpn_samples, zero_padding
+        self.add_gt_as_proposals = add_gt_as_proposals
         self.query_embed = PositiveQueryEmbed(d_model, name="query_embed")
 
     def strides(self, num_levels: int) -> List[int]:
@@ -96,7 +99,8 @@ class CoRCNNBranch(tf_keras.layers.Layer):
             rpn_outputs["rpn_logits"], rpn_outputs["rpn_deltas"], anchors, counts, extent,
             self.nms_pre, self.max_proposals)
         samples = rcnn_sampling.sample_rois(proposals, proposal_valid, gt_xyxy, labels, valid,
-                                            self.num_classes, num=self.num_rois)
+                                            self.num_classes, num=self.num_rois,
+                                            add_gt_as_proposals=self.add_gt_as_proposals)
         roi_outputs = self.roi_head(rcnn_head.roi_align(maps, samples["rois"], strides))
         group = select_positive_queries(
             **rcnn_positives(samples), image_size=canvas_size(canvas, tf.shape(labels)[0]),

@@ -120,7 +120,8 @@ def random_sample(positive: tf.Tensor, negative: tf.Tensor, num: int, pos_fracti
 def sample_rois(proposals: tf.Tensor, proposal_valid: tf.Tensor, gt_boxes: tf.Tensor,
                 gt_labels: tf.Tensor, gt_valid: tf.Tensor, num_classes: int, num: int = 512,
                 pos_fraction: float = 0.25, pos_iou_thr: float = 0.5,
-                random_keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+                random_keys: Optional[tf.Tensor] = None,
+                add_gt_as_proposals: bool = True) -> Dict[str, tf.Tensor]:
     """CoStandardRoIHead.forward_train's assign and sample, and BBoxHead.get_targets.
 
     The gts are put before the proposals and assigned to themselves (add_gt_as_proposals);
@@ -132,6 +133,8 @@ def sample_rois(proposals: tf.Tensor, proposal_valid: tf.Tensor, gt_boxes: tf.Te
       gt_boxes: [B, T, 4] xyxy pixels; gt_labels: [B, T] int in [0, C); gt_valid: [B, T] bool.
       num_classes: C; num: RoIs per image (512); pos_fraction: 0.25.
       random_keys: [B, T + P] float32 i.i.d. uniform; default tf.random.uniform.
+      add_gt_as_proposals: mmdet's sampler option (on in Co-DETR); off, the gt slots stay in
+        the layout but are never sampled.
 
     Returns (K = min(num, T + P) slots, no gradient):
       'rois' [B, K, 4] xyxy; 'labels' [B, K] int32 (C off positives); 'target_boxes' [B, K, 4]
@@ -141,11 +144,13 @@ def sample_rois(proposals: tf.Tensor, proposal_valid: tf.Tensor, gt_boxes: tf.Te
     gt_boxes = tf.cast(gt_boxes, tf.float32)
     gt_valid = tf.cast(gt_valid, tf.bool)
     cand = tf.concat([gt_boxes, tf.cast(proposals, tf.float32)], 1)  # [B, N], N = T + P
-    cand_valid = tf.concat([gt_valid, tf.cast(proposal_valid, tf.bool)], 1)
+    cand_valid = tf.concat([gt_valid & add_gt_as_proposals, tf.cast(proposal_valid, tf.bool)],
+                           1)
     assigned = max_iou_assign(cand, gt_boxes, gt_valid, pos_iou_thr, pos_iou_thr, pos_iou_thr,
                               False, cand_valid)  # [B, N]
     t, n = gt_boxes.shape[1], cand.shape[1]
-    own = tf.where(gt_valid, tf.range(t)[None], IGNORED)  # add_gt_: each gt is its own target
+    # add_gt_as_proposals: each gt is its own target.
+    own = tf.where(gt_valid & add_gt_as_proposals, tf.range(t)[None], IGNORED)
     assigned = tf.concat([own, assigned[:, t:]], 1)
     if random_keys is None:
         random_keys = tf.random.uniform(tf.shape(assigned), dtype=tf.float32)
