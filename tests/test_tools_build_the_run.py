@@ -111,3 +111,14 @@ def test_benchmark_configs_builds_each_configs_run(received, monkeypatch, tmp_pa
     assert [(r["model"], r["criterion"]) for r in rows.values()] == [
         (MODEL, CRITERION), ("DETR", "SetCriterion")]
     assert rows["tiny.gin;NUM_QUERIES = 5"]["gin_params"] == ["NUM_QUERIES = 5"]
+
+
+def test_benchmark_configs_jit_config_takes_each_configs_own(received, monkeypatch, tmp_path):
+    """--jit=config: each configuration's own train.jit."""
+    monkeypatch.setattr(timing, "interleaved", lambda calls, rounds: {n: [1.0] for n in calls})
+    out = tmp_path / "report.json"
+    _run_tool("benchmark_configs.py", "--config=tiny.gin;train.jit = 'none'",
+              "--config=tiny.gin;train.jit = 'step'", "--jit=config", "--image_size=64",
+              "--batch_size=1", "--rounds=1", f"--json_out={out}")
+    rows = json.loads(out.read_text())["configs"]
+    assert [r["jit"] for r in rows.values()] == ["none", "step"]
