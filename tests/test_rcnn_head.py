@@ -102,12 +102,19 @@ def test_random_sample_counts_caps_and_keys():
     np.testing.assert_array_equal(np.flatnonzero(sp[1]), np.sort(want))
 
 
-def test_sample_rois_layout_and_gt_proposals():
-    rng = np.random.default_rng(3)
+def _sampling_case(rng, num_random):
+    """Two gts and a padded slot; proposals: one near each gt, then num_random random boxes
+    -> (gts [1, 3, 4], valid [1, 3], proposals [1, 2 + num_random, 4])."""
     gts = np.array([[[4, 4, 20, 20], [30, 30, 50, 60], [0, 0, 0, 0]]], np.float32)
     valid = np.array([[True, True, False]])
-    props = np.concatenate([gts[0, :2] + rng.normal(0, 1, (2, 4)), _int_boxes(rng, 40) * 2],
-                           0)[None].astype(np.float32)  # [1, 42, 4]
+    props = np.concatenate([gts[0, :2] + rng.normal(0, 1, (2, 4)),
+                            _int_boxes(rng, num_random) * 2], 0)[None].astype(np.float32)
+    return gts, valid, props
+
+
+def test_sample_rois_layout_and_gt_proposals():
+    rng = np.random.default_rng(3)
+    gts, valid, props = _sampling_case(rng, 40)  # 42 proposals
     pvalid = np.ones([1, 42], bool)
     pvalid[0, -1] = False
     labels = np.array([[2, 0, 1]])
@@ -130,10 +137,7 @@ def test_sample_rois_without_gt_proposals():
     """add_gt_as_proposals off: every proposal is a candidate and no gt is; with room for all,
     the positives are exactly the proposals whose IoU with a gt reaches 0.5."""
     rng = np.random.default_rng(4)
-    gts = np.array([[[4, 4, 20, 20], [30, 30, 50, 60], [0, 0, 0, 0]]], np.float32)
-    valid = np.array([[True, True, False]])
-    props = np.concatenate([gts[0, :2] + rng.normal(0, 1, (2, 4)), _int_boxes(rng, 20) * 2],
-                           0)[None].astype(np.float32)  # [1, 22, 4]
+    gts, valid, props = _sampling_case(rng, 20)  # 22 proposals
     pvalid = np.ones([1, 22], bool)
     s = {k: v.numpy() for k, v in rcnn_sampling.sample_rois(
         props, pvalid, gts, np.array([[2, 0, 1]]), valid, C, num=100, pos_fraction=1.0,
