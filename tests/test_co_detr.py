@@ -409,6 +409,28 @@ def test_tiny_co_dino_trains_one_step(models):
             assert np.any(tf.convert_to_tensor(grads[name]).numpy()), name
 
 
+def test_the_atss_branch_centres_its_anchors_at_its_offset(models):
+    """center_offset moves every anchor's centre from (x, y) * stride, the reference's, to
+    (x + offset, y + offset) * stride, its size kept; one row per cell, levels finest first."""
+    branch = models[0].co_atss
+    shapes = [(4, 6), (2, 3)]
+    default, counts = branch.anchors(shapes)
+    moved = type(branch)(branch.head, first_stride=branch.first_stride,
+                         center_offset=0.1).anchors(shapes)[0]
+    assert counts == (24, 6)
+    expected = []
+    for level, (h, w) in enumerate(shapes):
+        stride = branch.first_stride * 2 ** level
+        ys, xs = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        expected.append(np.stack([xs, ys], -1).reshape(-1, 2) * stride)
+    expected = np.concatenate(expected)
+    strides = np.repeat([branch.first_stride, 2 * branch.first_stride], counts)[:, None]
+    for anchors, offset in ((default, 0.0), (moved, 0.1)):
+        np.testing.assert_allclose((anchors[:, :2] + anchors[:, 2:]) / 2,
+                                   expected + offset * strides, atol=1e-5)
+        np.testing.assert_allclose(anchors[:, 2:] - anchors[:, :2], 8.0 * strides * [1, 1])
+
+
 def test_co_dino_is_dino_at_inference_and_off_is_unchanged(models):
     co, co_crit, dino, dino_crit = models
     ours, theirs = _by_name(co.variables), _by_name(dino.variables)

@@ -58,6 +58,8 @@ class CoATSSBranch(tf_keras.layers.Layer):
       groups: the downsample's GroupNorm groups (32).
       zero_padding: pad the query group with zero boxes instead of random negatives (the
         reference's use_zero_padding, off; select_positive_queries).
+      center_offset: the anchors' centres within their cells, a fraction of the stride (the
+        reference's 0: cell (y, x) at (x, y) * stride; `atss.level_anchors`).
 
     Sublayers: `head`, `downsample` ('0' conv, '1' norm) and `query_embed`
     (PositiveQueryEmbed: 'aux_pos_trans', 'aux_pos_trans_norm').
@@ -65,21 +67,22 @@ class CoATSSBranch(tf_keras.layers.Layer):
 
     def __init__(self, head: tf_keras.layers.Layer, d_model: int = 256, first_stride: int = 8,
                  max_queries: int = 300, min_queries: int = 9, topk: int = 9,
-                 groups: int = 32, zero_padding: bool = False, **kwargs):
+                 groups: int = 32, zero_padding: bool = False, center_offset: float = 0.0,
+                 **kwargs):
         kwargs.setdefault("name", "co_atss")
         super().__init__(**kwargs)
         self.head = head
         self.num_classes = head.num_classes
         self.first_stride = first_stride
         self.max_queries, self.min_queries, self.topk = max_queries, min_queries, topk
-        self.zero_padding = zero_padding
+        self.zero_padding, self.center_offset = zero_padding, center_offset
         self.downsample = _Projection(d_model, 3, 2, groups, name="downsample")
         self.query_embed = PositiveQueryEmbed(d_model, name="query_embed")
 
     def anchors(self, shapes: Sequence[Tuple[int, int]]) -> Tuple[np.ndarray, Tuple[int, ...]]:
         """The head's anchors ([A, 4] xyxy canvas pixels, per-level counts) for its levels."""
         strides = [self.first_stride * 2 ** level for level in range(len(shapes))]
-        return atss.level_anchors(shapes, strides)
+        return atss.level_anchors(shapes, strides, center_offset=self.center_offset)
 
     def call(self, maps: List[tf.Tensor], memory: tf.Tensor, decoder: tf_keras.layers.Layer,
              shapes: Sequence[Tuple[int, int]], targets: Optional[Dict[str, tf.Tensor]],
