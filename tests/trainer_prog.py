@@ -51,18 +51,17 @@ from detr_tf.ops import box_ops  # noqa: E402
 from detr_tf.training import trainer  # noqa: E402
 
 
-
 @gin.configurable
 def references_off_the_grid(model_fn=gin.REQUIRED):
     """model_fn's two-stage model with its first reference boxes a little off the grid.
 
     Its selection's box heads (the encoder's and the hybrid queries') start at zero, so at
-    step 1 the selected cells' boxes are their
-    anchors: centred on a cell, so that a deformable sampling point lands exactly on a pixel,
-    bilinear interpolation's kink, whose side XLA's rounding and the graph's pick differently
-    (the gradient of the decoder's sampling offsets then differs by O(1): measured 16% of its
-    largest entry, against 1e-6 with this bias). Its starting bias, uniform in +-1e-3 (logits),
-    moves them by up to 0.004 px of the first level.
+    step 1 the selected cells' boxes are their anchors: centred on a cell, so that a
+    deformable sampling point lands exactly on a pixel, bilinear interpolation's kink, whose
+    side XLA's rounding and the graph's pick differently (the gradient of the decoder's
+    sampling offsets then differs by O(1): measured 16% of its largest entry, against 1e-6
+    with this bias). Their starting biases, uniform in +-1e-3 (logits), move the boxes by up
+    to 0.004 px of the first level.
     """
     model = model_fn()
     heads = [m for m in model.submodules if m.name in ("enc_bbox_head", "hybrid_bbox_head")]
@@ -170,9 +169,9 @@ def targets_off_the_border(features, targets, margin=1.0 / 128):
     side each engine's rounding picks (measured on the co_dino variant's first batch: 18 edges
     of 126 positive R-CNN queries within 1e-6 of their target's, and the R-CNN group's GIoU
     gradient on the first box head's bias 10% apart between XLA and the graph). The margin
-    is one pixel of the 128 px images, so that every coordinate stays a whole pixel: a
-    fraction (0.002 was tried) broke exact ties, such as two anchors' equal IoU with a target,
-    by rounding that differs per engine (the RPN's regression then moved 2 steps apart).
+    is one pixel of the 128 px images, so that every coordinate stays a whole pixel. With the
+    targets moved, the RPN's regression trains differently under jit='step' from step 1 (a
+    fraction of a pixel, 0.002, did the same): docs/MODEL.md, "Co-DETR", for what is known.
     """
     b = targets["boxes"]
     moved = box_ops.box_xyxy_to_cxcywh(
