@@ -71,6 +71,30 @@ def test_max_iou_assign_matches_numpy(cfg):
         np.testing.assert_array_equal(got[b], want)
 
 
+def test_anchors_mirrored_about_a_target_both_stay_its_best_under_rounding():
+    """Two anchors mirrored about a target tie for its best IoU (1/3, a low-quality match for
+    both), also with the target's corners a few ulps off, as a normalized box comes back
+    scaled; eagerly and under XLA. An exact equality test keeps only one of them for 30 of
+    these 32 boxes, eagerly and under XLA alike."""
+    anchors = np.array([[0, 0, 10, 10], [10, 0, 20, 10], [40, 40, 50, 50]], np.float32)
+    gt = np.array([[[5, 0, 15, 10], [0, 0, 0, 0]]], np.float32)
+    valid = np.array([[True, False]])
+    exact = rcnn_sampling.max_iou_assign(anchors, gt, valid, 0.7, 0.3, 0.3, True).numpy()
+    np.testing.assert_array_equal(exact, [[0, 0, -1]])
+    compiled = tf.function(
+        lambda g: rcnn_sampling.max_iou_assign(anchors, g, valid, 0.7, 0.3, 0.3, True),
+        jit_compile=True)
+    rng = np.random.default_rng(0)
+    for _ in range(32):
+        off = gt.copy()
+        for i, n in enumerate(rng.integers(-8, 9, size=4)):
+            for _ in range(abs(int(n))):
+                off[0, 0, i] = np.nextafter(off[0, 0, i], np.float32(np.sign(n) * np.inf))
+        got = rcnn_sampling.max_iou_assign(anchors, off, valid, 0.7, 0.3, 0.3, True).numpy()
+        np.testing.assert_array_equal(got, exact, err_msg=str(off[0, 0]))
+        np.testing.assert_array_equal(compiled(tf.constant(off)).numpy(), exact)
+
+
 def test_rpn_assigner_positives_are_threshold_or_best_anchor():
     anchors, _ = rcnn_head.rpn_anchors(SHAPES)
     gts = np.array([[[3, 5, 40, 30], [20, 20, 28, 27], [0, 0, 1e9, 1e9]]], np.float32)

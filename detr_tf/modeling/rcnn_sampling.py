@@ -21,7 +21,11 @@ eager; they follow the reference's distribution, not torch's draws.
 
 Left out: ignore_iof_thr (off), gt_max_assign_all=False (only the default True, which Co-DETR
 keeps), neg_pos_ub (off), the assigner's gpu_assign_thr (a device choice). Ties in a box's best
-IoU go to the first gt (torch leaves the order of max unspecified on GPU).
+IoU go to the first gt (torch leaves the order of max unspecified on GPU). IoUs are compared for
+ties after rounding to 14 mantissa bits (`box_ops.tie_key`): two anchors mirrored about a
+target tie exactly in its geometry but a rounding apart in float32, differently under XLA and
+the graph, so an exact test can make one anchor positive under one and both under the other.
+IoUs closer than 6e-5 relative tie too, where mmdet's float32 keeps them apart.
 """
 from typing import Dict, Optional, Tuple
 
@@ -47,7 +51,7 @@ def max_iou_assign(boxes: tf.Tensor, gt_boxes: tf.Tensor, gt_valid: tf.Tensor,
 
     A box whose best IoU reaches pos_iou_thr takes that gt (the first on ties); below
     neg_iou_thr it is background; in between, ignored. With match_low_quality, every box tied
-    at a gt's best IoU takes that gt when that IoU >= min_pos_iou (the last such gt wins, as
+    (module doc: rounded) at a gt's best IoU takes that gt when that IoU >= min_pos_iou (the last such gt wins, as
     mmdet's loop overwrites). Without valid gts every box is background.
 
     Args:
@@ -67,14 +71,16 @@ def max_iou_assign(boxes: tf.Tensor, gt_boxes: tf.Tensor, gt_valid: tf.Tensor,
     if box_valid is not None:
         ok &= tf.cast(box_valid, tf.bool)[:, None, :]
     iou = tf.where(ok, iou, -1.0)  # padding loses every max, NaN hidden
+    key = box_ops.tie_key(iou)  # ties compared rounded (module doc)
     # No valid gt: 0, mmdet's all-background case.
     max_iou = tf.maximum(tf.reduce_max(iou, axis=1), 0.0)  # [B, N]
-    argmax = _first(iou == max_iou[:, None], axis=1)  # [B, N]
+    argmax = _first(key == tf.reduce_max(key, axis=1, keepdims=True), axis=1)  # [B, N]
     assigned = tf.where(max_iou >= pos_iou_thr, argmax,
                         tf.where(max_iou < neg_iou_thr, -1, IGNORED))
     if match_low_quality:
         gt_max = tf.reduce_max(iou, axis=2, keepdims=True)  # [B, T, 1]
-        low = ok & (gt_max >= min_pos_iou) & (iou == gt_max)  # [B, T, N]
+        tied = key == tf.reduce_max(key, axis=2, keepdims=True)
+        low = ok & (gt_max >= min_pos_iou) & tied  # [B, T, N]
         order = tf.range(tf.shape(iou)[1])[None, :, None]  # [1, T, 1]
         last = tf.reduce_max(tf.where(low, order, -1), axis=1)  # [B, N]
         assigned = tf.where(last >= 0, last, assigned)

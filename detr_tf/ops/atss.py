@@ -22,8 +22,6 @@ from detr_tf.ops import box_ops
 
 # mmdet's margin for "the anchor center lies inside the target" (in pixels).
 INSIDE_EPS = 0.01
-# The mantissa bits the candidates' distances keep (`_tie_key`).
-TIE_BITS = 14
 
 
 def level_anchors(shapes: Sequence[Tuple[int, int]], strides: Sequence[int],
@@ -65,19 +63,6 @@ def level_anchors(shapes: Sequence[Tuple[int, int]], strides: Sequence[int],
 def _centers(boxes: tf.Tensor) -> tf.Tensor:
     """[..., 4] xyxy -> [..., 2] center x, y (mmdet's (x0 + x1) / 2)."""
     return (boxes[..., :2] + boxes[..., 2:]) / 2.0
-
-
-def _tie_key(d2: tf.Tensor) -> tf.Tensor:
-    """Squared distances [...] float32 >= 0, rounded to the nearest value with TIE_BITS
-    explicit mantissa bits: a tie of the true geometry (a target centered midway between anchor
-    centers, as integer pixel boxes often are) stays a tie when the box has come back from
-    normalized coordinates a rounding off (about 1e-7 relative), and so goes to the lower anchor
-    index under every compiler; otherwise that rounding, which XLA's fused multiply-adds and
-    the graph's separate ops make differently, decides it. Distinct distances closer than
-    2 ** -TIE_BITS relative (6e-5) may tie too, where mmdet's float32 keeps their order."""
-    drop = 23 - TIE_BITS
-    bits = tf.bitcast(d2, tf.int32) + (1 << (drop - 1))
-    return tf.bitcast(tf.bitwise.bitwise_and(bits, -(1 << drop)), tf.float32)
 
 
 def _candidates(dist: tf.Tensor, level_counts: Sequence[int], topk: int) -> tf.Tensor:
@@ -136,9 +121,10 @@ def atss_assign(anchors: np.ndarray, level_counts: Sequence[int], gt_boxes: tf.T
     iou = box_ops.box_iou(gt_boxes, anchors[None])  # [B, T, A]
     acx, acy = tf.unstack(_centers(anchors), 2, axis=-1)  # each [A]
     gcx, gcy = tf.unstack(_centers(gt_boxes)[:, :, None], 2, axis=-1)  # each [B, T, 1]
-    # Ranked by the squared distance (the distance's order), rounded (`_tie_key`).
-    cand = _candidates(_tie_key(tf.square(acx - gcx) + tf.square(acy - gcy)), level_counts,
-                       topk)
+    # Ranked by the squared distance (the distance's order), rounded (`box_ops.tie_key`): a
+    # target centred midway between anchors, as integer pixel boxes often are, keeps its tie.
+    d2 = tf.square(acx - gcx) + tf.square(acy - gcy)
+    cand = _candidates(box_ops.tie_key(d2), level_counts, topk)
     cand_f = tf.cast(cand, tf.float32)
 
     mean = tf.reduce_sum(cand_f * iou, -1, keepdims=True) / num  # [B, T, 1]

@@ -13,6 +13,25 @@ from typing import Dict
 
 import tensorflow as tf
 
+# The mantissa bits `tie_key` keeps: relative steps of 2 ** -14, about 6e-5.
+TIE_BITS = 14
+
+
+def tie_key(x: tf.Tensor, bits: int = TIE_BITS) -> tf.Tensor:
+    """float32 `x` rounded to the nearest value with `bits` explicit mantissa bits (the sign
+    kept), for comparisons that must tie where the true geometry ties.
+
+    A tie of exact geometry (a target centred midway between two anchors, or two anchors
+    mirrored about a target) arrives a rounding off (about 1e-7 relative) once boxes have been
+    normalized and scaled back, and XLA's fused multiply-adds and the graph's separate ops
+    round it differently, so an exact comparison would break the tie one way under one engine
+    and the other way under the other. Distinct values closer than 2 ** -bits relative may
+    tie too.
+    """
+    drop = 23 - bits
+    rounded = tf.bitcast(x, tf.int32) + (1 << (drop - 1))
+    return tf.bitcast(tf.bitwise.bitwise_and(rounded, -(1 << drop)), tf.float32)
+
 
 def box_cxcywh_to_xyxy(boxes: tf.Tensor) -> tf.Tensor:
     """[..., 4] cx, cy, w, h -> [..., 4] x0, y0, x1, y1."""
