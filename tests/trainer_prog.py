@@ -169,9 +169,9 @@ def targets_off_the_border(features, targets, margin=1.0 / 128):
     side each engine's rounding picks (measured on the co_dino variant's first batch: 18 edges
     of 126 positive R-CNN queries within 1e-6 of their target's, and the R-CNN group's GIoU
     gradient on the first box head's bias 10% apart between XLA and the graph). The margin
-    is one pixel of the 128 px images, so that every coordinate stays a whole pixel. With the
-    targets moved, the RPN's regression trains differently under jit='step' from step 1 (a
-    fraction of a pixel, 0.002, did the same): docs/MODEL.md, "Co-DETR", for what is known.
+    is one pixel of the 128 px images, so that every coordinate stays a whole pixel. (Moved,
+    some targets have two anchors mirrored about them, tied for their best IoU: the RPN's
+    assigner compares its IoUs rounded for that, `box_ops.tie_key`.)
     """
     b = targets["boxes"]
     moved = box_ops.box_xyxy_to_cxcywh(
