@@ -51,8 +51,9 @@ def max_iou_assign(boxes: tf.Tensor, gt_boxes: tf.Tensor, gt_valid: tf.Tensor,
 
     A box whose best IoU reaches pos_iou_thr takes that gt (the first on ties); below
     neg_iou_thr it is background; in between, ignored. With match_low_quality, every box tied
-    (module doc: rounded) at a gt's best IoU takes that gt when that IoU >= min_pos_iou (the last such gt wins, as
-    mmdet's loop overwrites). Without valid gts every box is background.
+    (compared rounded: module doc) at a gt's best IoU takes that gt when that IoU >=
+    min_pos_iou (the last such gt wins, as mmdet's loop overwrites). Without valid gts every
+    box is background.
 
     Args:
       boxes: [N, 4] or [B, N, 4] xyxy pixels (anchors or proposals).
