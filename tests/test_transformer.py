@@ -3,7 +3,7 @@ import numpy as np
 import tensorflow as tf
 
 from detr_tf.modeling.layers import inverse_sigmoid
-from detr_tf.modeling.transformer import AnchorTransformer, Transformer
+from detr_tf.modeling.transformer import AnchorTransformer, MultiHeadAttention, Transformer
 
 D, HEADS, FFN, Q = 16, 4, 24, 5
 
@@ -119,6 +119,33 @@ def test_padded_positions_do_not_influence_the_decoder():
     pos2[~mask] = -7.0
     hs2, _ = tr(tf.constant(src2, tf.float32), pos_embed=tf.constant(pos2, tf.float32), **args)
     np.testing.assert_allclose(hs.numpy(), hs2.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_key_bias_changes_no_output_and_gets_no_gradient():
+    """It adds q . b_k to all of a query's logits alike, which the softmax ignores. So its
+    gradient is rounding noise, which Adam's normalized step can turn into moves of up to the
+    rate: what the engines checks' tolerance allows for (tests/test_trainer.py)."""
+    rng = np.random.default_rng(3)
+    mha = MultiHeadAttention(D, HEADS)
+    q, kv = (tf.constant(rng.normal(size=(2, n, D)), tf.float32) for n in (5, 7))
+    key_mask = tf.constant(rng.random((2, 7)) < 0.7)
+    attn_mask = tf.constant(rng.random((2, 5, 7)) < 0.8)
+    bias = tf.constant(rng.normal(size=(2, HEADS, 5, 7)), tf.float32)
+
+    def attend():
+        return mha(q, kv, kv, key_mask=key_mask, attn_mask=attn_mask, attn_bias=bias)
+
+    with tf.GradientTape() as tape:
+        out = attend()
+        loss = tf.reduce_sum(out * tf.constant(rng.normal(size=out.shape), tf.float32))
+    grads = dict(zip(["q", "k", "v", "out"], tape.gradient(
+        loss, [m.bias for m in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj)])))
+    assert np.abs(grads["k"].numpy()).max() < 1e-6 * np.abs(grads["q"].numpy()).max()
+    mha.k_proj.bias.assign(rng.normal(size=D) * 3)
+    np.testing.assert_allclose(attend().numpy(), out.numpy(), rtol=1e-5, atol=1e-5)
+    # Not so for the query's bias, whose own key-dependent term moves the logits.
+    mha.q_proj.bias.assign(rng.normal(size=D) * 3)
+    assert np.abs(attend().numpy() - out.numpy()).max() > 1e-2
 
 
 def test_dropout_is_active_only_in_training():
