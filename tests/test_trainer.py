@@ -234,7 +234,7 @@ def _variant_env(request):
 # model, each compiling it anew; 5.5 min for RT-DETR on a shared 2-core CPU; two processes for
 # the multi-process engines), so `pytest -m slow -k rtdetr tests/test_trainer.py` (`-k dfine`:
 # D-FINE's only; `-k dino_family`: DINO's with the family's options; `-k co_dino`: Co-DINO's,
-# whose losses agree but whose engine weight checks still fail: docs/MODEL.md, "Co-DETR").
+# docs/MODEL.md, "Co-DETR").
 @pytest.mark.slow
 def test_rtdetr_mirrored_two_replicas_equals_one_device(rtdetr_runs):
     # Its batch norms train on batch statistics: equal only if the replicas share them.

@@ -131,7 +131,14 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 "Shared2FCBBoxHead.fc_out_channels = 64", *OFF_THE_GRID,
                 # The ATSS anchors are the positive queries' references: centred on cells, a
                 # coarser level samples them on its pixels (the kink above), so off the grid.
-                "CoATSSBranch.center_offset = 0.1"], "matcher"),
+                "CoATSSBranch.center_offset = 0.1",
+                # Adam's first step, lr g / (|g| + eps), amplifies a gradient's rounding noise
+                # by lr / eps where |g| ~ eps: one entry of the ATSS head's convolution, at
+                # g = 5e-9, took 4.96e-9 under the graph and 4.67e-9 under XLA, a move 1.3% of
+                # a step apart (3.5e-7 of its kernel's largest gradient, float32 rounding). At
+                # 1e-6 that noise moves it by 0.03% of a step; a gradient of 1e-4 still steps
+                # by 99% of the rate.
+                "build_optimizers.epsilon = 1e-6"], "matcher"),
             "dfine": ("dfine_tiny.gin", NO_DN_NOISE),
             "dfine_deim": ("dfine_tiny.gin", NO_DN_NOISE + [
                 "import detr_tf.losses.mal", "import detr_tf.training.optimization",
@@ -144,9 +151,10 @@ VARIANTS = {"": ("tiny.gin", []), "tf_keras": ("tiny.gin", ["build_optimizers.fu
                 "FlatCosineSchedule.warmup_steps = 200",
                 "FlatCosineSchedule.final_factor = 0.5"])}
 VARIANT = os.environ.get("TRAINER_PROG_VARIANT", "")
-# The variants whose targets keep off the image's border (`targets_off_the_border`): Co-DINO's
-# R-CNN queries start on clipped proposals.
-OFF_THE_BORDER = ("co_dino",)
+# The variants whose R-CNN queries start on proposals clipped to the image: their targets keep
+# off the image's border (`targets_off_the_border`), and their images' edges off the levels'
+# pixel centres (`edges_off_the_grid`).
+CLIPPED_PROPOSALS = ("co_dino",)
 # A variant's optional third entry: the jit of its runs but jit='step' ones ('loss' if none;
 # Co-DINO's loss all-reduces, so no replica may compile it).
 GIN_FILE, GIN_PARAMS, *PAIR_JIT = VARIANTS[VARIANT]
@@ -179,6 +187,31 @@ def targets_off_the_border(features, targets, margin=1.0 / 128):
     return features, dict(targets, boxes=tf.where(targets["mask"][..., None], moved, b))
 
 
+def edges_off_the_grid(features, targets, strides=(8, 16, 32, 64)):
+    """The images one pixel shorter (narrower) where their height (width) is a pixel centre of a
+    level: e px with e / stride - 1/2 whole.
+
+    The RPN clips its proposals to the image, and an R-CNN query's box sampling point starts
+    on the box's edge (the first decoder layer's offsets are the grid's), so that bilinear
+    interpolation's kink lies exactly on such an edge, whose side each engine's rounding picks
+    (measured: a 112 px tall image, the level of stride 32 sampled at pixel row 3; one entry of
+    the decoder's sampling-offset gradient 7% apart between one device and two replicas).
+    The row (column) cut is masked out and zeroed, as padding is.
+    """
+    mask = features["pixel_mask"]
+
+    def trimmed(extent):  # [B] int32: the extent, less one pixel where it is on a centre
+        on_centre = tf.reduce_any([extent % s == s // 2 for s in strides], axis=0)
+        return extent - tf.cast(on_centre, tf.int32)
+
+    rows = trimmed(tf.reduce_sum(tf.cast(tf.reduce_any(mask, 2), tf.int32), 1))
+    cols = trimmed(tf.reduce_sum(tf.cast(tf.reduce_any(mask, 1), tf.int32), 1))
+    keep = ((tf.range(tf.shape(mask)[1])[None, :, None] < rows[:, None, None])
+            & (tf.range(tf.shape(mask)[2])[None, None, :] < cols[:, None, None]) & mask)
+    images = tf.where(keep[..., None], features["images"], tf.zeros_like(features["images"]))
+    return dict(features, images=images, pixel_mask=keep), targets
+
+
 def same_global_batches(is_training, global_batch_size, input_context=None, num_shards=None,
                         shard_index=None, deterministic=False, seed=0, start_batch=0):
     del is_training, deterministic, seed, start_batch
@@ -195,8 +228,8 @@ def same_global_batches(is_training, global_batch_size, input_context=None, num_
     per = global_batch_size // replicas
     ds = pipeline.build_dataset(is_training=False, global_batch_size=global_batch_size,
                                 deterministic=True, seed=0).take(STEPS)
-    if VARIANT in OFF_THE_BORDER:
-        ds = ds.map(targets_off_the_border)
+    if VARIANT in CLIPPED_PROPOSALS:
+        ds = ds.map(targets_off_the_border).map(edges_off_the_grid)
     ds = ds.cache().repeat()
 
     def slices(features, targets):
