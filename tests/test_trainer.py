@@ -53,6 +53,16 @@ def engine_runs(shapes_cache, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference_run(shapes_cache, tmp_path_factory):
+    """One device, 12 steps, a checkpoint per step: only the (slow) preemption tests use it, so
+    the default suite never trains it."""
+    out = tmp_path_factory.mktemp("reference")
+    proc, log = run([sys.executable, str(PROG), "reference", str(out), shapes_cache])
+    assert proc.returncode == 0, log[-4000:]
+    return out / "reference"
+
+
 def _engines_pair(shapes_cache, tmp_path_factory, variant, mode="engines_pair"):
     """One-device and mirrored runs of trainer_prog.py's TRAINER_PROG_VARIANT `variant` (mode
     'engines_jit': and a jit='step' one)."""
@@ -318,23 +328,23 @@ def test_horovod_two_processes_equals_one_device(engine_runs, shapes_cache):
 # stays in the default suite.
 @pytest.mark.slow
 @pytest.mark.horovod
-def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(engine_runs, shapes_cache,
+def test_horovod_preempted_on_one_rank_stops_all_and_resumes_exactly(reference_run, shapes_cache,
                                                                      tmp_path):
     def launch(num_steps):
         return launch_two("horovod", [str(PROG), "preempt", str(tmp_path), shapes_cache,
                                       str(num_steps)])
 
-    _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
+    _preempt_then_resume(launch, tmp_path, reference_run)
 
 
 @pytest.mark.slow
 def test_multi_worker_preempted_on_one_worker_stops_all_and_resumes_exactly(
-        engine_runs, shapes_cache, tmp_path):
+        reference_run, shapes_cache, tmp_path):
     def launch(num_steps):
         return launch_two("multi_worker", [str(PROG), "preempt", str(tmp_path), shapes_cache,
                                            str(num_steps)])
 
-    _preempt_then_resume(launch, tmp_path, engine_runs / "reference")
+    _preempt_then_resume(launch, tmp_path, reference_run)
 
 
 def _free_ports(n):

@@ -3,6 +3,8 @@
     python tests/trainer_prog.py engines OUT_DIR SHAPES_CACHE_DIR
         (2 logical CPUs: default, mirrored)
     python tests/trainer_prog.py engines_pair OUT_DIR SHAPES_CACHE_DIR   (default, mirrored only)
+    python tests/trainer_prog.py reference OUT_DIR SHAPES_CACHE_DIR   (one device, REF_STEPS
+        steps, a checkpoint per step: what the preemption tests resume towards)
     python tests/trainer_prog.py engines_jit OUT_DIR SHAPES_CACHE_DIR   (jit='step' on one device,
         default, mirrored; OUT_DIR/restored/ckpt: the model tools restore from 'default')
     TRAINER_PROG_VARIANT=group_dn python tests/trainer_prog.py MODE ...  (query groups, denoising;
@@ -34,7 +36,7 @@ MODE, OUT, CACHE = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, GLOBAL_BATCH = 2, 4
 REF_STEPS = 12  # the reference run for resumed multi-process runs: one checkpoint per step
 
-if MODE in ("engines", "engines_pair", "engines_jit"):
+if MODE in ("engines", "engines_pair", "engines_jit", "reference"):
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -265,11 +267,12 @@ if MODE == "engines":
     for name in ("default", "mirrored"):
         print(name, run(os.path.join(OUT, name), name), flush=True)
     # Two micro-batches of 2 accumulated on one device: the same global batches of 4.
-    print("reference", run(os.path.join(OUT, "reference"), "default", num_steps=REF_STEPS,
-                           keep_checkpoints=REF_STEPS), flush=True)
     ACCUM = 2
     print("accumulated", run(os.path.join(OUT, "accumulated"), "default",
                              grad_accum_steps=ACCUM), flush=True)
+elif MODE == "reference":  # what the preempted two-process runs must end with
+    print("reference", run(os.path.join(OUT, "reference"), "default", num_steps=REF_STEPS,
+                           keep_checkpoints=REF_STEPS), flush=True)
 elif MODE == "engines_pair":  # one device and mirrored only
     for name in ("default", "mirrored"):
         print(name, run(os.path.join(OUT, name), name), flush=True)
