@@ -67,11 +67,14 @@ def test_hybrid_set_leaves_the_others_unchanged():
     decoder.num_hybrid_queries = H
     assert "hybrid_outputs" not in without
     # Matching and denoising queries, every layer: equal up to float32 rounding (the masked
-    # attention sums over more keys, all with weight exactly 0, in another order); logits of
-    # magnitude ~5 after three layers drift by a few ulp.
+    # attention sums over more keys, all with weight exactly 0, in another order, and the
+    # thread pools may split the sums differently from call to call); logits of magnitude ~5
+    # after three layers drift by a few ulp, and so do boxes after three refinements through
+    # the inverse sigmoid (once 1.3e-6 at 0.44 under a loaded CPU). A leak of the hybrid
+    # queries into the others' attention moves them by orders of magnitude more.
     assert with_h["pred_logits"].shape == without["pred_logits"].shape == (3, 2, Q + 4, C)
     np.testing.assert_allclose(with_h["pred_boxes"].numpy(), without["pred_boxes"].numpy(),
-                               rtol=0, atol=1e-6)
+                               rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(with_h["pred_logits"].numpy(), without["pred_logits"].numpy(),
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(with_h["enc_outputs"]["pred_logits"].numpy(),
@@ -88,7 +91,8 @@ def test_hybrid_set_leaves_the_others_unchanged():
     decoder.position_relation = relation
     assert hybrid["pred_logits"].shape == (3, 2, H, C)
     np.testing.assert_allclose(hybrid["pred_logits"].numpy(), alone_logits.numpy(), atol=1e-5)
-    np.testing.assert_allclose(hybrid["pred_boxes"].numpy(), alone_boxes.numpy(), atol=1e-6)
+    np.testing.assert_allclose(hybrid["pred_boxes"].numpy(), alone_boxes.numpy(), rtol=1e-5,
+                               atol=1e-6)
     # The two top-Ks differ (their own heads), and inference builds no hybrid queries.
     assert not np.allclose(hybrid["enc_outputs"]["pred_logits"].numpy()[:, :Q],
                            with_h["enc_outputs"]["pred_logits"].numpy())
