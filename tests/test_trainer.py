@@ -45,32 +45,32 @@ def train_cli(model_dir, cache, *params):
                 f"--model_dir={model_dir}"])
 
 
-@pytest.fixture(scope="module")
-def engine_runs(shapes_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engines")
-    proc, log = run([sys.executable, str(PROG), "engines", str(out), shapes_cache])
+def _prog(mode, name, shapes_cache, tmp_path_factory, **kwargs):
+    """Runs trainer_prog.py `mode` into a new directory `name`, which it returns; it must
+    succeed. kwargs go to `run` (timeout, env)."""
+    out = tmp_path_factory.mktemp(name)
+    proc, log = run([sys.executable, str(PROG), mode, str(out), shapes_cache], **kwargs)
     assert proc.returncode == 0, log[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def engine_runs(shapes_cache, tmp_path_factory):
+    return _prog("engines", "engines", shapes_cache, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference_run(shapes_cache, tmp_path_factory):
     """One device, 12 steps, a checkpoint per step: only the (slow) preemption tests use it, so
     the default suite never trains it."""
-    out = tmp_path_factory.mktemp("reference")
-    proc, log = run([sys.executable, str(PROG), "reference", str(out), shapes_cache])
-    assert proc.returncode == 0, log[-4000:]
-    return out / "reference"
+    return _prog("reference", "reference", shapes_cache, tmp_path_factory) / "reference"
 
 
 def _engines_pair(shapes_cache, tmp_path_factory, variant, mode="engines_pair"):
     """One-device and mirrored runs of trainer_prog.py's TRAINER_PROG_VARIANT `variant` (mode
     'engines_jit': and a jit='step' one)."""
-    out = tmp_path_factory.mktemp(f"engines_{variant}")
-    proc, log = run([sys.executable, str(PROG), mode, str(out), shapes_cache], timeout=2400,
-                    env=dict(ENV, TRAINER_PROG_VARIANT=variant))
-    assert proc.returncode == 0, log[-4000:]
-    return out
+    return _prog(mode, f"engines_{variant}", shapes_cache, tmp_path_factory, timeout=2400,
+                 env=dict(ENV, TRAINER_PROG_VARIANT=variant))
 
 
 @pytest.fixture(scope="module")
