@@ -1,11 +1,15 @@
 """Two-stage pieces: cell anchors, encoder proposals, anchor selection, the centre assignment and
 the dense losses, against numpy (float64) computations written from their definitions."""
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from detr_tf.losses import center_assignment, dense
+from detr_tf.losses.focal import dense_focal_losses
 from detr_tf.modeling import proposals
 from detr_tf.modeling.layers import inverse_sigmoid
+
+from test_focal_criterion import ALPHA, GAMMA, np_focal
 
 
 def padded_mask():
@@ -38,23 +42,33 @@ def test_untrained_proposals_are_the_cell_anchors():
                                rtol=1e-5, atol=1e-6)
 
 
-def test_select_anchors_takes_the_best_real_cells():
+def object_score(logits, sigmoid):
+    """float64: a cell's best class probability, softmax without no-object or sigmoid."""
+    if sigmoid:
+        return (1 / (1 + np.exp(-logits))).max(-1)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True))[..., :-1].max(-1)
+
+
+@pytest.mark.parametrize("sigmoid", [False, True])
+def test_select_anchors_takes_the_best_real_cells(sigmoid):
     rng = np.random.default_rng(0)
     mask = padded_mask().reshape(2, -1)
     logits = rng.normal(size=(2, 24, 4)) * 3
     logits[1, ~mask[1], :3] = 50.0  # padded cells scoring highest must still be skipped
+    # Where the two scores disagree: a high no-object logit lowers only the softmax score.
+    logits[0, :6, 3] = 8.0
     boxes = rng.uniform(0.05, 0.95, size=(2, 24, 4))
     anchors, idx = proposals.select_anchors(tf.constant(logits, tf.float32),
                                             tf.constant(boxes, tf.float32), tf.constant(mask),
-                                            k=5)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    score = np.where(mask, p[..., :3].max(-1), -1)
+                                            k=5, sigmoid=sigmoid)
+    score = np.where(mask, object_score(logits, sigmoid), -1)
     for b in range(2):
         want = np.argsort(-score[b], kind="stable")[:5]
         np.testing.assert_array_equal(idx.numpy()[b], want)
         np.testing.assert_allclose(anchors.numpy()[b],
-                                   np.log(boxes[b, want] / (1 - boxes[b, want])), rtol=1e-4)
+                                   np.log(boxes[b, want] / (1 - boxes[b, want])),
+                                   rtol=1e-4, atol=1e-5)
         assert mask[b, idx.numpy()[b]].all()
 
 
@@ -76,7 +90,24 @@ def test_center_assignment_by_hand():
     np.testing.assert_array_equal(got, want)
 
 
-def dense_reference(logits, boxes, mask, labels, tboxes, tmask, num_classes, eos):
+def softmax_cell_loss(num_classes, eos):
+    """A cell's softmax cross-entropy: its label's, or no-object's weighted eos (label None)."""
+    def loss(x, label):
+        z = x - x.max()
+        logp = z - np.log(np.exp(z).sum())
+        return -logp[label] if label is not None else -eos * logp[num_classes]
+    return loss
+
+
+def focal_cell_loss(x, label):
+    """A cell's sigmoid focal loss over its classes: its label's one-hot, or all zeros."""
+    target = np.zeros_like(x)
+    if label is not None:
+        target[label] = 1.0
+    return np_focal(x, target).sum()
+
+
+def dense_reference(logits, boxes, mask, labels, tboxes, tmask, cell_loss):
     """float64 dense losses from the definitions, one cell at a time."""
     b_, h, w = mask.shape
     ce = l1 = giou_loss = 0.0
@@ -91,15 +122,11 @@ def dense_reference(logits, boxes, mask, labels, tboxes, tmask, num_classes, eos
         for s in range(h * w):
             if not mask[b].reshape(-1)[s]:
                 continue
-            z = logits[b, s] - logits[b, s].max()
-            logp = z - np.log(np.exp(z).sum())
-            if s in owner:
-                t = owner[s]
-                ce -= logp[labels[b, t]]
+            t = owner.get(s)
+            ce += cell_loss(logits[b, s], None if t is None else labels[b, t])
+            if t is not None:
                 l1 += np.abs(boxes[b, s] - tboxes[b, t]).sum()
                 giou_loss += 1 - giou_np(boxes[b, s], tboxes[b, t])
-            else:
-                ce -= eos * logp[num_classes]
     return ce / n_box, l1 / n_box, giou_loss / n_box
 
 
@@ -114,29 +141,46 @@ def giou_np(a, b):
     return inter / union - (hull - union) / hull
 
 
-def test_dense_losses_match_float64_reference():
+def dense_case(num_logits):
+    """Proposals on padded_mask's cells and targets that share a cell, one padded; the padded
+    cells' logits are large, so counting them would show."""
     rng = np.random.default_rng(1)
     mask = padded_mask()
-    logits = rng.normal(size=(2, 24, 4))
+    logits = rng.normal(size=(2, 24, num_logits))
+    logits[1, ~mask[1].reshape(-1)] = 6.0
     boxes = np.concatenate([rng.uniform(0.2, 0.8, (2, 24, 2)), rng.uniform(0.05, 0.4, (2, 24, 2))],
                            -1)
     labels = np.array([[0, 2, 1], [1, 0, 0]])
     tboxes = np.array([[[0.3, 0.3, 0.2, 0.2], [0.6, 0.5, 0.3, 0.4], [0.32, 0.3, 0.1, 0.1]],
                        [[0.4, 0.6, 0.3, 0.2], [0.7, 0.1, 0.2, 0.2], [0, 0, 0, 0]]])
     tmask = np.array([[True, True, True], [True, True, False]])
-    got = dense.dense_losses(
-        {"pred_logits": tf.constant(logits, tf.float32),
-         "pred_boxes": tf.constant(boxes, tf.float32), "cell_mask": tf.constant(mask)},
-        {"labels": tf.constant(labels, tf.int32), "boxes": tf.constant(tboxes, tf.float32),
-         "mask": tf.constant(tmask)}, tf.constant(float(tmask.sum())), 3, 0.1)
-    want = dense_reference(logits, boxes, mask, labels, tboxes, tmask, 3, 0.1)
+    enc = {"pred_logits": tf.constant(logits, tf.float32),
+           "pred_boxes": tf.constant(boxes, tf.float32), "cell_mask": tf.constant(mask)}
+    targets = {"labels": tf.constant(labels, tf.int32), "boxes": tf.constant(tboxes, tf.float32),
+               "mask": tf.constant(tmask)}
+    return enc, targets, (logits, boxes, mask, labels, tboxes, tmask)
+
+
+def test_dense_losses_match_float64_reference():
+    enc, targets, case = dense_case(4)
+    got = dense.dense_losses(enc, targets, tf.constant(5.0), 3, 0.1)
+    want = dense_reference(*case, softmax_cell_loss(3, 0.1))
     for key, value in zip(("loss_enc_ce", "loss_enc_bbox", "loss_enc_giou"), want):
         np.testing.assert_allclose(got[key].numpy(), value, rtol=1e-5, err_msg=key)
 
 
-def test_two_stage_decoder_starts_from_the_selected_proposals():
+def test_dense_focal_losses_match_float64_reference():
+    enc, targets, case = dense_case(3)
+    got = dense_focal_losses(enc, targets, tf.constant(5.0), ALPHA, GAMMA)
+    want = dense_reference(*case, focal_cell_loss)
+    for name, g, value in zip(("ce", "bbox", "giou"), got, want):
+        np.testing.assert_allclose(g.numpy(), value, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("sigmoid", [False, True])
+def test_two_stage_decoder_starts_from_the_selected_proposals(sigmoid):
     """With the decoder's box head at its zero init, the first layer's boxes are exactly the
-    top-scoring proposals' boxes, in score order."""
+    top-scoring proposals' boxes, in score order (softmax or sigmoid classes)."""
     from detr_tf.modeling.backbone import BasicBlock, ResNet
     from detr_tf.modeling.detr import build_model
     from detr_tf.modeling.position_encoding import PositionEmbeddingSine
@@ -149,7 +193,7 @@ def test_two_stage_decoder_starts_from_the_selected_proposals():
                                                       num_encoder_layers=1,
                                                       num_decoder_layers=2,
                                                       dim_feedforward=16),
-                        two_stage=True)
+                        two_stage=True, sigmoid_classes=sigmoid)
     images = tf.random.normal([2, 128, 96, 3])
     mask = np.ones((2, 128, 96), bool)
     mask[1, 64:, :] = False
@@ -161,12 +205,51 @@ def test_two_stage_decoder_starts_from_the_selected_proposals():
     enc = out["enc_outputs"]
     cells = enc["cell_mask"].numpy().reshape(2, -1)
     logits = enc["pred_logits"].numpy().astype(np.float64)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    score = np.where(cells, p[..., :3].max(-1), -1)
+    classes = 3 if sigmoid else 4
+    assert logits.shape[-1] == classes and out["pred_logits"].shape[-1] == classes
+    score = np.where(cells, object_score(logits, sigmoid), -1)
     for b in range(2):
         top = np.argsort(-score[b], kind="stable")[:4]
         np.testing.assert_allclose(out["aux_outputs"][0]["pred_boxes"].numpy()[b],
                                    enc["pred_boxes"].numpy()[b, top], rtol=1e-4, atol=1e-6)
     assert model.query_embed is None
     assert np.isfinite(inverse_sigmoid(enc["pred_boxes"]).numpy()).all()
+
+
+def test_sigmoid_classes_start_at_the_prior_and_refuse_groups_and_denoising():
+    from detr_tf.modeling.detr import build_model
+    from detr_tf.modeling.transformer import AnchorTransformer
+    layer = proposals.EncoderProposals(num_classes=3, hidden_dim=8, sigmoid_classes=True)
+    logits, _ = layer(tf.zeros([1, 4, 6, 8]), tf.constant(padded_mask()[:1]))
+    np.testing.assert_allclose(tf.sigmoid(logits).numpy(), 0.01, rtol=1e-5)
+    for extra in ({"num_groups": 2}, {"denoising": True}):
+        with pytest.raises(ValueError, match="sigmoid_classes"):
+            build_model(num_classes=3, hidden_dim=16,
+                        transformer=AnchorTransformer(d_model=16, num_heads=2), two_stage=True,
+                        sigmoid_classes=True, **extra)
+
+
+def test_focal_criterion_trains_detr_proposals_by_their_centre_cells():
+    """FocalSetCriterion on a sigmoid DETR's outputs: the proposals (with 'cell_mask') take the
+    dense focal losses, weighted as a decoder layer, on a cell count unknown when traced."""
+    from detr_tf.losses.focal import FocalSetCriterion
+    enc, targets, case = dense_case(3)
+    rng = np.random.default_rng(3)
+    outputs = {"pred_logits": tf.constant(rng.normal(size=(2, 5, 3)), tf.float32),
+               "pred_boxes": tf.constant(rng.uniform(0.1, 0.6, (2, 5, 4)), tf.float32),
+               "aux_outputs": []}
+    criterion = FocalSetCriterion(num_classes=3, aux_loss=False)
+
+    @tf.function(input_signature=[tf.TensorSpec([2, None, 3]), tf.TensorSpec([2, None, 4])])
+    def losses(logits, boxes):
+        cells = {"pred_logits": logits, "pred_boxes": boxes, "cell_mask": enc["cell_mask"]}
+        return criterion({**outputs, "enc_outputs": cells}, targets)
+
+    got = losses(enc["pred_logits"], enc["pred_boxes"])
+    want = dense_reference(*case, focal_cell_loss)
+    for key, value in zip(("loss_ce_enc", "loss_bbox_enc", "loss_giou_enc"), want):
+        np.testing.assert_allclose(got[key].numpy(), value, rtol=1e-5, err_msg=key)
+    decoder = criterion(outputs, targets)
+    np.testing.assert_allclose(got["loss"].numpy(),
+                               decoder["loss"].numpy() + 2 * want[0] + 5 * want[1] + 2 * want[2],
+                               rtol=1e-5)

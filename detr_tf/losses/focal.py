@@ -11,15 +11,21 @@ Semantics are Deformable DETR's SetCriterion:
 - Two-stage models' 'enc_outputs' (one proposal per encoder cell) are matched like a decoder
   layer, but class-agnostically: every target counts as class 0, the class the proposals are
   ranked by (losses `loss_ce_enc`, `loss_bbox_enc`, `loss_giou_enc`).
+- DETR's two-stage proposals with sigmoid classes (enc_outputs carrying 'cell_mask', one per
+  cell of a feature map whose size follows the canvas) are not matched: as SetCriterion's
+  dense loss, each target is assigned to the cell holding its centre, and that cell's target
+  is the label's one-hot, every other real cell's all zeros (`dense_focal_losses`). The
+  proposals are ranked by their best class, so this is class-aware.
 All decoder layers are matched in one call of the batched matcher (detr_tf/ops/matching.py),
 the encoder proposals in a second one; everything runs in float32.
 """
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
+from detr_tf.losses.dense import center_assignment
 from detr_tf.ops import box_ops
 from detr_tf.ops import matching, matching_cost
 
@@ -62,6 +68,34 @@ def focal_match_cost(pred_logits: tf.Tensor, pred_boxes: tf.Tensor, tgt_labels: 
     giou = box_ops.generalized_box_iou(box_ops.box_cxcywh_to_xyxy(pred_boxes),
                                        box_ops.box_cxcywh_to_xyxy(tgt_boxes))
     return cost_class * class_cost + cost_bbox * l1 - cost_giou * giou
+
+
+def dense_focal_losses(enc: Dict[str, tf.Tensor], targets: Dict[str, tf.Tensor],
+                       n_box: tf.Tensor, alpha: float,
+                       gamma: float) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """DETR's two-stage proposals under the centre-cell assignment, with focal classes.
+
+    Args:
+      enc: 'pred_logits' [B, S, C], 'pred_boxes' [B, S, 4], 'cell_mask' [B, h, w] bool.
+      targets: 'labels' [B, T], 'boxes' [B, T, 4], 'mask' [B, T], padded to T >= 1.
+      n_box: the box-count normalizer.
+
+    Returns:
+      (loss_ce, loss_bbox, loss_giou): the focal loss summed over the real cells and classes,
+      and L1 and 1 - GIoU over the assigned cells, each / n_box. Padded cells add nothing.
+    """
+    logits = tf.cast(enc["pred_logits"], tf.float32)
+    real = tf.cast(tf.reshape(enc["cell_mask"], tf.shape(logits)[:2]), tf.float32)  # [B, S]
+    assigned = center_assignment(enc["cell_mask"], targets["boxes"], targets["mask"])
+    positive = tf.cast(assigned >= 0, tf.float32)  # [B, S]
+    safe = tf.maximum(assigned, 0)
+    onehot = tf.one_hot(tf.gather(targets["labels"], safe, batch_dims=1),
+                        logits.shape[-1]) * positive[..., None]  # [B, S, C]
+    focal = sigmoid_focal_loss(logits, onehot, alpha, gamma) * real[..., None]
+    loss_bbox, loss_giou = box_losses.matched_box_losses(
+        tf.cast(enc["pred_boxes"], tf.float32), tf.gather(targets["boxes"], safe, batch_dims=1),
+        positive, n_box, [0, 1])
+    return tf.reduce_sum(focal) / n_box, loss_bbox, loss_giou
 
 
 def class_error(logits: tf.Tensor, labels: tf.Tensor, idx: tf.Tensor) -> tf.Tensor:
@@ -146,6 +180,17 @@ class FocalSetCriterion:
             boxes, box_losses.gather_matched(tgt_boxes, idx), matched, n_box, [1, 2])
         return loss_ce, loss_bbox, loss_giou, idx
 
+    def _encoder_losses(self, enc, targets, n_box):
+        """(loss_ce, loss_bbox, loss_giou) of the encoder proposals: DETR's dense ones by the
+        centre cell, the others matched class-agnostically."""
+        if "cell_mask" in enc:
+            return dense_focal_losses(enc, targets, n_box, self.alpha, self.gamma)
+        ce, bbox, giou, _ = self._losses(
+            tf.cast(enc["pred_logits"], tf.float32)[None],
+            tf.cast(enc["pred_boxes"], tf.float32)[None],
+            tf.zeros_like(targets["labels"]), targets["boxes"], targets["mask"], n_box)
+        return ce[0], bbox[0], giou[0]
+
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
                  ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
@@ -177,13 +222,8 @@ class FocalSetCriterion:
         out = box_losses.per_layer({"loss_ce": ce, "loss_bbox": bbox, "loss_giou": giou})
         out["loss"] = tf.reduce_sum(w_ce * ce + w_bbox * bbox + w_giou * giou)
         if "enc_outputs" in outputs:
-            enc = outputs["enc_outputs"]
-            ce, bbox, giou, _ = self._losses(
-                tf.cast(enc["pred_logits"], tf.float32)[None],
-                tf.cast(enc["pred_boxes"], tf.float32)[None],
-                tf.zeros_like(labels), tgt_boxes, mask, n_box)
-            out.update({"loss_ce_enc": ce[0], "loss_bbox_enc": bbox[0],
-                        "loss_giou_enc": giou[0]})
-            out["loss"] += w_ce * ce[0] + w_bbox * bbox[0] + w_giou * giou[0]
+            ce, bbox, giou = self._encoder_losses(outputs["enc_outputs"], targets, n_box)
+            out.update({"loss_ce_enc": ce, "loss_bbox_enc": bbox, "loss_giou_enc": giou})
+            out["loss"] += w_ce * ce + w_bbox * bbox + w_giou * giou
         out["class_error"] = class_error(logits[-1], labels, idx[-1])
         return out

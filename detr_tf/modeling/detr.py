@@ -11,7 +11,7 @@ from detr_tf.modeling import query_groups
 from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.detector import Detector
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.layers import MLP
+from detr_tf.modeling.layers import MLP, prior_class_head
 from detr_tf.modeling.transformer import Transformer
 
 
@@ -22,7 +22,8 @@ class DETR(Detector):
       images: [B, H, W, 3] float, ImageNet-normalized, zero-padded at the bottom/right.
       pixel_mask: [B, H, W] bool, True on real pixels (always given, never inferred).
     Returns, all float32 whatever the precision policy:
-      'pred_logits': [B, Q, num_classes + 1], the last index is no-object.
+      'pred_logits': [B, Q, num_classes + 1], the last index is no-object; with
+        sigmoid_classes [B, Q, num_classes], one sigmoid logit per class and no no-object.
       'pred_boxes': [B, Q, 4] normalized cx, cy, w, h in (0, 1).
       'aux_outputs': list of L-1 dicts with the same two keys, decoder layers 0 .. L-2
         (empty when aux_loss is False).
@@ -44,6 +45,11 @@ class DETR(Detector):
         'pred_boxes' [L, B, N_dn, 4] (every decoder layer) with what they must reconstruct
         ('labels', 'boxes', 'positive', 'valid', see DenoisingQueries) and 'num_groups'.
 
+    sigmoid_classes: the class heads (decoder and proposals) give per-class sigmoid logits,
+    initialised to probability 0.01 (Deformable DETR's and DAB-DETR's classification; train
+    with FocalSetCriterion, evaluate with sigmoid_topk_postprocess), and the two-stage anchors
+    are the cells with the best sigmoid score.
+
     `model.backbone.trainable_variables` are the variables that take the backbone learning rate.
     """
 
@@ -51,7 +57,8 @@ class DETR(Detector):
                  position_embedding: tf_keras.layers.Layer, transformer: Transformer,
                  num_classes: int, num_queries: int = 100, aux_loss: bool = True,
                  proposals: Optional[tf_keras.layers.Layer] = None, num_groups: int = 1,
-                 denoising: Optional[DenoisingQueries] = None, **kwargs):
+                 denoising: Optional[DenoisingQueries] = None, sigmoid_classes: bool = False,
+                 **kwargs):
         kwargs.setdefault("name", "detr")
         super().__init__(backbone, position_embedding, transformer, num_classes, num_queries,
                          aux_loss, **kwargs)
@@ -65,7 +72,9 @@ class DETR(Detector):
             num_queries, transformer.query_dim,
             embeddings_initializer=transformer.query_initializer, dtype="float32",
             name="query_embed")
-        self.class_embed = tf_keras.layers.Dense(num_classes + 1, name="class_embed")
+        self.sigmoid_classes = sigmoid_classes
+        self.class_embed = (prior_class_head(num_classes, "class_embed") if sigmoid_classes
+                            else tf_keras.layers.Dense(num_classes + 1, name="class_embed"))
         # A transformer that refines anchor boxes owns the box head (it needs it per layer).
         self.bbox_embed = None if transformer.predicts_boxes else MLP(d, 4, 3, name="bbox_embed")
         if num_groups < 1:
@@ -164,7 +173,7 @@ class DETR(Detector):
             extra["enc_outputs"] = proposals_lib.proposals_dict(enc_logits, enc_boxes, mask)
             anchors, _ = proposals_lib.select_anchors(
                 extra["enc_outputs"]["pred_logits"], extra["enc_outputs"]["pred_boxes"],
-                key_mask, self.num_queries)  # [B, Q, 4]
+                key_mask, self.num_queries, self.sigmoid_classes)  # [B, Q, 4]
             if plain:
                 return self.transformer.decode(memory, pos_flat, key_mask, anchors,
                                                training=training)
@@ -196,7 +205,8 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
                 backbone: Optional[tf_keras.layers.Layer] = None,
                 position_embedding: Optional[tf_keras.layers.Layer] = None,
                 transformer: Optional[Transformer] = None, aux_loss: bool = True,
-                two_stage: bool = False, num_groups: int = 1, denoising: bool = False) -> DETR:
+                two_stage: bool = False, num_groups: int = 1, denoising: bool = False,
+                sigmoid_classes: bool = False) -> DETR:
     """Builds DETR; components left as None get DETR-R50 defaults for `hidden_dim`.
 
     In Gin, components are bound by reference, e.g. `build_model.backbone = @ResNet()`.
@@ -205,7 +215,7 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
 
     Args:
       num_classes: number of object classes (91 for COCO's id space); the class head has
-        num_classes + 1 outputs, no-object last.
+        num_classes + 1 outputs, no-object last (num_classes with sigmoid_classes).
       num_queries: number of object queries.
       hidden_dim: transformer width, used for the default components and checked.
       backbone: a layer `(images, pixel_mask) -> (features, mask)`, e.g. ResNet.
@@ -218,6 +228,9 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
         SetCriterion.num_groups to the same value. Inference runs group 0 only.
       denoising: DN-DETR's denoising queries in training (DenoisingQueries, whose noise and
         group count are its own Gin options); needs an AnchorTransformer.
+      sigmoid_classes: per-class sigmoid logits with no no-object class, for the focal loss
+        (FocalSetCriterion; evaluation by sigmoid_topk_postprocess). Not with query groups
+        or denoising queries, which SetCriterion's softmax losses train.
 
     Returns:
       An unbuilt DETR (variables are created by the first call).
@@ -240,9 +253,14 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
         # The anchors' embedding must speak the keys' language for attention to localize.
         raise ValueError(f"build_model: AnchorTransformer.temperature={anchor_t} differs from "
                          f"PositionEmbeddingSine.temperature={pos_t}; set them equal")
-    proposals = (proposals_lib.EncoderProposals(num_classes, hidden_dim) if two_stage
+    if sigmoid_classes and (num_groups > 1 or denoising):
+        raise ValueError(f"build_model: sigmoid_classes=True trains with FocalSetCriterion, "
+                         f"which has no query groups or denoising queries (num_groups="
+                         f"{num_groups}, denoising={denoising}); use softmax classes for those")
+    proposals = (proposals_lib.EncoderProposals(num_classes, hidden_dim,
+                                                sigmoid_classes=sigmoid_classes) if two_stage
                  else None)
     denoiser = DenoisingQueries(num_classes, hidden_dim) if denoising else None
     return DETR(backbone, position_embedding, transformer, num_classes=num_classes,
                 num_queries=num_queries, aux_loss=aux_loss, proposals=proposals,
-                num_groups=num_groups, denoising=denoiser)
+                num_groups=num_groups, denoising=denoiser, sigmoid_classes=sigmoid_classes)

@@ -13,7 +13,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.layers import MLP, inverse_sigmoid
+from detr_tf.modeling.layers import MLP, inverse_sigmoid, prior_class_head
 from detr_tf.ops import box_ops
 
 
@@ -53,21 +53,25 @@ class EncoderProposals(tf_keras.layers.Layer):
       num_classes: object classes C (logits have C + 1, no-object last).
       hidden_dim: memory width d.
       cell_size: the anchor side in cells (2: a cell anchor spans two cells each way).
+      sigmoid_classes: C per-class sigmoid logits instead (no no-object), their bias at
+        probability 0.01.
     """
 
-    def __init__(self, num_classes: int, hidden_dim: int, cell_size: float = 2.0, **kwargs):
+    def __init__(self, num_classes: int, hidden_dim: int, cell_size: float = 2.0,
+                 sigmoid_classes: bool = False, **kwargs):
         kwargs.setdefault("name", "enc_proposals")
         super().__init__(**kwargs)
         self.num_classes = num_classes
         self.cell_size = cell_size
         self.proj = tf_keras.layers.Dense(hidden_dim, name="output_proj")
         self.norm = tf_keras.layers.LayerNormalization(epsilon=1e-5, name="output_norm")
-        self.class_embed = tf_keras.layers.Dense(num_classes + 1, name="class_embed")
+        self.class_embed = (prior_class_head(num_classes, "class_embed") if sigmoid_classes
+                            else tf_keras.layers.Dense(num_classes + 1, name="class_embed"))
         self.bbox_embed = MLP(hidden_dim, 4, 3, last_initializer="zeros", name="bbox_embed")
 
     def call(self, memory: tf.Tensor, mask: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        """memory [B, h, w, d], mask [B, h, w] bool -> (logits [B, h, w, C+1],
-        boxes [B, h, w, 4] normalized cxcywh), both float32."""
+        """memory [B, h, w, d], mask [B, h, w] bool -> (logits [B, h, w, C+1] (C with
+        sigmoid_classes), boxes [B, h, w, 4] normalized cxcywh), both float32."""
         x = self.norm(self.proj(memory))
         logits = tf.cast(self.class_embed(x), tf.float32)
         delta = tf.cast(self.bbox_embed(x), tf.float32)
@@ -76,15 +80,16 @@ class EncoderProposals(tf_keras.layers.Layer):
 
 
 def select_anchors(logits: tf.Tensor, boxes: tf.Tensor, mask: tf.Tensor,
-                   k: int) -> Tuple[tf.Tensor, tf.Tensor]:
+                   k: int, sigmoid: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
     """The k real cells with the highest object score, and their boxes as anchor logits.
 
-    The score is the largest class probability excluding no-object. Padded cells are never
+    The score is the largest class probability excluding no-object (softmax), or the largest
+    per-class sigmoid when `sigmoid` (the logits have no no-object). Padded cells are never
     chosen unless an image has fewer than k real cells. No gradient flows into the selection or
     the anchors (DINO and Deformable DETR detach them too).
 
     Args:
-      logits: [B, S, C+1]; boxes: [B, S, 4]; mask: [B, S] bool.
+      logits: [B, S, C+1] ([B, S, C] when sigmoid); boxes: [B, S, 4]; mask: [B, S] bool.
       k: number of anchors (<= S).
 
     Returns:
@@ -94,7 +99,10 @@ def select_anchors(logits: tf.Tensor, boxes: tf.Tensor, mask: tf.Tensor,
         raise ValueError(f"two-stage anchor selection: the feature map has {logits.shape[1]} "
                          f"cells but num_queries={k} queries need one cell each; use fewer "
                          "queries or larger images (canvases)")
-    probs = tf.nn.softmax(tf.stop_gradient(logits), axis=-1)[..., :-1]
+    if sigmoid:
+        probs = tf.sigmoid(tf.stop_gradient(logits))
+    else:
+        probs = tf.nn.softmax(tf.stop_gradient(logits), axis=-1)[..., :-1]
     score = tf.where(mask, tf.reduce_max(probs, axis=-1), -1.0)  # [B, S]
     _, idx = tf.math.top_k(score, k=k, sorted=True)
     chosen = tf.gather(tf.stop_gradient(boxes), idx, batch_dims=1)  # [B, k, 4]
