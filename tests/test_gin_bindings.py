@@ -29,7 +29,7 @@ from test_import_configs import EXPERIMENTS, MODEL_SHAPE
 WITHOUT_DATA = {name: [*params, "build_optimizers.lr_drop_epochs = (40,)"]
                 for name, params in MODEL_SHAPE.items()}
 SMALL = {"tiny.gin", "deformable_tiny.gin", "rtdetr_tiny.gin", "dfine_tiny.gin",
-         "quickstart.gin", "quickstart_focal.gin", "deformable_quickstart.gin", "custom_cpu.gin"}
+         "quickstart.gin", "deformable_quickstart.gin", "custom_cpu.gin"}
 
 
 class _PerCallRecord(dict):

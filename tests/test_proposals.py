@@ -253,3 +253,26 @@ def test_focal_criterion_trains_detr_proposals_by_their_centre_cells():
     np.testing.assert_allclose(got["loss"].numpy(),
                                decoder["loss"].numpy() + 2 * want[0] + 5 * want[1] + 2 * want[2],
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_queries, layers, want", [(12, (1, 1, 1), 64), (20, (1, 1, 1), 128),
+                                                      (20, (1, 1, 1, 1), 192)])
+def test_two_stage_detr_builds_on_a_canvas_with_a_cell_per_query(num_queries, layers, want):
+    """build_size: the smallest multiple-of-64 square whose feature map has num_queries cells
+    (stride 16: 64 px gives 16 cells, 128 px 64; stride 32: 128 px gives 16, 192 px 36)."""
+    from detr_tf.modeling.backbone import BasicBlock, ResNet
+    from detr_tf.modeling.detr import build_model
+    from detr_tf.modeling.position_encoding import PositionEmbeddingSine
+    from detr_tf.modeling.transformer import AnchorTransformer
+    model = build_model(num_classes=3, num_queries=num_queries, hidden_dim=16,
+                        backbone=ResNet(block=BasicBlock, layers=layers, width=8),
+                        position_embedding=PositionEmbeddingSine(8),
+                        transformer=AnchorTransformer(d_model=16, num_heads=2,
+                                                      num_encoder_layers=1, num_decoder_layers=1,
+                                                      dim_feedforward=16), two_stage=True)
+    assert model.build_size == (want, want)
+    model(tf.zeros([1, want, want, 3]), tf.ones([1, want, want], tf.bool), training=False)
+    small = want - 64
+    if small:
+        with pytest.raises(ValueError, match="num_queries"):
+            model(tf.zeros([1, small, small, 3]), tf.ones([1, small, small], tf.bool))

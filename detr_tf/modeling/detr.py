@@ -1,5 +1,5 @@
 """The DETR detector: backbone -> 1x1 projection -> transformer -> class and box heads."""
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import gin
 import tensorflow as tf
@@ -98,6 +98,19 @@ class DETR(Detector):
             self.group_content_embed = tf_keras.layers.Embedding(
                 extra_queries, d, embeddings_initializer=tf_keras.initializers.RandomNormal(),
                 name="group_content_embed")
+
+    @property
+    def build_size(self) -> Tuple[int, int]:
+        """The smallest square canvas (a multiple of 64) the model can be built on: two-stage
+        selects num_queries feature cells, so the map must hold that many. Weights do not
+        depend on the size."""
+        side = 64
+        stride = getattr(self.backbone, "output_stride", None)
+        if self.proposals is None or not stride:
+            return side, side
+        while (-(-side // stride)) ** 2 < self.num_queries:  # cells per side: ceil(side / s)
+            side += 64
+        return side, side
 
     def _learned_queries(self, groups: int) -> tf.Tensor:
         """[groups * Q, query_dim]: group 0's queries, then those of the extra groups."""
