@@ -102,3 +102,17 @@ def test_bad_files_are_skipped_and_named(images_dir, tmp_path, capsys):
     assert sorted(r["file"].rsplit("/", 1)[1] for r in records) == ["a.bmp", "a.png", "b.jpg"]
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == [
         "a.png", "a_1.png", "b.png"]
+
+
+def test_predict_draws_from_the_runs_own_threshold_unless_given():
+    """A config that lowers the drawing threshold (focal-loss scores) is what predict.py uses
+    without --score_threshold; a given value wins; nothing bound means 0.5."""
+    import gin
+    gin.clear_config()
+    try:
+        assert predict.drawing_threshold() == 0.5
+        gin.parse_config("predict_eval_images.score_threshold = 0.35")
+        assert predict.drawing_threshold() == 0.35
+        assert predict.drawing_threshold(0.7) == 0.7
+    finally:
+        gin.clear_config()

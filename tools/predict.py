@@ -17,7 +17,8 @@ flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_string("images", None, "An image file or a directory of images "
                     "(.jpg, .jpeg, .png, .bmp, .gif).")
 flags.DEFINE_string("output_dir", None, "Where the PNGs and detections.json go (created).")
-flags.DEFINE_float("score_threshold", 0.5, "Detections scoring lower are not drawn or listed.")
+flags.DEFINE_float("score_threshold", None, "Detections scoring lower are not drawn or listed "
+                   "(default: the run's own, predict_eval_images.score_threshold, else 0.5).")
 flags.mark_flags_as_required(["images", "output_dir"])
 FLAGS = flags.FLAGS
 

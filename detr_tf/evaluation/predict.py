@@ -231,17 +231,28 @@ def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int =
     return out
 
 
-def predict_run(model_dir: str, images: str, output_dir: str, score_threshold: float = 0.5,
+def drawing_threshold(given: Optional[float] = None) -> float:
+    """`given`, else the parsed config's `predict_eval_images.score_threshold`, else 0.5."""
+    if given is not None:
+        return given
+    return gin.get_bindings(predict_eval_images).get("score_threshold", 0.5)
+
+
+def predict_run(model_dir: str, images: str, output_dir: str,
+                score_threshold: Optional[float] = None,
                 checkpoint: Optional[str] = None) -> List[Dict[str, Any]]:
     """tools/predict.py: annotated PNGs and one detections.json for an image or a directory.
 
     The images are listed (and a bad path reported) before the model is built. Files that
     cannot be read or decoded are skipped, one line each; the run ends with the count.
+    score_threshold None: the run's own drawing threshold (`predict_eval_images.score_threshold`
+    in its config, e.g. lower for focal-loss scores), 0.5 if it binds none.
 
     Raises:
       ValueError: not one image could be drawn (the tool then exits with status 1).
     """
     paths = list_images(images)
+    score_threshold = drawing_threshold(score_threshold)
     skipped: List[Tuple[str, str]] = []
     for other in _other_files(images):
         skipped.append((other, "not an image file name (" + "/".join(IMAGE_EXTENSIONS) + ")"))
