@@ -6,7 +6,7 @@ DETR's three losses apply: loss_enc_ce, loss_enc_bbox, loss_enc_giou. The class 
 normalized by the box count like the box terms, which keeps it independent of how many cells a
 bucket pads to.
 """
-from typing import Dict
+from typing import Dict, Tuple
 
 import tensorflow as tf
 
@@ -26,21 +26,33 @@ def dense_losses(enc: Dict[str, tf.Tensor], targets: Dict[str, tf.Tensor], n_box
       eos_coef: the class weight of no-object.
     """
     logits = tf.cast(enc["pred_logits"], tf.float32)
-    boxes = tf.cast(enc["pred_boxes"], tf.float32)
+    real, positive, labels, loss_bbox, loss_giou = centre_cell_targets(enc, targets, n_box)
+    cls = tf.where(positive, labels, num_classes)  # [B, S]
+    w = tf.where(positive, 1.0, eos_coef) * real
+    nll = tf.nn.sparse_softmax_cross_entropy_with_logits(cls, logits)
+    return {"loss_enc_ce": tf.reduce_sum(w * nll) / n_box, "loss_enc_bbox": loss_bbox,
+            "loss_enc_giou": loss_giou}
+
+
+def centre_cell_targets(enc: Dict[str, tf.Tensor], targets: Dict[str, tf.Tensor],
+                        n_box: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+    """What every dense class loss needs from the centre-cell assignment, and the box losses.
+
+    Returns:
+      real [B, S] float32 (1 on real cells), positive [B, S] bool (a target's centre cell),
+      labels [B, S] int (the assigned target's label; any value off the positives), and the
+      L1 and 1 - GIoU losses of the positive cells' boxes against their targets, / n_box.
+    """
     cell_mask = enc["cell_mask"]
-    real = tf.cast(tf.reshape(cell_mask, tf.shape(logits)[:2]), tf.float32)  # [B, S]
+    real = tf.cast(tf.reshape(cell_mask, tf.shape(enc["pred_logits"])[:2]), tf.float32)
     assigned = center_assignment(cell_mask, targets["boxes"], targets["mask"])  # [B, S]
     positive = assigned >= 0
     safe = tf.maximum(assigned, 0)
-    cls = tf.where(positive, tf.gather(targets["labels"], safe, batch_dims=1),
-                   num_classes)  # [B, S]
-    w = tf.where(positive, 1.0, eos_coef) * real
-    nll = tf.nn.sparse_softmax_cross_entropy_with_logits(cls, logits)
-    tgt = tf.gather(targets["boxes"], safe, batch_dims=1)  # [B, S, 4]
     loss_bbox, loss_giou = box_losses.matched_box_losses(
-        boxes, tgt, tf.cast(positive, tf.float32), n_box, [0, 1])
-    return {"loss_enc_ce": tf.reduce_sum(w * nll) / n_box, "loss_enc_bbox": loss_bbox,
-            "loss_enc_giou": loss_giou}
+        tf.cast(enc["pred_boxes"], tf.float32), tf.gather(targets["boxes"], safe, batch_dims=1),
+        tf.cast(positive, tf.float32), n_box, [0, 1])
+    labels = tf.gather(targets["labels"], safe, batch_dims=1)
+    return real, positive, labels, loss_bbox, loss_giou
 
 
 def center_assignment(cell_mask: tf.Tensor, boxes: tf.Tensor, box_mask: tf.Tensor) -> tf.Tensor:

@@ -25,7 +25,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
-from detr_tf.losses.dense import center_assignment
+from detr_tf.losses import dense
 from detr_tf.ops import box_ops
 from detr_tf.ops import matching, matching_cost
 
@@ -85,16 +85,9 @@ def dense_focal_losses(enc: Dict[str, tf.Tensor], targets: Dict[str, tf.Tensor],
       and L1 and 1 - GIoU over the assigned cells, each / n_box. Padded cells add nothing.
     """
     logits = tf.cast(enc["pred_logits"], tf.float32)
-    real = tf.cast(tf.reshape(enc["cell_mask"], tf.shape(logits)[:2]), tf.float32)  # [B, S]
-    assigned = center_assignment(enc["cell_mask"], targets["boxes"], targets["mask"])
-    positive = tf.cast(assigned >= 0, tf.float32)  # [B, S]
-    safe = tf.maximum(assigned, 0)
-    onehot = tf.one_hot(tf.gather(targets["labels"], safe, batch_dims=1),
-                        logits.shape[-1]) * positive[..., None]  # [B, S, C]
-    focal = sigmoid_focal_loss(logits, onehot, alpha, gamma) * real[..., None]
-    loss_bbox, loss_giou = box_losses.matched_box_losses(
-        tf.cast(enc["pred_boxes"], tf.float32), tf.gather(targets["boxes"], safe, batch_dims=1),
-        positive, n_box, [0, 1])
+    real, positive, labels, loss_bbox, loss_giou = dense.centre_cell_targets(enc, targets, n_box)
+    onehot = tf.one_hot(labels, logits.shape[-1]) * tf.cast(positive, tf.float32)[..., None]
+    focal = sigmoid_focal_loss(logits, onehot, alpha, gamma) * real[..., None]  # [B, S, C]
     return tf.reduce_sum(focal) / n_box, loss_bbox, loss_giou
 
 
