@@ -25,7 +25,7 @@ from detr_tf.modeling import deformable_transformer as dt
 from detr_tf.modeling import multiscale
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.detector import Detector, pad_to_canvas
+from detr_tf.modeling.detector import Detector, pad_to_canvas, smallest_square_canvas
 from detr_tf.modeling.layers import box_head, inverse_sigmoid, layer_norm, prior_class_head
 
 
@@ -88,15 +88,14 @@ class DeformableDETR(Detector):
     def build_size(self) -> Tuple[int, int]:
         """The smallest square canvas (a multiple of 64) the model can be built on: two-stage
         needs at least num_queries encoder cells. Weights do not depend on the size."""
-        side = 64
+        if not self.two_stage:
+            return 64, 64
         first = 2 ** (len(self.backbone.stages) + 2 - self.backbone_levels)  # C3's stride
 
         def cells(side):  # each level's side is ceil(side / stride)
             return sum((-(-side // (first * 2 ** l))) ** 2 for l in range(self.neck.num_levels))
 
-        while self.two_stage and cells(side) < self.num_queries:
-            side += 64
-        return side, side
+        return smallest_square_canvas(cells, self.num_queries)
 
     def _head(self, heads: List[tf_keras.layers.Layer], i: int) -> tf_keras.layers.Layer:
         return heads[i] if len(heads) > 1 else heads[0]

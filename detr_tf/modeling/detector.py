@@ -12,7 +12,7 @@ new family member (a file of its own) writes only its architecture:
                       (training-only queries built from them, e.g. denoising);
   build_size          the smallest canvas the model can be built on (weights never depend on it).
 """
-from typing import Dict, Sequence, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import tensorflow as tf
 import tf_keras
@@ -47,6 +47,16 @@ class Detector(tf_keras.Model):
         aux = [{"pred_logits": logits[i], "pred_boxes": boxes[i]}
                for i in range(num_layers - 1)] if self.aux_loss else []
         return {"pred_logits": logits[-1], "pred_boxes": boxes[-1], "aux_outputs": aux}
+
+
+def smallest_square_canvas(cells: Callable[[int], int], needed: int,
+                           step: int = 64) -> Tuple[int, int]:
+    """The smallest square canvas side (64, then in `step`s) whose feature maps hold at least
+    `needed` cells, `cells(side)` counting them: a two-stage model selects one per query."""
+    side = 64
+    while cells(side) < needed:
+        side += step
+    return side, side
 
 
 def pad_to_canvas(images: tf.Tensor, pixel_mask: tf.Tensor,

@@ -9,9 +9,9 @@ from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling import proposals as proposals_lib
 from detr_tf.modeling import query_groups
 from detr_tf.modeling.denoising import DenoisingQueries
-from detr_tf.modeling.detector import Detector
+from detr_tf.modeling.detector import Detector, smallest_square_canvas
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.layers import MLP, prior_class_head
+from detr_tf.modeling.layers import MLP, class_head
 from detr_tf.modeling.transformer import Transformer
 
 
@@ -73,8 +73,7 @@ class DETR(Detector):
             embeddings_initializer=transformer.query_initializer, dtype="float32",
             name="query_embed")
         self.sigmoid_classes = sigmoid_classes
-        self.class_embed = (prior_class_head(num_classes, "class_embed") if sigmoid_classes
-                            else tf_keras.layers.Dense(num_classes + 1, name="class_embed"))
+        self.class_embed = class_head(num_classes, "class_embed", sigmoid_classes)
         # A transformer that refines anchor boxes owns the box head (it needs it per layer).
         self.bbox_embed = None if transformer.predicts_boxes else MLP(d, 4, 3, name="bbox_embed")
         if num_groups < 1:
@@ -104,13 +103,10 @@ class DETR(Detector):
         """The smallest square canvas (a multiple of 64) the model can be built on: two-stage
         selects num_queries feature cells, so the map must hold that many. Weights do not
         depend on the size."""
-        side = 64
         stride = getattr(self.backbone, "output_stride", None)
         if self.proposals is None or not stride:
-            return side, side
-        while (-(-side // stride)) ** 2 < self.num_queries:  # cells per side: ceil(side / s)
-            side += 64
-        return side, side
+            return 64, 64
+        return smallest_square_canvas(lambda side: (-(-side // stride)) ** 2, self.num_queries)
 
     def _learned_queries(self, groups: int) -> tf.Tensor:
         """[groups * Q, query_dim]: group 0's queries, then those of the extra groups."""

@@ -63,6 +63,14 @@ def prior_class_head(num_classes: int, name: str,
                                  bias_initializer=tf_keras.initializers.Constant(bias))
 
 
+def class_head(num_classes: int, name: str, sigmoid: bool) -> tf_keras.layers.Dense:
+    """DETR's softmax head (num_classes + 1 logits, no-object last), or with `sigmoid` the
+    per-class sigmoid head at the focal prior (`prior_class_head`)."""
+    if sigmoid:
+        return prior_class_head(num_classes, name)
+    return tf_keras.layers.Dense(num_classes + 1, name=name)
+
+
 def box_head(d_model: int, wh_bias: float, name: str) -> MLP:
     """The 3-layer box MLP whose last layer starts at zero: boxes start at their references,
     with sigmoid(wh_bias) sizes when the reference is a point (Deformable DETR's -2 for the

@@ -13,7 +13,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.modeling.layers import MLP, inverse_sigmoid, prior_class_head
+from detr_tf.modeling.layers import MLP, class_head, inverse_sigmoid
 from detr_tf.ops import box_ops
 
 
@@ -65,8 +65,7 @@ class EncoderProposals(tf_keras.layers.Layer):
         self.cell_size = cell_size
         self.proj = tf_keras.layers.Dense(hidden_dim, name="output_proj")
         self.norm = tf_keras.layers.LayerNormalization(epsilon=1e-5, name="output_norm")
-        self.class_embed = (prior_class_head(num_classes, "class_embed") if sigmoid_classes
-                            else tf_keras.layers.Dense(num_classes + 1, name="class_embed"))
+        self.class_embed = class_head(num_classes, "class_embed", sigmoid_classes)
         self.bbox_embed = MLP(hidden_dim, 4, 3, last_initializer="zeros", name="bbox_embed")
 
     def call(self, memory: tf.Tensor, mask: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -39,7 +39,7 @@ from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from detr_tf.modeling.co_atss import CoATSSBranch, image_extent
 from detr_tf.modeling.co_rcnn import CoRCNNBranch
 from detr_tf.modeling.denoising import DenoisingQueries
-from detr_tf.modeling.detector import Detector, pad_to_canvas
+from detr_tf.modeling.detector import Detector, pad_to_canvas, smallest_square_canvas
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
 
 INPUT_NORMALIZATIONS = ("imagenet", "unit")
@@ -142,10 +142,7 @@ class RTDETR(Detector):
             return sum((-(-side // (first * 2 ** level))) ** 2
                        for level in range(self.decoder.num_levels))
 
-        side = 64
-        while cells(side) < self.num_queries:
-            side += 32
-        return side, side
+        return smallest_square_canvas(cells, self.num_queries, step=32)
 
     def call(self, images: tf.Tensor, pixel_mask: Optional[tf.Tensor] = None,
              training: Optional[bool] = None,
