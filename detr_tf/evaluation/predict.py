@@ -32,6 +32,8 @@ from detr_tf.evaluation import export, preprocess, restore, visualize
 PREDICTIONS_SUBDIR = "predictions"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 DETECTIONS_FILENAME = "detections.json"
+# Detections scoring lower are not drawn or listed, unless a run binds its own threshold.
+DEFAULT_SCORE_THRESHOLD = 0.5
 
 
 def list_images(path_or_dir: Union[str, os.PathLike]) -> List[str]:
@@ -136,7 +138,7 @@ def predict_images(detector: Any,
                    image_paths: Sequence[Union[str, os.PathLike]],
                    output_dir: Union[str, os.PathLike],
                    class_names: Union[Mapping[int, str], Sequence[str], None] = None,
-                   score_threshold: float = 0.5,
+                   score_threshold: float = DEFAULT_SCORE_THRESHOLD,
                    draw: bool = True,
                    category_ids: Optional[Sequence[int]] = None,
                    skipped: Optional[List[Tuple[str, str]]] = None) -> List[Dict[str, Any]]:
@@ -210,7 +212,7 @@ def _run_detector(model: tf_keras.Model, info: Any) -> export.DetectionModule:
 
 @gin.configurable(denylist=["model", "model_dir"])
 def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int = 8,
-                        score_threshold: float = 0.5) -> Optional[str]:
+                        score_threshold: float = DEFAULT_SCORE_THRESHOLD) -> Optional[str]:
     """Draws the model's detections on the first eval images into model_dir/predictions/.
 
     Returns:
@@ -235,7 +237,7 @@ def drawing_threshold(given: Optional[float] = None) -> float:
     """`given`, else the parsed config's `predict_eval_images.score_threshold`, else 0.5."""
     if given is not None:
         return given
-    return gin.get_bindings(predict_eval_images).get("score_threshold", 0.5)
+    return gin.get_bindings(predict_eval_images).get("score_threshold", DEFAULT_SCORE_THRESHOLD)
 
 
 def predict_run(model_dir: str, images: str, output_dir: str,
