@@ -6,14 +6,16 @@ import scipy.optimize
 import tensorflow as tf
 
 from detr_tf.benchmarks import matcher_costs as mc
+from detr_tf.losses import focal
+from detr_tf.losses.focal import FocalSetCriterion
 from detr_tf.losses.set_criterion import SetCriterion
 from detr_tf.ops import matching, matching_cost
 
 N = 12
 RANDOM = ("uniform", "ties", "detr")
-# The trained fixture's shapes: the quickstart's 12 queries, its targets padded to 16 slots,
+# The trained fixture's shapes: the quickstart's 20 queries, its targets padded to 16 slots,
 # and the 6 of the images with the most objects.
-TRAINED = {False: (12, 16), True: (12, 6)}
+TRAINED = {False: (20, 16), True: (20, 6)}
 
 
 # unroll=1: the search steps per loop iteration change the speed, never the matching
@@ -96,9 +98,9 @@ def test_detr_costs_are_match_cost_of_the_draws_in_order():
 def test_trained_fixture_has_the_documented_shapes():
     fx = mc.load_trained()
     images, layers, q, m = fx.costs.shape
-    assert (images, layers, q, m) == (200, 3, 12, 6) and fx.costs.dtype == np.float32
+    assert (images, layers, q, m) == (200, 3, 20, 6) and fx.costs.dtype == np.float32
     assert fx.pad_cost.shape == (images, layers, q) and fx.mask.shape == (images, m)
-    assert fx.num_slots == 16 and "step 4250" in fx.metadata
+    assert fx.num_slots == 16 and "step 3500" in fx.metadata
     counts = fx.mask.sum(1)
     np.testing.assert_array_equal(fx.mask, np.arange(m) < counts[:, None])
     assert counts.min() >= 1 and counts.max() == m
@@ -110,7 +112,7 @@ def test_trained_problems_are_image_major_and_repeat():
     fx = mc.load_trained()
     images, layers = fx.costs.shape[:2]
     n = images * layers + 5  # past the end: wraps to the start
-    cost, mask = mc.problem("trained", None, n, 12, 16, False)
+    cost, mask = mc.problem("trained", None, n, 20, 16, False)
     for p in (0, 1, 2, 3, 7, images * layers - 1):
         np.testing.assert_array_equal(cost[p, :, :6], fx.costs[p // layers, p % layers])
         np.testing.assert_array_equal(mask[p, :6], fx.mask[p // layers])
@@ -119,16 +121,16 @@ def test_trained_problems_are_image_major_and_repeat():
     np.testing.assert_array_equal(cost[0, :, 6], fx.pad_cost[0, 0])
     assert not mask[:, 6:].any()
     np.testing.assert_array_equal(cost[images * layers:], cost[:5])
-    full_cost, full_mask = mc.problem("trained", None, 40, 12, 6, True)
+    full_cost, full_mask = mc.problem("trained", None, 40, 20, 6, True)
     assert full_mask.all()
     full_images = np.flatnonzero(fx.mask.all(1))
     np.testing.assert_array_equal(full_cost[4], fx.costs[full_images[1], 1])
 
 
-@pytest.mark.parametrize("q,t,full,needs", [(100, 20, False, "T >= 6"), (12, 5, False, "T >= 6"),
-                                            (12, 16, True, "T = 6")])
+@pytest.mark.parametrize("q,t,full,needs", [(100, 20, False, "T >= 6"), (20, 5, False, "T >= 6"),
+                                            (20, 16, True, "T = 6")])
 def test_trained_rejects_other_shapes(q, t, full, needs):
-    with pytest.raises(mc.ShapeMismatch, match=rf"quickstart_costs.npz\).*Q = 12 and {needs}, "
+    with pytest.raises(mc.ShapeMismatch, match=rf"quickstart_costs.npz\).*Q = 20 and {needs}, "
                                                rf"got Q = {q}, T = {t}"):
         mc.problem("trained", None, 4, q, t, full)
 
@@ -138,26 +140,40 @@ def test_unknown_distribution_is_named():
         mc.problem("normal", np.random.default_rng(0), 2, 3, 3, True)
 
 
-def test_criterion_costs_record_the_criterion_matching_cost():
-    """What the fixture script records is match_cost of every decoder layer, with the
-    criterion's own weights, and the criterion keeps its matcher."""
+def _softmax_case(c):
+    """DETR's SetCriterion (c + 1 logits) and its cost with the same weights."""
+    criterion = SetCriterion(num_classes=c, cost_class=2.0, cost_bbox=3.0, cost_giou=1.5)
+    return criterion, c + 1, lambda *a: matching_cost.match_cost(*a, 2.0, 3.0, 1.5)
+
+
+def _focal_case(c):
+    """The quickstart's FocalSetCriterion (c logits) and Deformable DETR's focal cost."""
+    criterion = FocalSetCriterion(num_classes=c, focal_alpha=0.3, cost_class=2.0,
+                                  cost_bbox=3.0, cost_giou=1.5)
+    return criterion, c, lambda *a: focal.focal_match_cost(*a, 2.0, 3.0, 1.5, alpha=0.3)
+
+
+@pytest.mark.parametrize("case", [_softmax_case, _focal_case])
+def test_criterion_costs_record_the_criterion_matching_cost(case):
+    """What the fixture script records is the criterion's matching cost of every decoder
+    layer, with the criterion's own weights, and the criterion keeps its matcher."""
     rng = np.random.default_rng(5)
     b, q, t, c = 2, 6, 4, 4
-    layers = [{"pred_logits": tf.constant(rng.normal(size=(b, q, c + 1)), tf.float32),
+    criterion, num_logits, cost_fn = case(c)
+    layers = [{"pred_logits": tf.constant(rng.normal(size=(b, q, num_logits)), tf.float32),
                "pred_boxes": tf.constant(rng.uniform(0.2, 0.6, (b, q, 4)), tf.float32)}
               for _ in range(3)]
     outputs = dict(layers[-1], aux_outputs=layers[:-1])
     targets = {"labels": tf.constant(rng.integers(0, c, (b, t)), tf.int32),
                "boxes": tf.constant(rng.uniform(0.2, 0.6, (b, t, 4)), tf.float32),
                "mask": tf.constant([[True, True, False, False], [True, True, True, False]])}
-    criterion = SetCriterion(num_classes=c, cost_class=2.0, cost_bbox=3.0, cost_giou=1.5)
     matcher = criterion.matcher
     calls = mc.criterion_costs(criterion, outputs, targets)
     assert criterion.matcher is matcher and len(calls) == 1
     cost, mask = calls[0]
-    want = matching_cost.match_cost(tf.stack([o["pred_logits"] for o in layers]),
-                                    tf.stack([o["pred_boxes"] for o in layers]),
-                                    targets["labels"], targets["boxes"], 2.0, 3.0, 1.5)
+    want = cost_fn(tf.stack([o["pred_logits"] for o in layers]),
+                   tf.stack([o["pred_boxes"] for o in layers]),
+                   targets["labels"], targets["boxes"])
     assert cost.shape == (3, b, q, t)
     np.testing.assert_allclose(cost, want.numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(mask, np.broadcast_to(targets["mask"].numpy(), (3, b, t)))

@@ -1,13 +1,13 @@
 """Benchmarks detr_tf's batched matchers against a scipy loop (and Model Garden's matcher).
 
     python tools/benchmark_matcher.py --json_out=/tmp/matcher.json
-    python tools/benchmark_matcher.py --cases=24x12x16,24x12x6full --distributions=trained
+    python tools/benchmark_matcher.py --cases=24x20x16,24x20x6full --distributions=trained
 
 Every case NxQxT runs once per cost distribution of --distributions
 (detr_tf/benchmarks/matcher_costs.py): `uniform` (i.i.d. noise, like costs early in training),
 `ties` (i.i.d. integers 0-9: many exact ties), `detr` (`match_cost` of random predictions and
 targets) and `trained` (a trained quickstart model's costs on the shapes val set, committed as
-tests/fixtures/matcher/quickstart_costs.npz; only its own Q = 12 and T >= 6, T = 6 when full, so
+tests/fixtures/matcher/quickstart_costs.npz; only its own Q = 20 and T >= 6, T = 6 when full, so
 it skips the other cases with a note). A random number of targets per problem is real (the rest
 padded) unless the case ends in 'full'; each distribution draws from its own generator seeded
 with --seed, so `--distributions=detr` gives the same costs as the benchmark gave before it had
@@ -45,10 +45,10 @@ flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.")
 flags.DEFINE_integer("mg_rounds", 3, "Rounds for Model Garden's matcher (it is slow).")
 flags.DEFINE_string("cases", "384x100x10,384x100x20,384x100x50,384x100x100,"
-                    "384x100x100full,8x100x100full,24x12x16",
+                    "384x100x100full,8x100x100full,24x20x16",
                     "Comma-separated NxQxT; suffix 'full' = every target real (no padding). "
-                    "24x12x16 is one quickstart training step's call (3 decoder layers x 8 "
-                    "images, 12 queries, targets padded to 16).")
+                    "24x20x16 is one quickstart training step's call (3 decoder layers x 8 "
+                    "images, 20 queries, targets padded to 16).")
 flags.DEFINE_list("distributions", list(matcher_costs.DISTRIBUTIONS),
                   "Cost distributions to run every case on (detr_tf/benchmarks/"
                   "matcher_costs.py).")

@@ -4,9 +4,9 @@ tools/benchmark_matcher.py (detr_tf/benchmarks/matcher_costs.py).
 
     python tools/train.py --gin_file=gin_configs/quickstart.gin --model_dir=DIR
     python tools/make_matcher_cost_fixture.py --model_dir=DIR \
-        --checkpoint=DIR/checkpoints/ckpt-4250
+        --checkpoint=DIR/checkpoints/ckpt-3500
 
-The committed file was made so, from a run with the quickstart's 4250 steps. Without --gin_file
+The committed file was made so, from a run with the quickstart's 3500 steps. Without --gin_file
 the run's own DIR/config.gin is used. The model (EMA weights when the checkpoint has them) runs
 in inference mode on the first --num_images val images, and its run's own criterion builds the
 costs: it is called on each batch as in training, with its matcher wrapped to record what it is

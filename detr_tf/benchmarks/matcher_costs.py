@@ -10,8 +10,9 @@ slots, T // 2 to T of them (50-100% for even T); `full` makes every slot real.
              matchings and many ties among the solver's candidates.
     detr     DETR's `match_cost` (default weights) of random predictions (normal logits over
              92 classes, boxes uniform) and random targets.
-    trained  DETR's `match_cost` of a trained quickstart model's predictions on the shapes val
-             set (tools/make_matcher_cost_fixture.py, tests/fixtures/matcher/quickstart_costs.npz).
+    trained  the matching cost a trained quickstart model's own criterion gives its predictions
+             on the shapes val set (the quickstart's: the focal cost of FocalSetCriterion;
+             tools/make_matcher_cost_fixture.py, tests/fixtures/matcher/quickstart_costs.npz).
 
 The trained costs have the fixture's own shape. It holds, for I val images, costs [I, L, Q, M]
 of the L decoder layers the criterion matches (the auxiliary ones and the final one; the
@@ -19,10 +20,10 @@ encoder proposals are not matched), M = the most objects in any image (6), and t
 padding slot [I, L, Q]: the criterion pads targets with label 0 and a zero box, so all of an
 image's padding slots cost the same. Problems are taken image-major (problem p is image
 p // L, layer p % L), the first N, repeated from the start when N exceeds what there is. Q must
-be the fixture's (12), and:
+be the fixture's (20), and:
 - padded: the images' own targets, 1 to M real (not 50-100%); T may be any T >= M, the slots
   beyond M being padding slots, exactly what the criterion matches with max_boxes = T. The
-  quickstart pads to T = 16, so one of its training steps matches [3 x 8, 12, 16].
+  quickstart pads to T = 16, so one of its training steps matches [3 x 8, 20, 16].
 - full: only the images with M objects, at T = M (every slot real).
 The committed fixture has I = 200 images and L = 3 layers: 600 padded problems, and 105 full
 ones (35 images with 6 objects). `trained` draws nothing from `rng`.
