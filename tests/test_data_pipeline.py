@@ -181,3 +181,20 @@ def test_replicas_of_a_step_share_a_bucket(sources):
     ids = [i for _, t in _build(sources, False, batch=4, input_context=ctx)
            for i in t["image_id"].numpy() if i >= 0]
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 10
+
+
+@pytest.mark.parametrize("cpus,autotune", [(1, False), (2, True), (64, True)])
+def test_autotuning_is_off_on_one_cpu_only(sources, monkeypatch, cpus, autotune):
+    """One usable CPU turns tf.data's autotuning off (its thread held up a finished run's
+    exit there); the pipeline a run builds carries the choice, train and eval alike."""
+    monkeypatch.setattr(pipeline, "usable_cpus", lambda: cpus)
+    for is_training in (True, False):
+        assert _build(sources, is_training).options().autotune.enabled is autotune
+    assert pipeline.input_options(True, num_cpus=cpus).autotune.enabled is autotune
+    assert pipeline.input_options(False, num_cpus=cpus).deterministic is False
+
+
+def test_usable_cpus_follows_the_affinity_mask():
+    import os
+
+    assert pipeline.usable_cpus() == len(os.sched_getaffinity(0)) >= 1

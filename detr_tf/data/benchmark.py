@@ -4,7 +4,6 @@ Used by tools/benchmark_input.py. The COCO-like data is the shapes generator at 
 sizes (mostly 640x480 / 480x640), written to JPEG and converted like COCO, so decode, resize
 and crop costs match real COCO images of those sizes.
 """
-import os
 import statistics
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -90,13 +89,6 @@ def limit_threads(ds: tf.data.Dataset, threads: Optional[int]) -> tf.data.Datase
     options.threading.private_threadpool_size = threads
     options.threading.max_intra_op_parallelism = 1
     return ds.with_options(options)
-
-
-def num_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def padding_report(sizes: np.ndarray, buckets: List[Tuple[int, int]]) -> Dict[str, float]:

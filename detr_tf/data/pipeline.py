@@ -29,6 +29,7 @@ pixel_mask and mask, image_id -1) that the evaluator skips (with R replicas per 
 R whole filler batches, so that every replica of a step has the same bucket).
 """
 import dataclasses
+import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import gin
@@ -211,10 +212,32 @@ def build_dataset(is_training: bool, global_batch_size: int,
                           is_training, buckets, max_boxes, deterministic,
                           seed=seed * 7919 + shard.shard_index, staged=staged)
     ds = batch_by_bucket(ds, shard.batch_size, shard.replicas_per_pipeline, is_training)
+    ds = ds.with_options(input_options(deterministic))
+    return ds.prefetch(prefetch)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. under taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        return os.cpu_count() or 1
+
+
+def input_options(deterministic: bool, num_cpus: Optional[int] = None) -> tf.data.Options:
+    """The input pipeline's tf.data options.
+
+    tf.data's autotuning is left on, except for a process that may run on one CPU only
+    (`num_cpus`, default `usable_cpus()`): there it has no parallelism to tune, and with
+    TensorFlow 2.20 its background thread held up the end of a finished run. Pinned to one core,
+    tools/train.py took 35-50 s to exit after its last line while the train iterator was
+    destroyed, and no time without autotuning, at the same step time (docs/PERFORMANCE.md,
+    "Input pipeline").
+    """
     options = tf.data.Options()
     options.deterministic = deterministic
-    ds = ds.with_options(options)
-    return ds.prefetch(prefetch)
+    options.autotune.enabled = (usable_cpus() if num_cpus is None else num_cpus) > 1
+    return options
 
 
 @dataclasses.dataclass(frozen=True)
