@@ -229,10 +229,9 @@ def input_options(deterministic: bool, num_cpus: Optional[int] = None) -> tf.dat
 
     tf.data's autotuning is left on, except for a process that may run on one CPU only
     (`num_cpus`, default `usable_cpus()`): there it has no parallelism to tune, and with
-    TensorFlow 2.20 its background thread held up the end of a finished run. Pinned to one core,
-    tools/train.py took 35-50 s to exit after its last line while the train iterator was
-    destroyed, and no time without autotuning, at the same step time (docs/PERFORMANCE.md,
-    "Input pipeline").
+    TensorFlow 2.20 its background thread held up the exit of a finished run while the train
+    iterator was destroyed (measured, with and without it: docs/PERFORMANCE.md, "Input
+    pipeline").
     """
     options = tf.data.Options()
     options.deterministic = deterministic
