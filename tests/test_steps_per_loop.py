@@ -272,6 +272,18 @@ def test_steps_per_loop_choices():
             resolve_steps_per_loop(bad)
 
 
+
+@pytest.mark.parametrize("engine", ["default", "mirrored"])
+def test_the_trainer_converts_nothing_with_autograph(tmp_path, engine):
+    """The step, its device loop (one step and several) and the fused update trace as
+    written: AutoGraph's conversions cost seconds of a run's first step for the same graph."""
+    from tests.autograph_probe import converted_functions
+
+    with converted_functions() as seen:
+        train(tmp_path / "one", 2, steps_per_loop=1, distribution=engine)
+        train(tmp_path / "loop", 4, steps_per_loop=2, distribution=engine)
+    assert seen == []
+
 @pytest.fixture
 def fused_update():
     """The trainer with the fused update's XLA form (a CPU's default is its kernel form)."""

@@ -61,7 +61,7 @@ def build_train_step(model_fn: Callable[[], tf_keras.Model], criterion, jit: str
         if not generators_were_on:
             tf_keras.backend.experimental.disable_tf_random_generator()
 
-    @tf.function
+    @tf.function(autograph=False)  # as the trainer's step (training/step.py)
     def step(batch):
         return engine.run(builder.replica_step, (batch,))
 

@@ -316,7 +316,7 @@ class StagedInputs:
             # Another shuffle of the same shard, seeded apart from the main stream's.
             raw = read_source(self.source, self.shard, True, self.deterministic,
                               self.seed * 31 + 17, self.shuffle_buffer)
-            return raw.map(lambda r: raw_to_instance(r, self.source.label_map),
+            return raw.map(sources_lib.plain(lambda r: raw_to_instance(r, self.source.label_map)),
                            num_parallel_calls=AUTOTUNE, deterministic=self.deterministic)
 
         return self.stages.inputs(read_partners, self.examples_per_epoch, self.first_index)
@@ -364,7 +364,8 @@ def prepare_examples(ds: tf.data.Dataset, label_map, transform, is_training: boo
         seeds = tf.data.Dataset.random(seed=seed).batch(2)
         parts = (ds, seeds) if staged is None else (ds, seeds, staged.dataset())
         ds = tf.data.Dataset.zip(parts)
-    return ds.map(prepare, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+    return ds.map(sources_lib.plain(prepare), num_parallel_calls=AUTOTUNE,
+                  deterministic=deterministic)
 
 
 def batch_by_bucket(ds: tf.data.Dataset, batch_size: int, group: int,
@@ -379,7 +380,7 @@ def batch_by_bucket(ds: tf.data.Dataset, batch_size: int, group: int,
     def batch_bucket(_, window):
         batched = window.batch(group * batch_size, drop_remainder=is_training)
         if not is_training:
-            batched = batched.map(lambda b: _filler_pad(b, group * batch_size))
+            batched = batched.map(sources_lib.plain(lambda b: _filler_pad(b, group * batch_size)))
         if group == 1:
             return batched
 
@@ -388,11 +389,12 @@ def batch_by_bucket(ds: tf.data.Dataset, batch_size: int, group: int,
             out.set_shape([group, batch_size] + t.shape[1:].as_list())
             return out
 
-        return batched.map(lambda b: tf.nest.map_structure(split, b)).unbatch()
+        return batched.map(sources_lib.plain(lambda b: tf.nest.map_structure(split, b))).unbatch()
 
-    ds = ds.group_by_window(key_func=lambda ex: tf.cast(ex["bucket"], tf.int64),
-                            reduce_func=batch_bucket, window_size=group * batch_size)
-    return ds.map(_split_features_targets)
+    ds = ds.group_by_window(
+        key_func=sources_lib.plain(lambda ex: tf.cast(ex["bucket"], tf.int64)),
+        reduce_func=sources_lib.plain(batch_bucket), window_size=group * batch_size)
+    return ds.map(sources_lib.plain(_split_features_targets))
 
 
 def _split_features_targets(batch):

@@ -18,6 +18,13 @@ from detr_tf.data import tfexample
 AUTOTUNE = tf.data.AUTOTUNE
 
 
+def plain(fn):
+    """`fn` for `Dataset.map` without AutoGraph: the input code has no Python control flow on
+    tensors, and converting it took about 2 s of every run's set-up for the same graph
+    (docs/PERFORMANCE.md#compiles-per-run)."""
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadSpec:
     """How a source should read: sharding, order and seed.
@@ -108,7 +115,7 @@ class TFRecordSource:
         if not by_file:
             ds = ds.shard(spec.num_shards, spec.shard_index)
         ds = _repeat_and_shuffle(ds, spec)
-        return ds.map(tfexample.decode_example, num_parallel_calls=AUTOTUNE,
+        return ds.map(plain(tfexample.decode_example), num_parallel_calls=AUTOTUNE,
                       deterministic=spec.deterministic)
 
 
@@ -185,4 +192,4 @@ class TFDSSource:
                 "is_crowd": tf.cast(objects["is_crowd"], tf.bool),
             }
 
-        return ds.map(to_raw, num_parallel_calls=AUTOTUNE, deterministic=spec.deterministic)
+        return ds.map(plain(to_raw), num_parallel_calls=AUTOTUNE, deterministic=spec.deterministic)

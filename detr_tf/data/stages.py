@@ -19,6 +19,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.data import mixing
+from detr_tf.data import sources
 
 PARTNERS = 4  # three for the mosaic, one for the mixup
 NEVER = 2 ** 62  # an image index no run reaches
@@ -117,7 +118,7 @@ def partner_batches(instances: tf.data.Dataset) -> tf.data.Dataset:
         return {"images": image, "sizes": tf.shape(image)[:2], "boxes": boxes,
                 "labels": tf.cast(labels, tf.int32), "counts": tf.shape(labels)[0]}
 
-    return instances.map(pack).padded_batch(PARTNERS, drop_remainder=True)
+    return instances.map(sources.plain(pack)).padded_batch(PARTNERS, drop_remainder=True)
 
 
 def empty_partners() -> tf.data.Dataset:

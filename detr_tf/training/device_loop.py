@@ -82,8 +82,8 @@ class DeviceLoop:
         self._engine = engine
         self._stop = stop_at_non_finite
         self._names = None  # the stats' names, in packing order; known once traced
-        self._loop_fn = tf.function(self._loop)
-        self._single_fn = tf.function(self._single)
+        self._loop_fn = tf.function(self._loop, autograph=False)
+        self._single_fn = tf.function(self._single, autograph=False)
 
     def __call__(self, iterator, num_steps: int) -> LoopOutcome:
         if num_steps == 1:

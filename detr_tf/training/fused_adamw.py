@@ -183,7 +183,7 @@ class FusedUpdate:
         if index not in self._programs:
             local = lambda value: _local(strategy, value, index)  # noqa: E731
             self._programs[index] = tf.function(
-                self._update_fn(local), jit_compile=self.compiled)
+                self._update_fn(local), jit_compile=self.compiled, autograph=False)
         return self._programs[index]
 
     def _update_fn(self, local: Callable) -> Callable:
