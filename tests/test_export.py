@@ -173,3 +173,33 @@ def test_dfine_saved_model_serves_the_keras_models_detections(dfine_tiny, tmp_pa
         encoded=tf.constant([_png(im) for im in images]))
     _assert_same({k: v.numpy() for k, v in served.items()}, direct)
     assert all(d["num_detections"] == 5 for d in direct)
+
+
+def test_detection_traces_the_model_and_postprocessing_without_autograph():
+    """The tools' detection function (predict, export) traces detr_tf's layers as written;
+    AutoGraph converted every layer's call before. A preprocess_fn of the user's own is still
+    converted, so it may branch in Python on tensors."""
+    from tests.autograph_probe import converted_functions
+
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["tiny.gin"], defer_required=True)
+        model = run_lib.assemble().build_model()
+    finally:
+        gin.clear_config()
+
+    def own_preprocess(image):  # converted: its `if` is on a tensor
+        image = tf.cast(image, tf.float32)
+        if tf.shape(image)[0] > 0:
+            image = tf.image.resize(image, (32, 32))
+        return tf.ensure_shape(image, [32, 32, 3]), tf.ones([32, 32], tf.bool)
+
+    module = export.DetectionModule(model, own_preprocess, max_detections=2)
+    with converted_functions(prefix="") as seen:
+        out = module.detect(np.zeros((1, 20, 24, 3), np.uint8))
+    assert out["boxes"].shape == (1, 2, 4)
+    # Only the serving function and its preprocessing, around the user's function.
+    ours = {s for s in seen if s.startswith("detr_tf.")}
+    assert ours == {f"detr_tf.evaluation.export.DetectionModule.{name}"
+                    for name in ("_serve_images", "_preprocess_batch")}, ours
+    assert any(s.endswith("own_preprocess") for s in seen), seen
