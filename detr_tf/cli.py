@@ -2,8 +2,9 @@
 TensorFlow.
 
 Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads, and
-importing this module, which every tool does first, sets TensorFlow's C++ log level and turns on
-its oneDNN kernels before TensorFlow is imported (`quiet_tensorflow`, `enable_onednn`).
+importing this module, which every tool does first, sets TensorFlow's C++ log level, turns on
+its oneDNN kernels and points `tf.keras` at Keras 2 before TensorFlow is imported
+(`quiet_tensorflow`, `enable_onednn`, `use_keras_2`).
 """
 import os
 import sys
@@ -40,8 +41,20 @@ def enable_onednn() -> None:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 
+def use_keras_2() -> None:
+    """Makes `tf.keras` tf_keras (Keras 2, what detr_tf and Model Garden are built on) unless the
+    user set TF_USE_LEGACY_KERAS.
+
+    Without it, importing TensorFlow 2.20 also imports Keras 3's optimizers, which detr_tf never
+    uses: 1.1-1.4 s of every tool's start (docs/PERFORMANCE.md#compiles-per-run). Only takes
+    effect before TensorFlow is imported.
+    """
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+
 quiet_tensorflow()
 enable_onednn()
+use_keras_2()
 
 
 def define_gin_flags(example: str = "", saved_config_default: bool = False) -> None:

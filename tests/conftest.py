@@ -7,6 +7,9 @@ import os
 # it on, every CPU runs the suite as it was developed. It did not shorten CI there much: the
 # suite still took about 43 minutes before the longest tests moved to the slow set.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+# As the tools (detr_tf/cli.py): tf.keras is tf_keras, and TensorFlow does not import Keras 3
+# at start, in the test processes and every process they start.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import tensorflow as tf  # noqa: E402
 

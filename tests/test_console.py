@@ -78,22 +78,29 @@ ONEDNN = """
 import runpy, sys
 sys.argv = ["{tool}"]
 runpy.run_path("{tool}", run_name="imported_not_main")  # the tool's imports, not its main()
+import tensorflow as tf
 from tensorflow.python.util import _pywrap_util_port
 print("onednn", _pywrap_util_port.IsMklEnabled())
+print("keras3", "keras" in sys.modules, tf.keras.__name__.startswith("tf_keras"))
 """
 
 
 @pytest.mark.parametrize("user_value, expected", [(None, True), ("0", False), ("1", True)])
-def test_tools_turn_onednn_on_unless_the_user_set_it(user_value, expected):
-    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+def test_tools_turn_onednn_on_and_use_keras_2_unless_the_user_set_them(user_value, expected):
+    """TF_ENABLE_ONEDNN_OPTS and TF_USE_LEGACY_KERAS: 1 unless the user set them (here both
+    to `user_value`). With Keras 2, TensorFlow leaves Keras 3 unimported, and tf.keras is
+    tf_keras."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS")}
     env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3")
     if user_value is not None:
-        env["TF_ENABLE_ONEDNN_OPTS"] = user_value
+        env.update(TF_ENABLE_ONEDNN_OPTS=user_value, TF_USE_LEGACY_KERAS=user_value)
     code = ONEDNN.format(tool=REPO / "tools" / "train.py")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert f"onednn {expected}" in proc.stdout
+    assert f"keras3 {not expected} {expected}" in proc.stdout, proc.stdout
 
 
 def _first_imports(path):
