@@ -1,4 +1,4 @@
-"""Which functions AutoGraph converts while a block runs (tests that traces skip it).
+"""Records the functions AutoGraph converts while a block runs, for tests that a trace skips it.
 
 AutoGraph rewrites a function's Python source before tracing it; detr_tf's traced code has no
 Python control flow on tensors, so the conversion only costs time

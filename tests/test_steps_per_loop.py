@@ -272,7 +272,6 @@ def test_steps_per_loop_choices():
             resolve_steps_per_loop(bad)
 
 
-
 @pytest.mark.parametrize("engine", ["default", "mirrored"])
 def test_the_trainer_converts_nothing_with_autograph(tmp_path, engine):
     """The step, its device loop (one step and several) and the fused update trace as
@@ -283,6 +282,7 @@ def test_the_trainer_converts_nothing_with_autograph(tmp_path, engine):
         train(tmp_path / "one", 2, steps_per_loop=1, distribution=engine)
         train(tmp_path / "loop", 4, steps_per_loop=2, distribution=engine)
     assert seen == []
+
 
 @pytest.fixture
 def fused_update():
