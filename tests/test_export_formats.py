@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("qs_export")
     try:
-        run_dir = eh.random_run_dir(str(root / "run"), ["quickstart.gin"], eh.SMALL_DATA)
+        # Spread scores: at the focal prior no rank would stand apart to compare.
+        run_dir = eh.random_run_dir(str(root / "run"), ["quickstart.gin"], eh.SMALL_DATA,
+                                    prepare=eh.spread_class_scores)
         paths = formats.export_formats(run_dir, str(root / "export"),
                                        ["saved_model", "tflite", "onnx"], ["float32"])
         info = run_lib.assemble().eval_info()
