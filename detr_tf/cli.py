@@ -46,7 +46,7 @@ def use_keras_2() -> None:
     user set TF_USE_LEGACY_KERAS.
 
     Without it, importing TensorFlow 2.20 also imports Keras 3's optimizers, which detr_tf never
-    uses: 1.1-1.4 s of every tool's start (docs/PERFORMANCE.md#compiles-per-run). Only takes
+    uses, at every tool's start (measured: docs/PERFORMANCE.md#compiles-per-run). Only takes
     effect before TensorFlow is imported.
     """
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")

@@ -201,7 +201,7 @@ def test_usable_cpus_follows_the_affinity_mask():
 
 
 def test_the_pipeline_converts_nothing_with_autograph(sources):
-    """The map functions trace as written: AutoGraph's conversion of them took about 2 s of a
+    """The map functions trace as written: AutoGraph's conversion of them only lengthened a
     run's set-up. The probe itself sees a conversion where AutoGraph is on."""
     from tests.autograph_probe import converted_functions
 

@@ -20,8 +20,8 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 def plain(fn):
     """`fn` for `Dataset.map` without AutoGraph: the input code has no Python control flow on
-    tensors, and converting it took about 2 s of every run's set-up for the same graph
-    (docs/PERFORMANCE.md#compiles-per-run)."""
+    tensors, and converting it only lengthened every run's set-up, for the same graph
+    (measured: docs/PERFORMANCE.md#compiles-per-run)."""
     return tf.autograph.experimental.do_not_convert(fn)
 
 
