@@ -30,7 +30,6 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
-from official.vision.ops import box_ops as mg_box_ops
 
 from detr_tf.losses.atss import decode_deltas
 from detr_tf.losses.boxes import replica_mean
@@ -45,6 +44,8 @@ ROI_STDS = (0.1, 0.1, 0.2, 0.2)
 def encode_deltas(anchors: tf.Tensor, boxes: tf.Tensor) -> tf.Tensor:
     """mmdet's bbox2delta (means 0, stds 1) by Model Garden's encoder: anchors, boxes
     [..., 4] xyxy (broadcastable) -> [..., 4] (dx, dy, dw, dh)."""
+    from official.vision.ops import box_ops as mg_box_ops  # here: see rcnn_head.propose
+
     yxyx = [1, 0, 3, 2]  # Model Garden's order; the same permutation maps its deltas back
     deltas = mg_box_ops.encode_boxes(tf.gather(boxes, yxyx, axis=-1),
                                      tf.gather(anchors, yxyx, axis=-1))
