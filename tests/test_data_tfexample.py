@@ -121,8 +121,9 @@ def test_decode_equals_model_garden_decoder():
 
 def test_reading_data_imports_no_model_garden_vision_package():
     """Every module of detr_tf imported (what a strict Gin parse does), and a record decoded:
-    Model Garden's vision package, whose import costs every process about a second, stays out
-    (Co-DETR's R-CNN parts import it when they run)."""
+    Model Garden's vision package, whose import slows every process's start
+    (docs/PERFORMANCE.md#compiles-per-run), stays out; Co-DETR's R-CNN parts import it when they
+    run."""
     code = ("import io, sys, tensorflow as tf\n"
             "from PIL import Image\n"
             "from detr_tf import config\n"

@@ -19,7 +19,7 @@ yields. It parses them as Model Garden's TfExampleDecoder does: the same feature
 defaults, the image decoded to 3 channels, a missing is_crowd read as zeros, an empty source_id
 replaced by the same hash of the image bytes. A test holds the two equal. Model Garden's decoder
 is not imported, because importing any of Model Garden's vision modules imports its whole vision
-package (its configs and tasks): about 1.3 s at the start of every process that reads data
+package (its configs and tasks), a cost at the start of every process that reads data
 (docs/PERFORMANCE.md#compiles-per-run).
 """
 import hashlib

@@ -136,7 +136,8 @@ def propose(logits: tf.Tensor, deltas: tf.Tensor, anchors: np.ndarray,
     """
     logits, deltas = tf.stop_gradient(logits), tf.stop_gradient(_yxyx(deltas))
     # Imported here, not with the module: importing any of Model Garden's vision modules
-    # imports its whole vision package first, about 1.3 s that only Co-DETR's runs need.
+    # imports its whole vision package first, a start-up cost that only Co-DETR's runs need
+    # (docs/PERFORMANCE.md#compiles-per-run).
     from official.vision.modeling.layers import roi_generator
     from official.vision.ops import box_ops as mg_box_ops
 
