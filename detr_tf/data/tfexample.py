@@ -121,10 +121,12 @@ def decode_example(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
     encoded = parsed["image/encoded"]
     image = tf.io.decode_image(encoded, channels=3)
     image.set_shape([None, None, 3])
-    # An empty id becomes a 22-bit hash of the image bytes, as in Model Garden's decoder.
+    # An empty id becomes a 22-bit hash of the image bytes, as in Model Garden's decoder; the
+    # hash runs only then, not over every image.
     source_id = parsed["image/source_id"]
-    source_id = tf.where(tf.strings.length(source_id) > 0, source_id, tf.strings.as_string(
-        tf.strings.to_hash_bucket_fast(encoded, 2 ** 22 - 1)))
+    source_id = tf.cond(tf.strings.length(source_id) > 0, lambda: source_id,
+                        lambda: tf.strings.as_string(
+                            tf.strings.to_hash_bucket_fast(encoded, 2 ** 22 - 1)))
     boxes = tf.stack([lists[f"image/object/bbox/{k}"] for k in ("ymin", "xmin", "ymax", "xmax")],
                      axis=-1)
     classes = lists["image/object/class/label"]
