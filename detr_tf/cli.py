@@ -4,13 +4,17 @@ TensorFlow.
 Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads, and
 importing this module, which every tool does first, sets TensorFlow's C++ log level, turns on
 its oneDNN kernels and points `tf.keras` at Keras 2 before TensorFlow is imported
-(`quiet_tensorflow`, `enable_onednn`, `use_keras_2`).
+(`quiet_tensorflow`, `enable_onednn`, `use_keras_2`). It also starts the process's CPU watch
+(detr_tf/machine.py), so that a benchmark's report and a run's last lines can say whether other
+processes shared the CPU from the tool's very start.
 """
 import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
 from absl import flags
+
+from detr_tf import machine
 
 VERBOSE_ENV = "DETR_TF_VERBOSE"
 
@@ -55,6 +59,7 @@ def use_keras_2() -> None:
 quiet_tensorflow()
 enable_onednn()
 use_keras_2()
+machine.process_watch()
 
 
 def define_gin_flags(example: str = "", saved_config_default: bool = False) -> None:

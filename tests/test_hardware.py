@@ -57,17 +57,6 @@ def test_bad_precision_is_named():
         hardware.resolve_precision("fp16", hardware.Hardware())
 
 
-def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n"
-                       "flags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\n"
-                       "flags\t\t: fpu\n")
-    assert hardware.read_cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
-    (tmp_path / "arm").write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
-    assert hardware.read_cpu_flags(str(tmp_path / "arm")) is None
-    assert hardware.read_cpu_flags(str(tmp_path / "missing")) is None
-
-
 @pytest.mark.parametrize("machine", [m for m, _ in MACHINES])
 def test_auto_jit(machine):
     jit, why = step_lib.resolve_jit_why("auto", False, machine)

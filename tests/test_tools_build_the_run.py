@@ -14,6 +14,7 @@ import gin
 import pytest
 from absl import flags
 
+from detr_tf import machine
 from detr_tf.benchmarks import compare, model_garden, ours, step_benchmark, timing
 from detr_tf.benchmarks import xla_launches
 from detr_tf.training import state as state_lib
@@ -71,7 +72,9 @@ def test_benchmark_times_the_runs_model(received, mode, tmp_path):
     _run_tool("benchmark.py", GIN, f"--mode={mode}", "--image_size=64", "--batch_sizes=1",
               "--batch_size=1", f"--json_out={out}")
     model, criterion = received[f"benchmark_{mode}"]
-    assert model == MODEL and json.loads(out.read_text())["model"] == MODEL
+    report = json.loads(out.read_text())
+    assert model == MODEL and report["model"] == MODEL
+    assert report["machine"]["cpu_kind"] == machine.cpu_kind(machine.read_cpu_flags())
     assert criterion in (CRITERION, None)
 
 

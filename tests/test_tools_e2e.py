@@ -22,7 +22,7 @@ import pytest
 import tensorflow as tf
 
 from detr_tf import config
-from detr_tf import cli
+from detr_tf import cli, machine
 from detr_tf.evaluation import predict, restore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,8 +116,13 @@ def test_train_ends_with_metrics_predictions_and_next_steps(trained):
     assert f"tensorboard --logdir {model_dir}" in next_steps
     assert str(model_dir / "eval" / "metrics.json") in next_steps
     assert str(model_dir / "predictions") in next_steps
-    # The very last line says how long the run took and where the time went.
-    last = out.strip().splitlines()[-1]
+    # The very last line says how long the run took and where the time went; the one before it
+    # names the machine and whether other processes shared its CPU.
+    machine_line, last = out.strip().splitlines()[-2:]
+    kind = machine.cpu_kind(machine.read_cpu_flags())
+    assert machine_line.startswith("detr_tf: machine: ") and kind in machine_line, machine_line
+    assert re.search(r"other processes took \d+\.\d% of the CPU time, steal \d+\.\d%: "
+                     r"(idle|shared, not idle)$", machine_line), machine_line
     assert last.startswith("detr_tf: done in ") and "final evaluation" in last, last
     assert "after-train" in last, last
 

@@ -18,7 +18,6 @@ is the run's `train.dataset_fn` called as training calls it (`is_training=True`)
 MFU needs a peak: --peak_tflops, or a known GPU/TPU (see detr_tf/benchmarks/flops.py); on a
 CPU it is null unless given.
 """
-import json
 import sys
 
 from absl import app, flags
@@ -58,7 +57,7 @@ def main(argv):
     # experiment file's data and weights macros may stay unset.
     cli.parse_gin_or_exit("benchmark.py", FLAGS.gin_file, FLAGS.gin_param, defer_required=True)
     from detr_tf import run as run_lib
-    from detr_tf.benchmarks import step_benchmark
+    from detr_tf.benchmarks import step_benchmark, timing
 
     run = run_lib.assemble()
     precision = FLAGS.precision or _bound("train.precision", "float32")
@@ -89,9 +88,7 @@ def main(argv):
     report["command"] = " ".join(sys.argv)
     report["gin_files"], report["gin_params"] = FLAGS.gin_file, FLAGS.gin_param
     print(f"model: {report['model']}\n{table}")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+    timing.write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

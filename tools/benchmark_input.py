@@ -18,6 +18,7 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 import gin
 
 # Imported before any gin parsing: gin locks its registry once a config is parsed.
+from detr_tf.benchmarks import timing
 from detr_tf.data import benchmark, coco_converter, pipeline, shapes, sources
 
 FLAGS = flags.FLAGS
@@ -27,6 +28,7 @@ flags.DEFINE_integer("num_images", 256, "Images generated for the benchmark data
 flags.DEFINE_integer("batch_size", 8, "Global batch size.")
 flags.DEFINE_integer("num_batches", 60, "Timed batches per run (after warm-up).")
 flags.DEFINE_integer("runs", 3, "Runs per setting; the report gives the median.")
+flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
 
 
 def _data(config: str):
@@ -73,6 +75,7 @@ def main(argv):
     report["padding_waste_eval"] = benchmark.padding_report(eval_sizes,
                                                             list(pipeline.COCO_BUCKETS))
     print(json.dumps(report, indent=2))
+    timing.write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ while-loop iterations of the exact solves (JV passes + search iterations) and th
 steps, checks the exact totals against scipy's optimum, and gives the Sinkhorn matcher's excess
 cost over the optimum, relative to max(|optimum|, 1).
 """
-import json
 import os
 import time
 from typing import Callable, Dict, List, Tuple
@@ -35,7 +34,7 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 import numpy as np
 import tensorflow as tf
 
-from detr_tf.benchmarks import matcher_costs
+from detr_tf.benchmarks import matcher_costs, timing
 from detr_tf.ops import matching, sinkhorn
 
 tf.get_logger().setLevel("ERROR")  # Model Garden's matcher logs deprecation warnings
@@ -212,22 +211,20 @@ def main(argv):
           "and search steps are in the JSON.")
     for name, (specs, reason) in skipped.items():
         print(f"{name}: skipped {', '.join(specs)}: {reason}")
-    if FLAGS.json_out:
-        _write_json(results, {name: specs for name, (specs, _) in skipped.items()})
+    _write_json(results, {name: specs for name, (specs, _) in skipped.items()})
 
 
 def _write_json(results: List[Dict], skipped: Dict[str, List[str]]) -> None:
     extra = {}
     if "trained" in FLAGS.distributions:
         extra["trained_costs"] = matcher_costs.load_trained(FLAGS.trained_fixture).metadata
-    with open(FLAGS.json_out, "w") as f:
-        json.dump(dict(results=results, skipped=skipped, rounds=FLAGS.rounds,
-                       load_average=os.getloadavg(),
-                       flags={k: FLAGS[k].value for k in (
-                           "arr_passes", "unroll", "sinkhorn_epsilon", "sinkhorn_iters",
-                           "seed", "variants", "distributions")},
-                       devices=[d.name for d in tf.config.list_logical_devices()], **extra),
-                  f, indent=2)
+    timing.write_json(dict(results=results, skipped=skipped, rounds=FLAGS.rounds,
+                           load_average=os.getloadavg(),
+                           flags={k: FLAGS[k].value for k in (
+                               "arr_passes", "unroll", "sinkhorn_epsilon", "sinkhorn_iters",
+                               "seed", "variants", "distributions")},
+                           devices=[d.name for d in tf.config.list_logical_devices()], **extra),
+                      FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from detr_tf import machine
+
 
 def sync(value) -> None:
     """Blocks until every tensor in `value` is computed (TF runs ops asynchronously)."""
@@ -58,9 +60,13 @@ def peak_host_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def write_json(report, path: Optional[str], indent: int = 2) -> None:
-    """A benchmark tool's JSON report, written to `path` (nothing if None), and where it went."""
+def write_json(report: Dict[str, object], path: Optional[str], indent: int = 2) -> None:
+    """A benchmark tool's JSON report, written to `path` (nothing if None) with its machine
+    (`report['machine']`: detr_tf/machine.py's record, the CPU watched since the tool's start),
+    and one line naming the machine and whether it was idle, printed in any case."""
+    rec = machine.record()
+    print(f"machine: {machine.summary(rec)}")
     if path:
         with open(path, "w") as f:
-            json.dump(report, f, indent=indent)
+            json.dump({**report, "machine": rec}, f, indent=indent)
         print(f"wrote {path}")

@@ -15,10 +15,11 @@ The choice is a pure function of a `Hardware` description, so tests can fake any
 import dataclasses
 from typing import Optional, Tuple
 
+from detr_tf.machine import read_cpu_flags
+
 # CPU flags (Linux /proc/cpuinfo names) of native bfloat16 arithmetic.
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 MIN_BF16_COMPUTE_CAPABILITY = (8, 0)
-CPUINFO = "/proc/cpuinfo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,19 +39,6 @@ class Hardware:
     @property
     def accelerated(self) -> bool:
         return bool(self.gpu_compute_capabilities) or self.has_tpu
-
-
-def read_cpu_flags(path: str = CPUINFO) -> Optional[frozenset]:
-    """The CPU flags from the first 'flags' line of /proc/cpuinfo; None if there is none."""
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return frozenset(value.split())
-    except OSError:
-        return None
-    return None
 
 
 def detect() -> Hardware:

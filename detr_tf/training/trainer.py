@@ -30,6 +30,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import machine
 from detr_tf.training import checkpointing, hardware, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
@@ -173,7 +174,7 @@ def train(model_dir: str,
     Returns:
       The last logged training scalars and, if evaluated, the final eval metrics.
     """
-    started = time.time()
+    started, watch = time.time(), machine.CpuWatch()
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"train.nan_policy={nan_policy!r} is not one of {NAN_POLICIES}")
     if grad_accum_steps < 1:
@@ -229,7 +230,8 @@ def train(model_dir: str,
     if result.terminated:
         writer.close()
         return {"step": result.step, **result.last_train}
-    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing)
+    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing,
+                   watch)
 
 
 def _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps, precision, ema_decay,
@@ -300,9 +302,10 @@ def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, det
         return iter(engine.distribute_dataset(replica_dataset_fn))
 
 
-def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing):
+def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing, watch):
     """The final evaluation, the summary line, the after-train hook and, last, how long the
-    run took and where (on the chief)."""
+    run took and where, after the machine it ran on: its CPU kind, and whether other processes
+    took CPU time from it since `watch` started (on the chief)."""
     eval_metrics = result.eval_metrics
     if eval_fn is not None and engine.is_chief:
         t0 = time.time()
@@ -320,6 +323,7 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, t
             after_train_fn(model=state.model, model_dir=model_dir)
         timing["after-train"] = time.time() - t0
     if engine.is_chief:
+        print(f"detr_tf: machine: {machine.summary(machine.record(watch))}", flush=True)
         # The process's own start-up (imports) comes before train() and is not counted.
         print(f"detr_tf: done in {format_elapsed(sum(timing.values()))} ("
               + ", ".join(f"{k} {format_elapsed(v)}" for k, v in timing.items()) + ")",
