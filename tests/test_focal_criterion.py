@@ -6,6 +6,7 @@ import tensorflow as tf
 from scipy.optimize import linear_sum_assignment
 
 from detr_tf.losses.focal import FocalSetCriterion, focal_match_cost, sigmoid_focal_loss
+from detr_tf.losses.vfl import VarifocalLoss
 
 ALPHA, GAMMA = 0.25, 2.0
 
@@ -48,18 +49,37 @@ def np_cost(logits, boxes, labels, tboxes, w=(2.0, 5.0, 2.0)):
     return w[0] * cls + w[1] * l1 - w[2] * np_giou(np_xyxy(boxes), np_xyxy(tboxes))
 
 
-def np_layer_losses(logits, boxes, labels, tboxes, mask, n_box):
-    """One layer [B, Q, C] of the reference criterion: (ce, bbox, giou)."""
+def np_vfl(x, score, onehot, alpha=0.75, gamma=2.0):
+    """RT-DETR's varifocal loss, elementwise: the BCE towards the IoU score, weighted by the
+    score on a positive and by alpha * p^gamma elsewhere."""
+    p = np_sigmoid(x)
+    weight = alpha * p ** gamma * (1 - onehot) + score
+    return weight * (np.maximum(x, 0) - x * score + np.log1p(np.exp(-np.abs(x))))
+
+
+def np_iou(a, b):
+    """Pairs of [K, 4] cxcywh boxes -> [K] IoU."""
+    a, b = np_xyxy(a), np_xyxy(b)
+    wh = np.clip(np.minimum(a[:, 2:], b[:, 2:]) - np.maximum(a[:, :2], b[:, :2]), 0, None)
+    inter = wh.prod(-1)
+    area = lambda x: (x[:, 2] - x[:, 0]) * (x[:, 3] - x[:, 1])  # noqa: E731
+    return inter / (area(a) + area(b) - inter)
+
+
+def np_layer_losses(logits, boxes, labels, tboxes, mask, n_box, vfl=False):
+    """One layer [B, Q, C] of the reference criterion: (ce, bbox, giou); with vfl, the class
+    loss is the varifocal loss towards the matched boxes' IoU."""
     ce = bbox = giou = 0.0
     for b in range(logits.shape[0]):
         lab, tb = labels[b][mask[b]], tboxes[b][mask[b]]
-        target = np.zeros_like(logits[b])
+        target, score = np.zeros_like(logits[b]), np.zeros_like(logits[b])
         if len(lab):
             rows, cols = linear_sum_assignment(np_cost(logits[b], boxes[b], lab, tb))
             target[rows, lab[cols]] = 1.0
+            score[rows, lab[cols]] = np_iou(boxes[b][rows], tb[cols])
             bbox += np.abs(boxes[b][rows] - tb[cols]).sum()
             giou += (1 - np.diag(np_giou(np_xyxy(boxes[b][rows]), np_xyxy(tb[cols])))).sum()
-        ce += np_focal(logits[b], target).sum()
+        ce += (np_vfl(logits[b], score, target) if vfl else np_focal(logits[b], target)).sum()
     return ce / n_box, bbox / n_box, giou / n_box
 
 
@@ -94,7 +114,8 @@ def test_match_cost_matches_numpy():
 
 
 @pytest.mark.parametrize("two_stage", [False, True])
-def test_criterion_matches_numpy_and_scipy(two_stage):
+@pytest.mark.parametrize("vfl", [False, True])
+def test_criterion_matches_numpy_and_scipy(two_stage, vfl):
     rng = np.random.default_rng(2)
     logits, boxes, labels, tboxes, mask = _random_case(rng)
     outputs = {"pred_logits": tf.constant(logits[-1], tf.float32),
@@ -107,17 +128,19 @@ def test_criterion_matches_numpy_and_scipy(two_stage):
                                   "pred_boxes": tf.constant(enc_boxes[0], tf.float32)}
     targets = {"labels": tf.constant(labels), "boxes": tf.constant(tboxes, tf.float32),
                "mask": tf.constant(mask)}
-    got = FocalSetCriterion(num_classes=4)(outputs, targets)
+    # class_loss: the varifocal loss in the focal loss's place, matched by the same focal cost.
+    got = FocalSetCriterion(num_classes=4, class_loss=VarifocalLoss() if vfl else None)(
+        outputs, targets)
     n_box = mask.sum()
     want_total = 0.0
     for i, suffix in ((0, "_0"), (1, "")):
-        ce, bbox, giou = np_layer_losses(logits[i], boxes[i], labels, tboxes, mask, n_box)
+        ce, bbox, giou = np_layer_losses(logits[i], boxes[i], labels, tboxes, mask, n_box, vfl)
         np.testing.assert_allclose([got[f"loss_ce{suffix}"], got[f"loss_bbox{suffix}"],
                                     got[f"loss_giou{suffix}"]], [ce, bbox, giou], rtol=1e-4)
         want_total += 2 * ce + 5 * bbox + 2 * giou
     if two_stage:
         ce, bbox, giou = np_layer_losses(enc_logits[0], enc_boxes[0], np.zeros_like(labels),
-                                         tboxes, mask, n_box)
+                                         tboxes, mask, n_box, vfl)
         np.testing.assert_allclose([got["loss_ce_enc"], got["loss_bbox_enc"],
                                     got["loss_giou_enc"]], [ce, bbox, giou], rtol=1e-4)
         want_total += 2 * ce + 5 * bbox + 2 * giou

@@ -4,6 +4,8 @@ Semantics are Deformable DETR's SetCriterion:
 - Classification is per class with sigmoids, no no-object class: a matched query's target is
   the one-hot of its label, an unmatched query's is all zeros. The sigmoid focal loss (Lin et
   al. 2017; alpha, gamma) is summed over queries and classes and divided by num_boxes.
+  `class_loss` swaps in another class loss with RTDetrCriterion's interface, e.g. the
+  varifocal loss.
 - Matching cost: cost_class * focal cost + cost_bbox * L1 + cost_giou * -GIoU, where the focal
   cost of a query for a label is the focal loss of predicting it positive minus that of
   predicting it negative (the reference's formula, with its 1e-8 inside the logs).
@@ -119,13 +121,18 @@ class FocalSetCriterion:
         `@high_order_match_cost`, losses/rank.py); None: `focal_match_cost` with the cost
         weights and focal alpha, gamma above. RTDetrCriterion leaves it to Gin, so
         `FocalSetCriterion.match_cost` sets it for RT-DETR's and D-FINE's criteria too.
+      class_loss: the class loss of the decoder layers (and of matched proposals) in place of
+        the focal loss, with RTDetrCriterion's interface (Gin reference, e.g.
+        `@VarifocalLoss()`, whose target is the IoU a matched box reaches); logged as
+        'loss_ce' and weighted by weight_ce. None: the focal loss. DETR's dense proposals
+        keep the focal loss.
     """
 
     def __init__(self, num_classes: int, focal_alpha: float = 0.25, focal_gamma: float = 2.0,
                  cost_class: float = 2.0, cost_bbox: float = 5.0, cost_giou: float = 2.0,
                  weight_ce: float = 2.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
                  aux_loss: bool = True, matcher: Optional[Callable] = None,
-                 match_cost: Optional[Callable] = None):
+                 match_cost: Optional[Callable] = None, class_loss: Optional[Callable] = None):
         self.num_classes = num_classes
         self.alpha = focal_alpha
         self.gamma = focal_gamma
@@ -134,6 +141,7 @@ class FocalSetCriterion:
         self.aux_loss = aux_loss
         self.matcher = matching.HungarianMatcher() if matcher is None else matcher
         self.match_cost = match_cost
+        self.class_loss = class_loss
 
     def local_normalizers(self, targets: Dict[str, tf.Tensor],
                           num_queries: int) -> Dict[str, tf.Tensor]:
@@ -165,12 +173,17 @@ class FocalSetCriterion:
         idx = self.match(logits, boxes,
                          {"labels": labels, "boxes": tgt_boxes, "mask": mask})  # [N, B, Q]
         matched = tf.cast(idx >= 0, tf.float32)
-        onehot = tf.one_hot(box_losses.gather_matched(labels, idx),
-                            logits.shape[-1]) * matched[..., None]
-        focal = sigmoid_focal_loss(logits, onehot, self.alpha, self.gamma)  # [N, B, Q, C]
-        loss_ce = tf.reduce_sum(focal, [1, 2, 3]) / n_box
+        matched_labels = box_losses.gather_matched(labels, idx)  # [N, B, Q]
+        matched_boxes = box_losses.gather_matched(tgt_boxes, idx)  # [N, B, Q, 4]
+        if self.class_loss is None:
+            onehot = tf.one_hot(matched_labels, logits.shape[-1]) * matched[..., None]
+            focal = sigmoid_focal_loss(logits, onehot, self.alpha, self.gamma)  # [N, B, Q, C]
+            loss_ce = tf.reduce_sum(focal, [1, 2, 3]) / n_box
+        else:
+            loss_ce = self.class_loss(logits, boxes, matched_labels, matched_boxes, matched,
+                                      n_box, [1, 2])
         loss_bbox, loss_giou = box_losses.matched_box_losses(
-            boxes, box_losses.gather_matched(tgt_boxes, idx), matched, n_box, [1, 2])
+            boxes, matched_boxes, matched, n_box, [1, 2])
         return loss_ce, loss_bbox, loss_giou, idx
 
     def _encoder_losses(self, enc, targets, n_box):
