@@ -15,9 +15,8 @@ from detr_tf.losses.dfine import DFineCriterion
 from detr_tf.losses.union import union_matching
 from detr_tf.losses.mal import MatchabilityAwareLoss, matchability_aware_loss
 from detr_tf.losses.rtdetr import RTDetrCriterion
-from tests.test_focal_criterion import np_giou, np_sigmoid, np_xyxy
-from tests.test_rtdetr_loss import (_CountingMatcher, model_outputs, np_assignment,
-                                    np_pair_iou, np_vfl)
+from tests.test_focal_criterion import np_giou, np_pair_iou, np_sigmoid, np_vfl, np_xyxy
+from tests.test_rtdetr_loss import _CountingMatcher, model_outputs, np_assignment
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))

@@ -9,6 +9,7 @@ from detr_tf.losses.focal import FocalSetCriterion, focal_match_cost, sigmoid_fo
 from detr_tf.losses.vfl import VarifocalLoss
 
 ALPHA, GAMMA = 0.25, 2.0
+V_ALPHA, V_GAMMA = 0.75, 2.0  # RT-DETR's varifocal loss
 
 
 def np_sigmoid(x):
@@ -49,21 +50,21 @@ def np_cost(logits, boxes, labels, tboxes, w=(2.0, 5.0, 2.0)):
     return w[0] * cls + w[1] * l1 - w[2] * np_giou(np_xyxy(boxes), np_xyxy(tboxes))
 
 
-def np_vfl(x, score, onehot, alpha=0.75, gamma=2.0):
-    """RT-DETR's varifocal loss, elementwise: the BCE towards the IoU score, weighted by the
-    score on a positive and by alpha * p^gamma elsewhere."""
+def np_vfl(x, score, onehot):
+    """RT-DETR's varifocal loss, elementwise: (alpha p^gamma (1 - y) + q) * BCE(x, q)."""
     p = np_sigmoid(x)
-    weight = alpha * p ** gamma * (1 - onehot) + score
-    return weight * (np.maximum(x, 0) - x * score + np.log1p(np.exp(-np.abs(x))))
+    log_p, log_not_p = -np.logaddexp(0, -x), -np.logaddexp(0, x)
+    bce = -(score * log_p + (1 - score) * log_not_p)
+    return (V_ALPHA * p ** V_GAMMA * (1 - onehot) + score) * bce
 
 
-def np_iou(a, b):
-    """Pairs of [K, 4] cxcywh boxes -> [K] IoU."""
+def np_pair_iou(a, b):
+    """IoU of cxcywh pairs [N, 4] x [N, 4] -> [N]."""
     a, b = np_xyxy(a), np_xyxy(b)
-    wh = np.clip(np.minimum(a[:, 2:], b[:, 2:]) - np.maximum(a[:, :2], b[:, :2]), 0, None)
-    inter = wh.prod(-1)
-    area = lambda x: (x[:, 2] - x[:, 0]) * (x[:, 3] - x[:, 1])  # noqa: E731
-    return inter / (area(a) + area(b) - inter)
+    inter = np.prod(np.clip(np.minimum(a[:, 2:], b[:, 2:]) - np.maximum(a[:, :2], b[:, :2]),
+                            0, None), -1)
+    union = np.prod(a[:, 2:] - a[:, :2], -1) + np.prod(b[:, 2:] - b[:, :2], -1) - inter
+    return inter / union
 
 
 def np_layer_losses(logits, boxes, labels, tboxes, mask, n_box, vfl=False):
@@ -76,7 +77,7 @@ def np_layer_losses(logits, boxes, labels, tboxes, mask, n_box, vfl=False):
         if len(lab):
             rows, cols = linear_sum_assignment(np_cost(logits[b], boxes[b], lab, tb))
             target[rows, lab[cols]] = 1.0
-            score[rows, lab[cols]] = np_iou(boxes[b][rows], tb[cols])
+            score[rows, lab[cols]] = np_pair_iou(boxes[b][rows], tb[cols])
             bbox += np.abs(boxes[b][rows] - tb[cols]).sum()
             giou += (1 - np.diag(np_giou(np_xyxy(boxes[b][rows]), np_xyxy(tb[cols])))).sum()
         ce += (np_vfl(logits[b], score, target) if vfl else np_focal(logits[b], target)).sum()

@@ -12,31 +12,14 @@ from scipy.optimize import linear_sum_assignment
 from detr_tf.losses.rtdetr import RTDetrCriterion
 from detr_tf.losses.vfl import varifocal_loss, vfl_loss
 from detr_tf.ops.matching import HungarianMatcher
-from tests.test_focal_criterion import np_cost, np_giou, np_sigmoid, np_xyxy
+from tests.test_focal_criterion import (
+    V_ALPHA, V_GAMMA, np_cost, np_giou, np_pair_iou, np_sigmoid, np_vfl, np_xyxy)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 import make_rtdetr_loss_fixtures as cases  # noqa: E402  (numpy only unless its oracle runs)
 
-V_ALPHA, V_GAMMA = 0.75, 2.0
 WEIGHTS = (1.0, 5.0, 2.0)  # vfl, bbox, giou
-
-
-def np_vfl(x, score, onehot):
-    """The varifocal loss, elementwise: (alpha p^gamma (1 - y) + q) * BCE(x, q)."""
-    p = np_sigmoid(x)
-    log_p, log_not_p = -np.logaddexp(0, -x), -np.logaddexp(0, x)
-    bce = -(score * log_p + (1 - score) * log_not_p)
-    return (V_ALPHA * p ** V_GAMMA * (1 - onehot) + score) * bce
-
-
-def np_pair_iou(a, b):
-    """IoU of cxcywh pairs [N, 4] x [N, 4] -> [N]."""
-    a, b = np_xyxy(a), np_xyxy(b)
-    inter = np.prod(np.clip(np.minimum(a[:, 2:], b[:, 2:]) - np.maximum(a[:, :2], b[:, :2]),
-                            0, None), -1)
-    union = np.prod(a[:, 2:] - a[:, :2], -1) + np.prod(b[:, 2:] - b[:, :2], -1) - inter
-    return inter / union
 
 
 def np_query_losses(logits, boxes, labels, tboxes, positive, valid):
