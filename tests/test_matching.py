@@ -7,7 +7,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from detr_tf.ops import matching, matching_cost
+from detr_tf.ops import matching, matching_cost, matching_solver
 from detr_tf.training import distribution
 
 _JIT = tf.function(matching.hungarian_matching, jit_compile=True)
@@ -144,6 +144,25 @@ def test_batched_equals_one_at_a_time_and_modes_agree():
         single = matching.hungarian_matching(cost[b:b + 1], mask[b:b + 1]).numpy()
         np.testing.assert_array_equal(single[0], batched[b])
     _assert_optimal(cost, mask, batched)
+
+
+def test_a_hard_problem_left_alone_ends_at_the_optimum_in_the_last_stage():
+    # The loop runs on N, N/4, N/16, N/64 problems, none smaller than two.
+    assert matching_solver.stage_capacities(1) == [1]
+    assert matching_solver.stage_capacities(6) == [6]
+    assert matching_solver.stage_capacities(24) == [24, 6]
+    assert matching_solver.stage_capacities(384) == [384, 96, 24, 6]
+    # Seven problems the start solves (each target's cheapest query is its own) and one square
+    # uniform one that needs a search: it runs alone, gathered into the 2-problem stage.
+    rng = np.random.default_rng(11)
+    cost = np.tile(1.0 - np.eye(30, 24, dtype=np.float32), (8, 1, 1))
+    cost[5] = rng.uniform(-3, 4, size=(30, 24))
+    mask = np.ones((8, 24), bool)
+    out, stats = tf.function(matching.hungarian_matching_with_stats, jit_compile=True)(
+        tf.constant(cost), tf.constant(mask))
+    steps = stats["steps"].numpy()
+    assert steps[5] >= 10 and not np.delete(steps, 5).any(), steps
+    _assert_optimal(cost, mask, out.numpy())
 
 
 def test_leading_dims_and_broadcast_mask():

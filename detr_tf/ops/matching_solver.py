@@ -15,7 +15,7 @@ docs/PERFORMANCE.md.
 Row potentials are never stored: an assigned row's potential is implied by its tight edge,
 u[i] = C[i, col(i)] - v[col(i)], which saves one state tensor and its updates.
 """
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -27,6 +27,10 @@ _INT64_MAX = tf.int64.max
 _MAX_COLUMNS = 1 << 16
 # The loop continues on batches of N / factor once that few problems are unfinished.
 _SHRINK_FACTORS = (4, 16, 64)
+# No stage for fewer problems than this: each stage is one more copy of the loop to trace and
+# compile (0.4-0.5 s per stage on a CPU), and a stage of one problem after one of 3-6 made no
+# measurable difference to a call (docs/PERFORMANCE.md).
+_MIN_STAGE = 2
 
 
 def _row_bit(rows: tf.Tensor, num_words: int) -> tf.Tensor:
@@ -110,8 +114,7 @@ def _search(state, consts, static_n: Optional[int], max_iterations: int, unroll:
     if static_n is None:
         state, iterations = _run_stage(state, consts, iterations, 0, max_iterations, unroll)
         return state["row4col"], iterations, state["steps"]
-    capacities = sorted({static_n} | {max(1, static_n // f) for f in _SHRINK_FACTORS},
-                        reverse=True)
+    capacities = stage_capacities(static_n)
     row4col_out, steps_out = state["row4col"], state["steps"]
     for stage, capacity in enumerate(capacities):
         if stage > 0:
@@ -127,6 +130,12 @@ def _search(state, consts, static_n: Optional[int], max_iterations: int, unroll:
         row4col_out = tf.tensor_scatter_nd_update(row4col_out, index, state["row4col"])
         steps_out = tf.tensor_scatter_nd_update(steps_out, index, state["steps"])
     return row4col_out, iterations, steps_out
+
+
+def stage_capacities(n: int) -> List[int]:
+    """The batch sizes the search loop runs on, largest first, for a static batch of n."""
+    smaller = {n // f for f in _SHRINK_FACTORS if n // f >= _MIN_STAGE}
+    return sorted({n} | smaller, reverse=True)
 
 
 def _run_stage(state, consts, iterations, stop_count: int, max_iterations: int,
