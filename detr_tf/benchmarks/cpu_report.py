@@ -1,0 +1,138 @@
+"""The measurements docs/PERFORMANCE.md keeps one table of per CPU kind, as one plan to run.
+
+`plan` lists them as commands of the repository's own tools (the README's quickstart from an
+empty data cache, the matcher over its cost distributions twice, the step profiles, Model Garden
+side by side, each side's first call alone, and the test suite from a clean clone); `run_plan`
+runs them one after the other, each with its log, and writes `summary.json`: per step its exit
+status, wall time and the share of the CPU that other processes took meanwhile
+(detr_tf/machine.py), so that every figure says whether the machine was idle. A step whose
+output already exists is skipped, so an interrupted report resumes where it stopped.
+
+Standard library only: it starts the tools, it does not import TensorFlow.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+from detr_tf import machine
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Slugs of machine.cpu_kind's kinds, for file names.
+KIND_SLUGS = {"AMX": "amx", "AVX-512 with native bf16": "avx512bf16", "AVX-512": "avx512",
+              "AVX2 only": "avx2", "no AVX2": "noavx2"}
+_MATCHER_CASES = "384x100x20,384x100x20full,384x100x100,384x100x100full,24x20x16,24x20x6full"
+_QUICKSTART_SHAPES = ["--gin_file", "quickstart.gin", "--image_size", "128", "--batch_size", "8",
+                      "--num_boxes", "4", "--max_boxes", "16"]
+
+
+class Step(NamedTuple):
+    name: str
+    what: str
+    argv: List[str]  # run from the repository's root
+    output: str  # relative to the report's directory: the step is done once this exists
+    minutes: float  # a rough estimate of its duration on a 2-core AVX2-only CPU
+
+
+def native_bfloat16(kind: str) -> bool:
+    """Whether precision 'auto' picks mixed_bfloat16 on a CPU of this kind."""
+    return kind in ("AMX", "AVX-512 with native bf16")
+
+
+def _tool(name: str, *args: str) -> List[str]:
+    return [sys.executable, os.path.join("tools", name), *args]
+
+
+def plan(out: str, kind: str) -> List[Step]:
+    """The report's steps for a CPU of `kind` (machine.cpu_kind), writing under `out`."""
+    slug = KIND_SLUGS.get(kind, "cpu")
+    precisions = ["float32"] + (["mixed_bfloat16"] if native_bfloat16(kind) else [])
+    ours = [f"detr_tf/{p}/matcher" for p in precisions]
+    steps = [Step("quickstart", "the README's quickstart, from an empty data cache",
+                  _tool("train.py", "--gin_file=gin_configs/quickstart.gin",
+                        f"--gin_param=SHAPES_CACHE_DIR='{os.path.join(out, 'shapes')}'",
+                        f"--model_dir={os.path.join(out, 'quickstart')}"),
+                  os.path.join("quickstart", "eval", "metrics.json"), 10.0)]
+    for run in (1, 2):
+        name = f"matcher_distributions_{slug}_run{run}.json"
+        steps.append(Step(f"matcher_run{run}", "the matcher against scipy on every distribution",
+                          _tool("benchmark_matcher.py", f"--cases={_MATCHER_CASES}",
+                                "--variants=ours,scipy", "--rounds=7",
+                                f"--json_out={os.path.join(out, name)}"), name, 2.0))
+    variants = [a for v in ["model_garden/float32/none"] + ours for a in ("--variant", v)]
+    quick = [a for v in ours for a in ("--variant", v)]
+    steps += [
+        Step("profile_r50", "where R50's step time goes (256 px, batch 2)",
+             _tool("profile_step.py", *variants,
+                   "--json_out", os.path.join(out, f"step_profile_r50_{slug}.json")),
+             f"step_profile_r50_{slug}.json", 4.0),
+        Step("profile_quickstart", "where the quickstart's step time goes",
+             _tool("profile_step.py", *_QUICKSTART_SHAPES, *quick, "--json_out",
+                   os.path.join(out, f"step_profile_quickstart_{slug}.json")),
+             f"step_profile_quickstart_{slug}.json", 1.0),
+        Step("vs_model_garden", "R50's step beside Model Garden's, 7 interleaved rounds",
+             _tool("benchmark_vs_model_garden.py", "--image_size", "256", "--batch_size", "2",
+                   "--rounds", "7", "--variant", "detr_tf/float32/none", *variants,
+                   "--json_out", os.path.join(out, f"vs_model_garden_{slug}.json")),
+             f"vs_model_garden_{slug}.json", 12.0)]
+    for side, variant in (("model_garden", "model_garden/float32/none"), ("detr_tf", ours[-1])):
+        name = f"first_call_{slug}_{side}.json"
+        steps.append(Step(f"first_call_{side}", "the first call alone in a fresh process",
+                          _tool("benchmark_vs_model_garden.py", "--variant", variant,
+                                "--rounds", "2", "--json_out", os.path.join(out, name)),
+                          name, 2.0))
+    clone = os.path.join(out, "clone")
+    steps.append(Step("suite", "the test suite as CI runs it, from a clean clone of HEAD",
+                      ["bash", "-c", f'rm -rf "{clone}" && git clone -q "{REPO}" "{clone}" && '
+                       f'cd "{clone}" && bash .ci/run && echo ok > "{out}/suite.done"'],
+                      "suite.done", 22.0))
+    return steps
+
+
+def run_plan(steps: Sequence[Step], out: str, only: Optional[Sequence[str]] = None,
+             force: bool = False, cwd: str = REPO,
+             announce: Callable[[str], None] = print) -> Dict[str, Dict[str, object]]:
+    """Runs `steps` (those named in `only`, if given) in order; returns and writes the summary.
+
+    Each step's output goes to OUT/NAME.log. A step whose output exists is skipped unless
+    `force`; a failed step does not stop the others.
+    """
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "summary.json")
+    summary = json.load(open(path)) if os.path.exists(path) else {}
+    for step in steps:
+        if only and step.name not in only:
+            continue
+        if os.path.exists(os.path.join(out, step.output)) and not force:
+            announce(f"{step.name}: done before ({step.output}), skipped")
+            continue
+        if step.name == "quickstart":  # from an empty cache, as a new user runs it
+            shutil.rmtree(os.path.join(out, "shapes"), ignore_errors=True)
+            shutil.rmtree(os.path.join(out, "quickstart"), ignore_errors=True)
+        announce(f"{step.name}: {step.what} (about {step.minutes:g} min on an AVX2 CPU)")
+        summary[step.name] = _run_step(step, out, cwd)
+        announce(f"{step.name}: exit {summary[step.name]['returncode']} after "
+                 f"{summary[step.name]['wall_s']:.0f} s; {summary[step.name]['machine_line']}")
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+def _run_step(step: Step, out: str, cwd: str) -> Dict[str, object]:
+    watch = machine.CpuWatch()
+    start = time.time()
+    path = [p for p in (REPO, os.environ.get("PYTHONPATH")) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    with open(os.path.join(out, f"{step.name}.log"), "w") as log:
+        returncode = subprocess.call(step.argv, cwd=cwd, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+    wall = time.time() - start
+    rec = machine.record(watch)
+    with open(os.path.join(out, f"{step.name}.log")) as log:
+        lines = [line.rstrip() for line in log if line.strip()]
+    return dict(argv=step.argv, output=step.output, returncode=returncode,
+                wall_s=round(wall, 1), last_line=lines[-1] if lines else "", machine=rec,
+                machine_line=machine.summary(rec))

@@ -1,0 +1,88 @@
+"""tools/measure_cpu.py's plan and runner (detr_tf/benchmarks/cpu_report.py), without running
+the measurements themselves: the plan names only flags its tools define, picks the precisions
+'auto' would, and the runner logs, records, resumes and survives a failing step."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from detr_tf.benchmarks import cpu_report
+
+REPO = Path(__file__).resolve().parent.parent
+_DEFINED = re.compile(r'DEFINE_\w+\(\s*"(\w+)"')
+
+
+def _defined_flags(tool: Path) -> set:
+    """Flag names a tool defines: its own, and those of the shared definers it calls."""
+    text = tool.read_text()
+    sources = [text]
+    if "compare.define_flags" in text:
+        sources.append((REPO / "detr_tf" / "benchmarks" / "compare.py").read_text())
+    if "cli.define_" in text:
+        sources.append((REPO / "detr_tf" / "cli.py").read_text())
+    return {name for source in sources for name in _DEFINED.findall(source)}
+
+
+@pytest.mark.parametrize("kind", ["AVX2 only", "AVX-512 with native bf16", "AMX"])
+def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
+    steps = cpu_report.plan(str(tmp_path), kind)
+    assert [s.name for s in steps][0] == "quickstart" and steps[-1].name == "suite"
+    for step in steps:
+        tools = [a for a in step.argv if a.startswith("tools" + os.sep)]
+        if not tools:
+            continue
+        used = {a[2:].split("=")[0] for a in step.argv if a.startswith("--")}
+        missing = used - _defined_flags(REPO / tools[0])
+        assert not missing, (step.name, missing)
+        assert (REPO / tools[0]).exists()
+    text = json.dumps([s.argv for s in steps])
+    # 'auto' picks mixed_bfloat16 only where the CPU computes bfloat16 natively.
+    assert ("mixed_bfloat16" in text) == (kind != "AVX2 only"), kind
+    slug = cpu_report.KIND_SLUGS[kind]
+    reports = [s.output for s in steps if s.output.endswith(".json") and os.sep not in s.output]
+    assert len(reports) == 7 and all(slug in name for name in reports), reports
+
+
+def _step(name, code, output):
+    return cpu_report.Step(name, name, [sys.executable, "-c", code], output, 0.0)
+
+
+def test_the_runner_logs_records_resumes_and_survives_a_failure(tmp_path):
+    out = tmp_path / "report"
+    write = f"open({str(out / 'a.json')!r}, 'w').write('1'); print('a ran')"
+    steps = [_step("a", write, "a.json"),
+             _step("b", "import sys; print('b failed'); sys.exit(3)", "b.json")]
+    said = []
+    summary = cpu_report.run_plan(steps, str(out), announce=said.append)
+    assert summary["a"]["returncode"] == 0 and summary["b"]["returncode"] == 3
+    assert summary["a"]["last_line"] == "a ran" and (out / "b.log").read_text() == "b failed\n"
+    assert "other processes took" in summary["a"]["machine_line"]
+    assert summary["a"]["machine"]["cpu_kind"]
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+    # Again: a's output exists, so only the failed b runs; --force reruns a too.
+    said.clear()
+    cpu_report.run_plan(steps, str(out), announce=said.append)
+    assert said[0] == "a: done before (a.json), skipped" and said[1].startswith("b: ")
+    said.clear()
+    summary = cpu_report.run_plan(steps, str(out), only=["a"], force=True,
+                                  announce=said.append)
+    assert [line.split(":")[0] for line in said] == ["a", "a"]
+    assert set(summary) == {"a", "b"}  # b's earlier record is kept
+
+
+def test_the_tool_lists_its_plan_and_refuses_an_unknown_step(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    tool = [sys.executable, str(REPO / "tools" / "measure_cpu.py"), f"--out_dir={tmp_path}"]
+    listed = subprocess.run(tool + ["--list"], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "quickstart:" in listed.stdout and "suite:" in listed.stdout
+    assert not os.listdir(tmp_path)  # listing runs nothing
+    bad = subprocess.run(tool + ["--only=quickstart,nosuch"], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=120)
+    assert bad.returncode != 0 and "nosuch" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,51 @@
+"""Runs, on this machine, the measurements docs/PERFORMANCE.md keeps a table of per CPU kind.
+
+    python tools/measure_cpu.py --out_dir=/tmp/cpu_report            # everything: about an hour
+    python tools/measure_cpu.py --out_dir=/tmp/cpu_report --list     # the plan only
+    python tools/measure_cpu.py --out_dir=/tmp/cpu_report --only=quickstart,matcher_run1
+
+The steps (detr_tf/benchmarks/cpu_report.py): the README's quickstart from an empty data cache,
+the matcher against scipy on every cost distribution (twice), where R50's and the quickstart's
+step time goes, R50 beside Model Garden, each side's first call alone, and the test suite from a
+clean clone as CI runs it. Each writes its JSON (named for the CPU kind) and its log into
+--out_dir; summary.json gives each step's exit status, wall time and whether other processes
+shared the CPU meanwhile. Steps whose output exists are skipped (--force reruns them), so an
+interrupted report resumes. For figures that compare, run it on an otherwise idle machine.
+"""
+import sys
+
+from absl import app, flags
+
+from detr_tf import machine
+from detr_tf.benchmarks import cpu_report
+
+flags.DEFINE_string("out_dir", None, "Where the JSONs, logs and summary.json go.")
+flags.DEFINE_list("only", [], "Run only these steps (names as --list prints them).")
+flags.DEFINE_bool("force", False, "Rerun steps whose output already exists.")
+flags.DEFINE_bool("list", False, "Print the plan and exit.")
+flags.mark_flag_as_required("out_dir")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    kind = machine.cpu_kind(machine.read_cpu_flags())
+    steps = cpu_report.plan(FLAGS.out_dir, kind)
+    unknown = sorted(set(FLAGS.only) - {s.name for s in steps})
+    if unknown:
+        sys.exit(f"measure_cpu: --only names no step {unknown}; the steps are "
+                 f"{[s.name for s in steps]}")
+    print(f"measure_cpu: {kind}, {len(steps)} steps, about "
+          f"{sum(s.minutes for s in steps):.0f} min on a 2-core AVX2 CPU")
+    if FLAGS.list:
+        for s in steps:
+            print(f"  {s.name}: {s.what}\n    {' '.join(s.argv)}")
+        return
+    summary = cpu_report.run_plan(steps, FLAGS.out_dir, FLAGS.only, FLAGS.force)
+    failed = [name for name, r in summary.items() if r["returncode"] != 0]
+    if failed:
+        sys.exit(f"measure_cpu: failed: {failed} (see their logs in {FLAGS.out_dir})")
+
+
+if __name__ == "__main__":
+    app.run(main)
