@@ -152,8 +152,8 @@ def test_a_hard_problem_left_alone_ends_at_the_optimum_in_the_last_stage():
     assert matching_solver.stage_capacities(6) == [6]
     assert matching_solver.stage_capacities(24) == [24, 6]
     assert matching_solver.stage_capacities(384) == [384, 96, 24, 6]
-    # Seven problems the start solves (each target's cheapest query is its own) and one square
-    # uniform one that needs a search: it runs alone, gathered into the 2-problem stage.
+    # Seven problems the start solves (each target's cheapest query is its own) and one of
+    # uniform costs that needs a search: it runs alone, gathered into the 2-problem stage.
     rng = np.random.default_rng(11)
     cost = np.tile(1.0 - np.eye(30, 24, dtype=np.float32), (8, 1, 1))
     cost[5] = rng.uniform(-3, 4, size=(30, 24))

@@ -16,6 +16,7 @@ import sys
 
 from absl import app, flags
 
+from detr_tf import cli  # noqa: F401 -- first, as every tool (its environment reaches the steps)
 from detr_tf import machine
 from detr_tf.benchmarks import cpu_report
 
