@@ -28,8 +28,8 @@ _MAX_COLUMNS = 1 << 16
 # The loop continues on batches of N / factor once that few problems are unfinished.
 _SHRINK_FACTORS = (4, 16, 64)
 # No stage for fewer problems than this: each stage is one more copy of the loop to trace and
-# compile (0.4-0.5 s per stage on a CPU), and a stage of one problem after one of 3-6 made no
-# measurable difference to a call (docs/PERFORMANCE.md).
+# compile (about 0.5 s on a CPU), while a last stage of one problem saved a call at most 0.2 ms
+# (docs/PERFORMANCE.md).
 _MIN_STAGE = 2
 
 
