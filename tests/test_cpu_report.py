@@ -27,9 +27,15 @@ def _defined_flags(tool: Path) -> set:
     return {name for source in sources for name in _DEFINED.findall(source)}
 
 
-@pytest.mark.parametrize("kind", ["AVX2 only", "AVX-512 with native bf16", "AMX"])
+_AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+_CPUS = {"AVX2 only": _AVX2, "AVX-512": _AVX2 | {"avx512f"},
+         "AVX-512 with native bf16": _AVX2 | {"avx512f", "avx512_bf16"},
+         "AMX": _AVX2 | {"avx512f", "avx512_bf16", "amx_bf16"}}
+
+
+@pytest.mark.parametrize("kind", sorted(_CPUS))
 def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
-    steps = cpu_report.plan(str(tmp_path), kind)
+    steps = cpu_report.plan(str(tmp_path), _CPUS[kind])
     assert [s.name for s in steps][0] == "quickstart" and steps[-1].name == "suite"
     for step in steps:
         tools = [a for a in step.argv if a.startswith("tools" + os.sep)]
@@ -41,7 +47,7 @@ def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
         assert (REPO / tools[0]).exists()
     text = json.dumps([s.argv for s in steps])
     # 'auto' picks mixed_bfloat16 only where the CPU computes bfloat16 natively.
-    assert ("mixed_bfloat16" in text) == (kind != "AVX2 only"), kind
+    assert ("mixed_bfloat16" in text) == ("avx512_bf16" in _CPUS[kind]), kind
     slug = cpu_report.KIND_SLUGS[kind]
     reports = [s.output for s in steps if s.output.endswith(".json") and os.sep not in s.output]
     assert len(reports) == 7 and all(slug in name for name in reports), reports
@@ -73,6 +79,15 @@ def test_the_runner_logs_records_resumes_and_survives_a_failure(tmp_path):
                                   announce=said.append)
     assert [line.split(":")[0] for line in said] == ["a", "a"]
     assert set(summary) == {"a", "b"}  # b's earlier record is kept
+
+    # A step's `fresh` directories are emptied before it runs (the quickstart's data cache).
+    (out / "cache").mkdir()
+    (out / "cache" / "old").write_text("stale")
+    check = f"import os; print(os.path.exists({str(out / 'cache' / 'old')!r}))"
+    fresh = cpu_report.Step("c", "c", [sys.executable, "-c", check], "c.json", 0.0,
+                            fresh=("cache",))
+    assert cpu_report.run_plan([fresh], str(out), announce=said.append)["c"]["last_line"] \
+        == "False"
 
 
 def test_the_tool_lists_its_plan_and_refuses_an_unknown_step(tmp_path):

@@ -30,8 +30,9 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    kind = machine.cpu_kind(machine.read_cpu_flags())
-    steps = cpu_report.plan(FLAGS.out_dir, kind)
+    cpu_flags = machine.read_cpu_flags()
+    kind = machine.cpu_kind(cpu_flags)
+    steps = cpu_report.plan(FLAGS.out_dir, cpu_flags)
     unknown = sorted(set(FLAGS.only) - {s.name for s in steps})
     if unknown:
         sys.exit(f"measure_cpu: --only names no step {unknown}; the steps are "

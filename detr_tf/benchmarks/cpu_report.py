@@ -8,7 +8,8 @@ status, wall time and the share of the CPU that other processes took meanwhile
 (detr_tf/machine.py), so that every figure says whether the machine was idle. A step whose
 output already exists is skipped, so an interrupted report resumes where it stopped.
 
-Standard library only: it starts the tools, it does not import TensorFlow.
+Standard library only (and training/hardware.py's precision choice, which loads nothing): it
+starts the tools, it does not import TensorFlow.
 """
 import json
 import os
@@ -16,9 +17,10 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from detr_tf import machine
+from detr_tf.training import hardware
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Slugs of machine.cpu_kind's kinds, for file names.
@@ -35,27 +37,26 @@ class Step(NamedTuple):
     argv: List[str]  # run from the repository's root
     output: str  # relative to the report's directory: the step is done once this exists
     minutes: float  # a rough estimate of its duration on a 2-core AVX2-only CPU
-
-
-def native_bfloat16(kind: str) -> bool:
-    """Whether precision 'auto' picks mixed_bfloat16 on a CPU of this kind."""
-    return kind in ("AMX", "AVX-512 with native bf16")
+    fresh: Tuple[str, ...] = ()  # directories (relative to the report's) emptied before it runs
 
 
 def _tool(name: str, *args: str) -> List[str]:
     return [sys.executable, os.path.join("tools", name), *args]
 
 
-def plan(out: str, kind: str) -> List[Step]:
-    """The report's steps for a CPU of `kind` (machine.cpu_kind), writing under `out`."""
-    slug = KIND_SLUGS.get(kind, "cpu")
-    precisions = ["float32"] + (["mixed_bfloat16"] if native_bfloat16(kind) else [])
+def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
+    """The report's steps for a CPU with these flags (machine.read_cpu_flags), writing under
+    `out`: float32, and the precision train.precision='auto' picks there if it is another."""
+    slug = KIND_SLUGS.get(machine.cpu_kind(cpu_flags), "cpu")
+    auto = hardware.auto_precision(hardware.Hardware(cpu_flags=cpu_flags))[0]
+    precisions = ["float32"] + ([auto] if auto != "float32" else [])
     ours = [f"detr_tf/{p}/matcher" for p in precisions]
     steps = [Step("quickstart", "the README's quickstart, from an empty data cache",
                   _tool("train.py", "--gin_file=gin_configs/quickstart.gin",
                         f"--gin_param=SHAPES_CACHE_DIR='{os.path.join(out, 'shapes')}'",
                         f"--model_dir={os.path.join(out, 'quickstart')}"),
-                  os.path.join("quickstart", "eval", "metrics.json"), 10.0)]
+                  os.path.join("quickstart", "eval", "metrics.json"), 10.0,
+                  fresh=("shapes", "quickstart"))]
     for run in (1, 2):
         name = f"matcher_distributions_{slug}_run{run}.json"
         steps.append(Step(f"matcher_run{run}", "the matcher against scipy on every distribution",
@@ -86,9 +87,9 @@ def plan(out: str, kind: str) -> List[Step]:
                           name, 2.0))
     clone = os.path.join(out, "clone")
     steps.append(Step("suite", "the test suite as CI runs it, from a clean clone of HEAD",
-                      ["bash", "-c", f'rm -rf "{clone}" && git clone -q "{REPO}" "{clone}" && '
-                       f'cd "{clone}" && bash .ci/run && echo ok > "{out}/suite.done"'],
-                      "suite.done", 22.0))
+                      ["bash", "-c", f'git clone -q "{REPO}" "{clone}" && cd "{clone}" && '
+                       f'bash .ci/run && echo ok > "{out}/suite.done"'],
+                      "suite.done", 22.0, fresh=("clone",)))
     return steps
 
 
@@ -98,20 +99,23 @@ def run_plan(steps: Sequence[Step], out: str, only: Optional[Sequence[str]] = No
     """Runs `steps` (those named in `only`, if given) in order; returns and writes the summary.
 
     Each step's output goes to OUT/NAME.log. A step whose output exists is skipped unless
-    `force`; a failed step does not stop the others.
+    `force`; its `fresh` directories are emptied first (the quickstart's data cache, so it runs
+    as a new user's does); a failed step does not stop the others.
     """
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "summary.json")
-    summary = json.load(open(path)) if os.path.exists(path) else {}
+    summary = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            summary = json.load(f)
     for step in steps:
         if only and step.name not in only:
             continue
         if os.path.exists(os.path.join(out, step.output)) and not force:
             announce(f"{step.name}: done before ({step.output}), skipped")
             continue
-        if step.name == "quickstart":  # from an empty cache, as a new user runs it
-            shutil.rmtree(os.path.join(out, "shapes"), ignore_errors=True)
-            shutil.rmtree(os.path.join(out, "quickstart"), ignore_errors=True)
+        for directory in step.fresh:
+            shutil.rmtree(os.path.join(out, directory), ignore_errors=True)
         announce(f"{step.name}: {step.what} (about {step.minutes:g} min on an AVX2 CPU)")
         summary[step.name] = _run_step(step, out, cwd)
         announce(f"{step.name}: exit {summary[step.name]['returncode']} after "
