@@ -224,18 +224,23 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# tf.data's autotuning is on only for processes that may use at least this many CPUs.
+AUTOTUNE_MIN_CPUS = 3
+
+
 def input_options(deterministic: bool, num_cpus: Optional[int] = None) -> tf.data.Options:
     """The input pipeline's tf.data options.
 
-    tf.data's autotuning is left on, except for a process that may run on one CPU only
-    (`num_cpus`, default `usable_cpus()`): there it has no parallelism to tune, and with
-    TensorFlow 2.20 its background thread held up the exit of a finished run while the train
-    iterator was destroyed (measured, with and without it: docs/PERFORMANCE.md, "Input
-    pipeline").
+    tf.data's autotuning is on only where the process may use AUTOTUNE_MIN_CPUS or more CPUs
+    (`num_cpus`, default `usable_cpus()`). With TensorFlow 2.20 its background thread can hold
+    up the end of a finished run for up to a minute while the train iterator is destroyed; on
+    one or two CPUs it tuned nothing that made a step faster (measured, with and without it:
+    docs/PERFORMANCE.md, "Input pipeline").
     """
     options = tf.data.Options()
     options.deterministic = deterministic
-    options.autotune.enabled = (usable_cpus() if num_cpus is None else num_cpus) > 1
+    cpus = usable_cpus() if num_cpus is None else num_cpus
+    options.autotune.enabled = cpus >= AUTOTUNE_MIN_CPUS
     return options
 
 
