@@ -139,7 +139,8 @@ def process_watch() -> CpuWatch:
 
 def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str, object]:
     """What a benchmark's JSON says of its machine: the CPU's model, kind and deciding flags,
-    the cores this process may use, the oneDNN and XLA settings, and the watch's report
+    the cores this process may use, the oneDNN and XLA settings (a limit on the instructions
+    they use makes a CPU run like an older kind), and the watch's report
     (default: the process's)."""
     flags = read_cpu_flags(cpuinfo)
     return {
@@ -149,6 +150,7 @@ def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+        "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
         "cpu_use": (watch or process_watch()).report(),
     }
@@ -156,8 +158,11 @@ def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str
 
 def summary(rec: Dict[str, object]) -> str:
     """One line, e.g. 'AMD EPYC, AVX-512 with native bf16, 2 usable cores; over the last 312 s
-    other processes took 0.4% of the CPU time, steal 0.0%: idle'."""
-    head = f"{rec['cpu_model'] or 'CPU model unknown'}, {rec['cpu_kind']}, " \
+    other processes took 0.4% of the CPU time, steal 0.0%: idle'. A limit on oneDNN's
+    instructions follows the kind: '..., AVX-512 with native bf16 (oneDNN held to AVX2), ...'."""
+    limit = rec.get("ONEDNN_MAX_CPU_ISA")
+    held = f" (oneDNN held to {limit})" if limit else ""
+    head = f"{rec['cpu_model'] or 'CPU model unknown'}, {rec['cpu_kind']}{held}, " \
            f"{rec['usable_cores']} usable cores"
     use = rec["cpu_use"]
     if use is None:

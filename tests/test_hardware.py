@@ -3,6 +3,11 @@
 Every machine here is faked (device lists, compute capabilities, CPU flag sets), so the
 choices are tested whatever CPU runs the tests.
 """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gin
 import pytest
 import tf_keras
@@ -11,6 +16,7 @@ from detr_tf import config
 from detr_tf.training import hardware, step as step_lib
 from detr_tf.training import trainer
 
+REPO = Path(__file__).resolve().parent.parent
 AVX2 = frozenset("fpu sse sse2 avx avx2 fma f16c".split())
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 AVX512_BF16 = AVX512 | {"avx512_bf16"}
@@ -28,6 +34,16 @@ MACHINES = [
     (hardware.Hardware(((7, 5),), cpu_flags=AMX), "float32"),  # the GPU decides, not the CPU
     (hardware.Hardware(((8, 6), (7, 0)), cpu_flags=AVX2), "float32"),  # the slowest GPU
     (hardware.Hardware(has_tpu=True), "mixed_bfloat16"),
+    # Native bfloat16 is reached through oneDNN only: off, or held below AVX512_CORE_BF16.
+    (hardware.Hardware(cpu_flags=AVX512_BF16, onednn=False), "float32"),
+    (hardware.Hardware(cpu_flags=AMX, onednn=False), "float32"),
+    (hardware.Hardware(cpu_flags=AMX, onednn_max_isa="AVX2"), "float32"),
+    (hardware.Hardware(cpu_flags=AVX512_BF16, onednn_max_isa="avx512_core_vnni"), "float32"),
+    (hardware.Hardware(cpu_flags=AVX512_BF16, onednn_max_isa="AVX512_CORE_BF16"),
+     "mixed_bfloat16"),
+    (hardware.Hardware(cpu_flags=AMX, onednn_max_isa="AVX512_CORE_AMX"), "mixed_bfloat16"),
+    (hardware.Hardware(cpu_flags=AMX, onednn_max_isa="ALL"), "mixed_bfloat16"),
+    (hardware.Hardware(((8, 0),), cpu_flags=AVX2, onednn=False), "mixed_bfloat16"),  # the GPU
 ]
 
 
@@ -50,6 +66,49 @@ def test_reasons_name_what_decided():
     assert "cannot be read" in hardware.auto_precision(hardware.Hardware())[1]
     assert hardware.describe("float32", "why") == "float32 (auto: why)"
     assert hardware.describe("float32", "") == "float32"
+
+
+# oneDNN's instruction sets in its own order (dnnl_cpu_isa_t), aliases beside each other; its
+# bfloat16 kernels start at avx512_core_bf16.
+ONEDNN_ISAS = ["sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core",
+               "avx512_core_vnni", "avx512_core_bf16", "avx10_1_512", "avx512_core_fp16",
+               "avx10_1_512_amx", "avx512_core_amx", "avx10_1_512_amx_fp16",
+               "avx512_core_amx_fp16"]
+
+
+def test_onednn_limits_below_avx512_core_bf16_exclude_bfloat16():
+    first_bf16 = ONEDNN_ISAS.index("avx512_core_bf16")
+    for i, isa in enumerate(ONEDNN_ISAS):
+        for spelled in (isa, isa.upper()):
+            assert hardware.onednn_allows_bf16(spelled) == (i >= first_bf16), spelled
+    assert set(hardware.ONEDNN_ISA_MASKS) == set(ONEDNN_ISAS)
+    # No limit: unset, oneDNN's own 'all' / 'default', or a name it does not know.
+    for unlimited in (None, "", "ALL", "default", "avx11"):
+        assert hardware.onednn_allows_bf16(unlimited), unlimited
+
+
+def test_reasons_name_the_onednn_setting_that_decided():
+    off = hardware.auto_precision(hardware.Hardware(cpu_flags=AMX, onednn=False))[1]
+    assert "TF_ENABLE_ONEDNN_OPTS" in off and "emulated" in off
+    held = hardware.auto_precision(hardware.Hardware(cpu_flags=AMX, onednn_max_isa="AVX2"))[1]
+    assert "AVX2" in held and "ONEDNN_MAX_CPU_ISA" in held
+
+
+@pytest.mark.parametrize("env,onednn,max_isa", [
+    ({"TF_ENABLE_ONEDNN_OPTS": "0"}, False, None),
+    ({"TF_ENABLE_ONEDNN_OPTS": "1", "ONEDNN_MAX_CPU_ISA": "AVX2"}, True, "AVX2"),
+    ({"TF_ENABLE_ONEDNN_OPTS": "1", "DNNL_MAX_CPU_ISA": "avx512_core"}, True, "avx512_core")])
+def test_detect_reads_the_processs_onednn_settings(env, onednn, max_isa):
+    # In a fresh process: TensorFlow fixes its oneDNN choice when it loads.
+    code = ("from detr_tf.training import hardware; hw = hardware.detect(); "
+            "print(hw.onednn, hw.onednn_max_isa)")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**clean, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == [str(onednn), str(max_isa)], proc.stdout
 
 
 def test_bad_precision_is_named():

@@ -43,6 +43,10 @@ def test_cpu_flags_and_model_are_read_from_cpuinfo(tmp_path):
     assert rec["cpu_use"] is None
     assert machine.summary(rec).startswith("AMD EPYC, AVX-512 with native bf16, ")
     assert "unknown (no /proc/stat)" in machine.summary(rec)
+    # A limit on oneDNN's instructions makes the CPU run like an older kind: the line says so.
+    held = dict(rec, ONEDNN_MAX_CPU_ISA="AVX2")
+    assert machine.summary(held).startswith(
+        "AMD EPYC, AVX-512 with native bf16 (oneDNN held to AVX2), ")
     (tmp_path / "arm").write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
     assert machine.read_cpu_flags(str(tmp_path / "arm")) is None
     assert machine.read_cpu_flags(str(tmp_path / "missing")) is None

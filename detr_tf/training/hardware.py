@@ -6,13 +6,20 @@ on a 2-core AVX2-only CPU (AMD EPYC, Zen 3) the quickstart's mixed_bfloat16 step
 against 122 ms in float32 with oneDNN (docs/PERFORMANCE.md). So 'auto' picks mixed_bfloat16 on:
   - a TPU;
   - GPUs of compute capability 8.0 or more (Ampere and later), all of them;
-  - a CPU whose flags show AMX-BF16 or AVX512_BF16;
-and float32 everywhere else, including a CPU whose flags cannot be read. mixed_float16 needs
-dynamic loss scaling and changes the numerics more; it is never picked automatically.
+  - a CPU whose flags show AMX-BF16 or AVX512_BF16, where TensorFlow's oneDNN kernels are on
+    and allowed those instructions;
+and float32 everywhere else, including a CPU whose flags cannot be read. Native bfloat16 is
+reached only through oneDNN: on an AVX512_BF16 CPU, the quickstart's bfloat16 step took 385-392 ms
+without oneDNN (TF_ENABLE_ONEDNN_OPTS=0) against 88-95 ms in float32; with oneDNN held to
+AVX512_CORE (ONEDNN_MAX_CPU_ISA) 127 ms against 68, and held to AVX2 its first bfloat16
+convolution failed (docs/PERFORMANCE.md#precision-on-cpus-without-native-bfloat16).
+mixed_float16 needs dynamic loss scaling and changes the numerics more; it is never picked
+automatically.
 
 The choice is a pure function of a `Hardware` description, so tests can fake any machine.
 """
 import dataclasses
+import os
 from typing import Optional, Tuple
 
 from detr_tf.machine import read_cpu_flags
@@ -20,6 +27,16 @@ from detr_tf.machine import read_cpu_flags
 # CPU flags (Linux /proc/cpuinfo names) of native bfloat16 arithmetic.
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 MIN_BF16_COMPUTE_CAPABILITY = (8, 0)
+# oneDNN's instruction-set limits (the values of ONEDNN_MAX_CPU_ISA, lower-cased) as oneDNN's own
+# dnnl_cpu_isa_t bit masks: a limit allows an instruction set when its mask covers that set's.
+# Its bfloat16 kernels need avx512_core_bf16; the AMX sets include it. 'all', 'default' and
+# names not listed here set no limit.
+ONEDNN_ISA_MASKS = {
+    "sse41": 0x1, "avx": 0x3, "avx2": 0x7, "avx2_vnni": 0xF, "avx2_vnni_2": 0x1F,
+    "avx512_core": 0x27, "avx512_core_vnni": 0x67, "avx512_core_bf16": 0xE7,
+    "avx10_1_512": 0x1EF, "avx512_core_fp16": 0x1EF, "avx10_1_512_amx": 0xFEF,
+    "avx512_core_amx": 0xFEF, "avx10_1_512_amx_fp16": 0x1FEF, "avx512_core_amx_fp16": 0x1FEF,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +47,16 @@ class Hardware:
       gpu_compute_capabilities: (major, minor) of each GPU; empty without GPUs.
       has_tpu: a TPU is attached.
       cpu_flags: the CPU's feature flags, or None when they cannot be read.
+      onednn: TensorFlow's oneDNN kernels are on (the tools turn them on unless the user set
+        TF_ENABLE_ONEDNN_OPTS).
+      onednn_max_isa: ONEDNN_MAX_CPU_ISA as set, or None: the instructions oneDNN may use.
     """
 
     gpu_compute_capabilities: Tuple[Tuple[int, int], ...] = ()
     has_tpu: bool = False
     cpu_flags: Optional[frozenset] = None
+    onednn: bool = True
+    onednn_max_isa: Optional[str] = None
 
     @property
     def accelerated(self) -> bool:
@@ -50,7 +72,25 @@ def detect() -> Hardware:
         details = tf.config.experimental.get_device_details(gpu)
         capabilities.append(tuple(details.get("compute_capability") or (0, 0)))
     return Hardware(tuple(capabilities), bool(tf.config.list_physical_devices("TPU")),
-                    read_cpu_flags())
+                    read_cpu_flags(), _onednn_on(),
+                    os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"))
+
+
+def _onednn_on() -> bool:
+    """Whether this process's TensorFlow runs its oneDNN kernels."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):  # TensorFlow's own answer moved: read what it reads
+        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() not in ("0", "false")
+
+
+def onednn_allows_bf16(max_isa: Optional[str]) -> bool:
+    """Whether oneDNN held to `max_isa` (ONEDNN_MAX_CPU_ISA; None: no limit) may use its
+    bfloat16 kernels."""
+    mask = ONEDNN_ISA_MASKS.get((max_isa or "").strip().lower())
+    bf16 = ONEDNN_ISA_MASKS["avx512_core_bf16"]
+    return mask is None or mask & bf16 == bf16
 
 
 def auto_precision(hw: Hardware) -> Tuple[str, str]:
@@ -66,9 +106,15 @@ def auto_precision(hw: Hardware) -> Tuple[str, str]:
     if hw.cpu_flags is None:
         return "float32", "this CPU's flags cannot be read"
     native = sorted(set(NATIVE_BF16_CPU_FLAGS) & hw.cpu_flags)
-    if native:
-        return "mixed_bfloat16", f"this CPU computes bfloat16 natively ({', '.join(native)})"
-    return "float32", "this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16)"
+    if not native:
+        return "float32", "this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16)"
+    if not hw.onednn:
+        return "float32", ("TensorFlow's oneDNN kernels are off (TF_ENABLE_ONEDNN_OPTS), and "
+                           "without them bfloat16 is emulated, even on this CPU")
+    if not onednn_allows_bf16(hw.onednn_max_isa):
+        return "float32", (f"oneDNN is held to {hw.onednn_max_isa} (ONEDNN_MAX_CPU_ISA), "
+                           "below its bfloat16 instructions")
+    return "mixed_bfloat16", f"this CPU computes bfloat16 natively ({', '.join(native)})"
 
 
 def auto_jit(hw: Hardware, deterministic: bool = False) -> Tuple[str, str]:
