@@ -3,8 +3,9 @@ TensorFlow.
 
 Light on purpose (absl only): a tool can report a bad command line before TensorFlow loads, and
 importing this module, which every tool does first, sets TensorFlow's C++ log level, turns on
-its oneDNN kernels and points `tf.keras` at Keras 2 before TensorFlow is imported
-(`quiet_tensorflow`, `enable_onednn`, `use_keras_2`). It also starts the process's CPU watch
+its oneDNN kernels, points `tf.keras` at Keras 2 and sizes its thread pools to a container's CPU
+quota before TensorFlow is imported (`quiet_tensorflow`, `enable_onednn`, `use_keras_2`,
+`fit_threads_to_cpu_quota`). It also starts the process's CPU watch
 (detr_tf/machine.py), so that a benchmark's report and a run's last lines can say whether other
 processes shared the CPU from the tool's very start.
 """
@@ -14,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from absl import flags
 
-from detr_tf import machine
+from detr_tf import cpu_quota, machine
 
 VERBOSE_ENV = "DETR_TF_VERBOSE"
 
@@ -56,9 +57,27 @@ def use_keras_2() -> None:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 
+def fit_threads_to_cpu_quota() -> Optional[int]:
+    """Sizes TensorFlow's thread pools to a container's CPU quota, unless the user set them.
+
+    TensorFlow starts one thread per visible core in each pool, and a CPU quota hides no core
+    (detr_tf/cpu_quota.py). Where the quota allows fewer CPUs than the affinity mask, sets
+    TF_NUM_INTRAOP_THREADS and TF_NUM_INTEROP_THREADS to the quota rounded up; a value the
+    user set wins. Only takes effect before TensorFlow is imported. Returns the thread count
+    set, or None.
+    """
+    usable = cpu_quota.usable_cpus()
+    if usable >= cpu_quota.affinity_cpus():
+        return None
+    for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+        os.environ.setdefault(name, str(usable))
+    return usable
+
+
 quiet_tensorflow()
 enable_onednn()
 use_keras_2()
+fit_threads_to_cpu_quota()
 machine.process_watch()
 
 

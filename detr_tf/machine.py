@@ -19,6 +19,8 @@ import os
 import time
 from typing import Dict, Optional
 
+from detr_tf import cpu_quota
+
 CPUINFO = "/proc/cpuinfo"
 PROC_STAT = "/proc/stat"
 # Other processes may take this share of the machine's CPU time for a run to count as idle: a
@@ -139,7 +141,8 @@ def process_watch() -> CpuWatch:
 
 def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str, object]:
     """What a benchmark's JSON says of its machine: the CPU's model, kind and deciding flags,
-    the cores this process may use, the oneDNN and XLA settings (a limit on the instructions
+    the cores this process may use (its affinity mask, capped by a CPU quota: detr_tf/
+    cpu_quota.py) and the quota, the oneDNN and XLA settings (a limit on the instructions
     they use makes a CPU run like an older kind), and the watch's report
     (default: the process's)."""
     flags = read_cpu_flags(cpuinfo)
@@ -147,8 +150,8 @@ def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str
         "cpu_model": read_cpu_model(cpuinfo),
         "cpu_kind": cpu_kind(flags),
         "cpu_flags": None if flags is None else [f for f in KIND_FLAGS if f in flags],
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-        else os.cpu_count(),
+        "usable_cores": cpu_quota.usable_cpus(),
+        "cpu_quota": cpu_quota.cpu_quota(),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
         "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
@@ -162,8 +165,10 @@ def summary(rec: Dict[str, object]) -> str:
     instructions follows the kind: '..., AVX-512 with native bf16 (oneDNN held to AVX2), ...'."""
     limit = rec.get("ONEDNN_MAX_CPU_ISA")
     held = f" (oneDNN held to {limit})" if limit else ""
+    quota = rec.get("cpu_quota")
+    quota = f" (a CPU quota of {quota:g})" if quota else ""
     head = f"{rec['cpu_model'] or 'CPU model unknown'}, {rec['cpu_kind']}{held}, " \
-           f"{rec['usable_cores']} usable cores"
+           f"{rec['usable_cores']} usable cores{quota}"
     use = rec["cpu_use"]
     if use is None:
         return head + "; other processes' CPU use unknown (no /proc/stat)"

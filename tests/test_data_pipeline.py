@@ -195,10 +195,16 @@ def test_autotuning_is_off_on_one_or_two_cpus(sources, monkeypatch, cpus, autotu
     assert pipeline.input_options(False, num_cpus=cpus).deterministic is False
 
 
-def test_usable_cpus_follows_the_affinity_mask():
+def test_usable_cpus_follows_the_affinity_mask_and_the_cpu_quota():
+    import math
     import os
 
-    assert pipeline.usable_cpus() == len(os.sched_getaffinity(0)) >= 1
+    from detr_tf import cpu_quota
+
+    quota = cpu_quota.cpu_quota()
+    affinity = len(os.sched_getaffinity(0))
+    expected = affinity if quota is None else max(1, min(affinity, math.ceil(quota)))
+    assert pipeline.usable_cpus() == expected >= 1
 
 
 def test_the_pipeline_converts_nothing_with_autograph(sources):

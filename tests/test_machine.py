@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from detr_tf import machine
+from detr_tf import cpu_quota, machine
 from detr_tf.benchmarks import timing
 
 ZEN3 = frozenset("fpu sse2 avx avx2 fma bmi2 sha_ni vaes".split())  # AVX2, no AVX-512
@@ -47,6 +47,9 @@ def test_cpu_flags_and_model_are_read_from_cpuinfo(tmp_path):
     held = dict(rec, ONEDNN_MAX_CPU_ISA="AVX2")
     assert machine.summary(held).startswith(
         "AMD EPYC, AVX-512 with native bf16 (oneDNN held to AVX2), ")
+    # So does a container's CPU quota, beside the cores it leaves usable.
+    quota = dict(rec, usable_cores=2, cpu_quota=1.5)
+    assert ", 2 usable cores (a CPU quota of 1.5); " in machine.summary(quota)
     (tmp_path / "arm").write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
     assert machine.read_cpu_flags(str(tmp_path / "arm")) is None
     assert machine.read_cpu_flags(str(tmp_path / "missing")) is None
@@ -113,7 +116,8 @@ def test_benchmark_reports_name_their_machine(tmp_path, capsys):
     assert report["rows"] == [1, 2]
     rec = report["machine"]
     assert rec["cpu_kind"] == machine.cpu_kind(machine.read_cpu_flags())
-    assert rec["usable_cores"] == len(os.sched_getaffinity(0))
+    assert rec["usable_cores"] == cpu_quota.usable_cpus() <= len(os.sched_getaffinity(0))
+    assert rec["cpu_quota"] == cpu_quota.cpu_quota()
     assert rec["cpu_use"]["seconds"] > 0 and isinstance(rec["cpu_use"]["idle"], bool)
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 2 and printed[1] == f"wrote {path}", printed

@@ -29,12 +29,12 @@ pixel_mask and mask, image_id -1) that the evaluator skips (with R replicas per 
 R whole filler batches, so that every replica of a step has the same bucket).
 """
 import dataclasses
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import gin
 import tensorflow as tf
 
+from detr_tf.cpu_quota import usable_cpus
 from detr_tf.data import augment
 from detr_tf.data import buckets as buckets_lib
 from detr_tf.data import sources as sources_lib
@@ -216,14 +216,6 @@ def build_dataset(is_training: bool, global_batch_size: int,
     return ds.prefetch(prefetch)
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, e.g. under taskset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity masks on this OS
-        return os.cpu_count() or 1
-
-
 # tf.data's autotuning is on only for processes that may use at least this many CPUs.
 AUTOTUNE_MIN_CPUS = 3
 
@@ -232,7 +224,8 @@ def input_options(deterministic: bool, num_cpus: Optional[int] = None) -> tf.dat
     """The input pipeline's tf.data options.
 
     tf.data's autotuning is on only where the process may use AUTOTUNE_MIN_CPUS or more CPUs
-    (`num_cpus`, default `usable_cpus()`). With TensorFlow 2.20 its background thread can hold
+    (`num_cpus`, default `usable_cpus()`: the affinity mask, capped by a container's CPU
+    quota). With TensorFlow 2.20 its background thread can hold
     up the end of a finished run for up to a minute while the train iterator is destroyed; on
     one or two CPUs it tuned nothing that made a step faster (measured, with and without it:
     docs/PERFORMANCE.md, "Input pipeline").
