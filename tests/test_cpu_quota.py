@@ -40,6 +40,8 @@ def _tree(tmp_path, proc_lines, files):
     # cgroup v2: a parent's quota is tighter than the process's own.
     (["0::/kubepods/pod1"], {"kubepods/cpu.max": "100000 100000",
                              "kubepods/pod1/cpu.max": "400000 100000"}, 1.0),
+    # cgroup v2 in its own namespace (Docker today): the container's cgroup is the mount root.
+    (["0::/"], {"cpu.max": "200000 100000"}, 2.0),
     # cgroup v2, no quota anywhere.
     (["0::/user.slice"], {"cpu.max": "max 100000", "user.slice/cpu.max": "max 100000"}, None),
     # v1 beside v2 ('unified'): the container's own cgroup is the mount itself, while
