@@ -52,9 +52,34 @@ def test_auto_precision_follows_native_bfloat16(machine, expected):
     precision, why = hardware.auto_precision(machine)
     assert precision == expected and why
     assert hardware.resolve_precision("auto", machine) == (precision, why)
-    # An explicit choice is kept on every machine, with no reason given.
+    # An explicit choice is kept, with no reason given, on every machine it can run on.
     for explicit in hardware.PRECISIONS:
+        if explicit == "mixed_bfloat16" and machine in BFLOAT16_FAILS:
+            continue
         assert hardware.resolve_precision(explicit, machine) == (explicit, "")
+
+
+# Explicit mixed_bfloat16 stopped at the first step on these (oneDNN held below AVX512_CORE on a
+# native-bfloat16 CPU): a clear error before the run starts instead.
+BFLOAT16_FAILS = [hardware.Hardware(cpu_flags=AMX, onednn_max_isa="AVX2"),
+                  hardware.Hardware(cpu_flags=AVX512_BF16, onednn_max_isa="avx2_vnni_2")]
+
+
+@pytest.mark.parametrize("machine", BFLOAT16_FAILS)
+def test_explicit_bfloat16_where_onednn_cannot_build_it_is_refused_by_name(machine):
+    with pytest.raises(ValueError, match=r"ONEDNN_MAX_CPU_ISA=.* holds oneDNN below AVX512_CORE"):
+        hardware.resolve_precision("mixed_bfloat16", machine)
+    assert hardware.resolve_precision("float32", machine) == ("float32", "")
+
+
+@pytest.mark.parametrize("machine", [
+    hardware.Hardware(cpu_flags=AVX512_BF16, onednn_max_isa="AVX512_CORE"),  # slow, but runs
+    hardware.Hardware(cpu_flags=AVX512_BF16, onednn_max_isa="AVX2", onednn=False),  # Eigen
+    hardware.Hardware(cpu_flags=AVX2, onednn_max_isa="AVX2"),  # no native bfloat16 to route
+    hardware.Hardware(((8, 0),), cpu_flags=AMX, onednn_max_isa="AVX2"),  # the GPU computes
+])
+def test_explicit_bfloat16_is_kept_where_it_runs(machine):
+    assert hardware.resolve_precision("mixed_bfloat16", machine) == ("mixed_bfloat16", "")
 
 
 def test_reasons_name_what_decided():

@@ -139,16 +139,40 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 
 def resolve_precision(precision: str, hw: Optional[Hardware] = None) -> Tuple[str, str]:
     """(precision, why): 'auto' resolved on `hw` (default: this machine); another choice is
-    checked and kept, with an empty why.
+    checked (against `hw` too, when given) and kept, with an empty why.
 
     Raises:
-      ValueError: not 'auto' or one of PRECISIONS.
+      ValueError: not 'auto' or one of PRECISIONS, or a choice known to fail on `hw`.
     """
     if precision == "auto":
         return auto_precision(hw or detect())
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r} is not 'auto' or one of {PRECISIONS}")
+    if hw is not None:
+        _check_runs(precision, hw)
     return precision, ""
+
+
+def _check_runs(precision: str, hw: Hardware) -> None:
+    """Raises ValueError where `precision` is known to fail on `hw` before its first step.
+
+    On a CPU with native bfloat16, TensorFlow sends bfloat16 convolutions to oneDNN; held
+    below AVX512_CORE (ONEDNN_MAX_CPU_ISA=AVX2 or AVX2_VNNI_2), oneDNN cannot build them and the
+    run stopped at its first step with "could not create a primitive descriptor" (measured on an
+    AVX512_BF16 CPU; held to AVX512_CORE or above, they ran: docs/PERFORMANCE.md#precision-on-
+    cpus-without-native-bfloat16).
+    """
+    if (precision != "mixed_bfloat16" or hw.accelerated or not hw.onednn
+            or not set(NATIVE_BF16_CPU_FLAGS) & (hw.cpu_flags or frozenset())):
+        return
+    mask = ONEDNN_ISA_MASKS.get((hw.onednn_max_isa or "").strip().lower())
+    core = ONEDNN_ISA_MASKS["avx512_core"]
+    if mask is not None and mask & core != core:
+        raise ValueError(
+            f"train.precision='mixed_bfloat16' cannot run here: ONEDNN_MAX_CPU_ISA="
+            f"{hw.onednn_max_isa} holds oneDNN below AVX512_CORE, and this CPU's bfloat16 "
+            "convolutions still go to oneDNN, which cannot build them. Unset "
+            "ONEDNN_MAX_CPU_ISA, or use train.precision='float32' or 'auto'.")
 
 
 def describe(value: str, why: str) -> str:
