@@ -162,13 +162,13 @@ def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str
 def summary(rec: Dict[str, object]) -> str:
     """One line, e.g. 'AMD EPYC, AVX-512 with native bf16, 2 usable cores; over the last 312 s
     other processes took 0.4% of the CPU time, steal 0.0%: idle'. A limit on oneDNN's
-    instructions follows the kind: '..., AVX-512 with native bf16 (oneDNN held to AVX2), ...'."""
-    limit = rec.get("ONEDNN_MAX_CPU_ISA")
+    instructions follows the kind ('AVX-512 with native bf16 (oneDNN held to AVX2)'), and a CPU
+    quota the cores ('1 usable cores (a CPU quota of 1)')."""
+    limit, quota = rec.get("ONEDNN_MAX_CPU_ISA"), rec.get("cpu_quota")
     held = f" (oneDNN held to {limit})" if limit else ""
-    quota = rec.get("cpu_quota")
-    quota = f" (a CPU quota of {quota:g})" if quota else ""
+    quota_text = f" (a CPU quota of {quota:g})" if quota else ""
     head = f"{rec['cpu_model'] or 'CPU model unknown'}, {rec['cpu_kind']}{held}, " \
-           f"{rec['usable_cores']} usable cores{quota}"
+           f"{rec['usable_cores']} usable cores{quota_text}"
     use = rec["cpu_use"]
     if use is None:
         return head + "; other processes' CPU use unknown (no /proc/stat)"

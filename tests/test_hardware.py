@@ -105,11 +105,13 @@ def test_onednn_limits_below_avx512_core_bf16_exclude_bfloat16():
     first_bf16 = ONEDNN_ISAS.index("avx512_core_bf16")
     for i, isa in enumerate(ONEDNN_ISAS):
         for spelled in (isa, isa.upper()):
-            assert hardware.onednn_allows_bf16(spelled) == (i >= first_bf16), spelled
+            assert hardware.onednn_allows(spelled, "avx512_core_bf16") == (i >= first_bf16)
+            # Each set allows itself and every set before it in the list.
+            assert hardware.onednn_allows(spelled, "avx2") == (i >= ONEDNN_ISAS.index("avx2"))
     assert set(hardware.ONEDNN_ISA_MASKS) == set(ONEDNN_ISAS)
     # No limit: unset, oneDNN's own 'all' / 'default', or a name it does not know.
     for unlimited in (None, "", "ALL", "default", "avx11"):
-        assert hardware.onednn_allows_bf16(unlimited), unlimited
+        assert hardware.onednn_allows(unlimited, "avx512_core_amx_fp16"), unlimited
 
 
 def test_reasons_name_the_onednn_setting_that_decided():

@@ -225,10 +225,10 @@ def input_options(deterministic: bool, num_cpus: Optional[int] = None) -> tf.dat
 
     tf.data's autotuning is on only where the process may use AUTOTUNE_MIN_CPUS or more CPUs
     (`num_cpus`, default `usable_cpus()`: the affinity mask, capped by a container's CPU
-    quota). With TensorFlow 2.20 its background thread can hold
-    up the end of a finished run for up to a minute while the train iterator is destroyed; on
-    one or two CPUs it tuned nothing that made a step faster (measured, with and without it:
-    docs/PERFORMANCE.md, "Input pipeline").
+    quota). With TensorFlow 2.20 its background thread can hold up the end of a finished run
+    for up to a minute while the train iterator is destroyed; on one or two CPUs it tuned
+    nothing that made a step faster (measured, with and without it: docs/PERFORMANCE.md,
+    "Input pipeline").
     """
     options = tf.data.Options()
     options.deterministic = deterministic

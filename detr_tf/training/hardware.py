@@ -85,12 +85,11 @@ def _onednn_on() -> bool:
         return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() not in ("0", "false")
 
 
-def onednn_allows_bf16(max_isa: Optional[str]) -> bool:
-    """Whether oneDNN held to `max_isa` (ONEDNN_MAX_CPU_ISA; None: no limit) may use its
-    bfloat16 kernels."""
+def onednn_allows(max_isa: Optional[str], isa: str) -> bool:
+    """Whether oneDNN held to `max_isa` (ONEDNN_MAX_CPU_ISA as set; None: no limit) may use the
+    instruction set `isa` (a key of ONEDNN_ISA_MASKS, e.g. 'avx512_core_bf16')."""
     mask = ONEDNN_ISA_MASKS.get((max_isa or "").strip().lower())
-    bf16 = ONEDNN_ISA_MASKS["avx512_core_bf16"]
-    return mask is None or mask & bf16 == bf16
+    return mask is None or mask & ONEDNN_ISA_MASKS[isa] == ONEDNN_ISA_MASKS[isa]
 
 
 def auto_precision(hw: Hardware) -> Tuple[str, str]:
@@ -111,7 +110,7 @@ def auto_precision(hw: Hardware) -> Tuple[str, str]:
     if not hw.onednn:
         return "float32", ("TensorFlow's oneDNN kernels are off (TF_ENABLE_ONEDNN_OPTS), and "
                            "without them bfloat16 is emulated, even on this CPU")
-    if not onednn_allows_bf16(hw.onednn_max_isa):
+    if not onednn_allows(hw.onednn_max_isa, "avx512_core_bf16"):
         return "float32", (f"oneDNN is held to {hw.onednn_max_isa} (ONEDNN_MAX_CPU_ISA), "
                            "below its bfloat16 instructions")
     return "mixed_bfloat16", f"this CPU computes bfloat16 natively ({', '.join(native)})"
@@ -159,15 +158,13 @@ def _check_runs(precision: str, hw: Hardware) -> None:
     On a CPU with native bfloat16, TensorFlow sends bfloat16 convolutions to oneDNN; held
     below AVX512_CORE (ONEDNN_MAX_CPU_ISA=AVX2 or AVX2_VNNI_2), oneDNN cannot build them and the
     run stopped at its first step with "could not create a primitive descriptor" (measured on an
-    AVX512_BF16 CPU; held to AVX512_CORE or above, they ran: docs/PERFORMANCE.md#precision-on-
-    cpus-without-native-bfloat16).
+    AVX512_BF16 CPU; held to AVX512_CORE or above, they ran:
+    docs/PERFORMANCE.md#precision-on-cpus-without-native-bfloat16).
     """
     if (precision != "mixed_bfloat16" or hw.accelerated or not hw.onednn
             or not set(NATIVE_BF16_CPU_FLAGS) & (hw.cpu_flags or frozenset())):
         return
-    mask = ONEDNN_ISA_MASKS.get((hw.onednn_max_isa or "").strip().lower())
-    core = ONEDNN_ISA_MASKS["avx512_core"]
-    if mask is not None and mask & core != core:
+    if not onednn_allows(hw.onednn_max_isa, "avx512_core"):
         raise ValueError(
             f"train.precision='mixed_bfloat16' cannot run here: ONEDNN_MAX_CPU_ISA="
             f"{hw.onednn_max_isa} holds oneDNN below AVX512_CORE, and this CPU's bfloat16 "
