@@ -53,6 +53,19 @@ def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
     assert len(reports) == 7 and all(slug in name for name in reports), reports
 
 
+@pytest.mark.parametrize("env", [{"TF_ENABLE_ONEDNN_OPTS": "0"},
+                                 {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"DNNL_MAX_CPU_ISA": "avx2"}])
+def test_the_plan_follows_the_onednn_settings_its_tools_will_see(env, tmp_path, monkeypatch):
+    """On a native-bfloat16 CPU with oneDNN off or held to AVX2, 'auto' picks float32, so the
+    plan times no bfloat16 step (one would refuse to start, or time an emulation)."""
+    for name in ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    steps = cpu_report.plan(str(tmp_path), _CPUS["AMX"])
+    assert "mixed_bfloat16" not in json.dumps([s.argv for s in steps])
+
+
 def _step(name, code, output):
     return cpu_report.Step(name, name, [sys.executable, "-c", code], output, 0.0)
 

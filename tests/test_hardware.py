@@ -121,6 +121,17 @@ def test_reasons_name_the_onednn_setting_that_decided():
     assert "AVX2" in held and "ONEDNN_MAX_CPU_ISA" in held
 
 
+@pytest.mark.parametrize("env,expected", [
+    ({}, (True, None)), ({"TF_ENABLE_ONEDNN_OPTS": "1"}, (True, None)),
+    ({"TF_ENABLE_ONEDNN_OPTS": "0"}, (False, None)),
+    ({"TF_ENABLE_ONEDNN_OPTS": "FALSE"}, (False, None)),
+    ({"TF_ENABLE_ONEDNN_OPTS": "no"}, (True, None)),  # unparsed: TensorFlow's default
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "SSE41"}, (True, "AVX2")),
+    ({"DNNL_MAX_CPU_ISA": "avx512_core"}, (True, "avx512_core"))])
+def test_onednn_environment_reads_what_tensorflow_and_onednn_read(env, expected):
+    assert hardware.onednn_environment(env) == expected
+
+
 @pytest.mark.parametrize("env,onednn,max_isa", [
     ({"TF_ENABLE_ONEDNN_OPTS": "0"}, False, None),
     ({"TF_ENABLE_ONEDNN_OPTS": "1", "ONEDNN_MAX_CPU_ISA": "AVX2"}, True, "AVX2"),

@@ -71,18 +71,31 @@ def detect() -> Hardware:
     for gpu in tf.config.list_physical_devices("GPU"):
         details = tf.config.experimental.get_device_details(gpu)
         capabilities.append(tuple(details.get("compute_capability") or (0, 0)))
+    onednn, max_isa = onednn_environment()
     return Hardware(tuple(capabilities), bool(tf.config.list_physical_devices("TPU")),
-                    read_cpu_flags(), _onednn_on(),
-                    os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"))
+                    read_cpu_flags(), _tensorflow_onednn_on(onednn), max_isa)
 
 
-def _onednn_on() -> bool:
-    """Whether this process's TensorFlow runs its oneDNN kernels."""
+def onednn_environment(environ=None) -> Tuple[bool, Optional[str]]:
+    """(oneDNN on, its instruction-set limit) as the environment sets them for the tools:
+    TensorFlow turns its oneDNN kernels off for TF_ENABLE_ONEDNN_OPTS=0 or false (any case;
+    another value it cannot parse leaves its default, on for CPUs with native bfloat16), and the
+    tools set 1 where it is unset; the limit is ONEDNN_MAX_CPU_ISA (or its old name
+    DNNL_MAX_CPU_ISA).
+    """
+    environ = os.environ if environ is None else environ
+    on = environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() not in ("0", "false")
+    return on, environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA")
+
+
+def _tensorflow_onednn_on(fallback: bool) -> bool:
+    """Whether this process's TensorFlow runs its oneDNN kernels, as it says itself; `fallback`
+    where it no longer says it there."""
     try:
         from tensorflow.python.util import _pywrap_util_port
         return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):  # TensorFlow's own answer moved: read what it reads
-        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() not in ("0", "false")
+    except (ImportError, AttributeError):
+        return fallback
 
 
 def onednn_allows(max_isa: Optional[str], isa: str) -> bool:
