@@ -17,7 +17,7 @@ Where /proc cannot be read (not Linux), the values are None and the summary says
 import dataclasses
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from detr_tf import cpu_quota
 
@@ -139,11 +139,23 @@ def process_watch() -> CpuWatch:
     return _PROCESS_WATCH
 
 
+def onednn_environment(environ=None) -> Tuple[bool, Optional[str]]:
+    """(oneDNN on, its instruction-set limit) as the environment sets them for the tools:
+    TensorFlow turns its oneDNN kernels off for TF_ENABLE_ONEDNN_OPTS=0 or false (any case;
+    another value it cannot parse leaves its default, on for CPUs with native bfloat16), and the
+    tools set 1 where it is unset; the limit is ONEDNN_MAX_CPU_ISA (or its old name
+    DNNL_MAX_CPU_ISA).
+    """
+    environ = os.environ if environ is None else environ
+    on = environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() not in ("0", "false")
+    return on, environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA")
+
+
 def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str, object]:
     """What a benchmark's JSON says of its machine: the CPU's model, kind and deciding flags,
-    the cores this process may use (its affinity mask, capped by a CPU quota: detr_tf/
-    cpu_quota.py) and the quota, the oneDNN and XLA settings (a limit on the instructions
-    they use makes a CPU run like an older kind), and the watch's report
+    the cores this process may use (its affinity mask, capped by a CPU quota:
+    detr_tf/cpu_quota.py) and the quota, the oneDNN and XLA settings (a limit on the
+    instructions they use makes a CPU run like an older kind), and the watch's report
     (default: the process's)."""
     flags = read_cpu_flags(cpuinfo)
     return {
@@ -153,7 +165,7 @@ def record(watch: Optional[CpuWatch] = None, cpuinfo: str = CPUINFO) -> Dict[str
         "usable_cores": cpu_quota.usable_cpus(),
         "cpu_quota": cpu_quota.cpu_quota(),
         "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
-        "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "ONEDNN_MAX_CPU_ISA": onednn_environment()[1],
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
         "cpu_use": (watch or process_watch()).report(),
     }

@@ -48,7 +48,7 @@ def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
     """The report's steps for a CPU with these flags (machine.read_cpu_flags), writing under
     `out`: float32, and the precision train.precision='auto' picks there if it is another."""
     slug = KIND_SLUGS.get(machine.cpu_kind(cpu_flags), "cpu")
-    onednn, max_isa = hardware.onednn_environment()  # what the tools it starts will see
+    onednn, max_isa = machine.onednn_environment()  # what the tools it starts will see
     auto = hardware.auto_precision(hardware.Hardware(cpu_flags=cpu_flags, onednn=onednn,
                                                      onednn_max_isa=max_isa))[0]
     precisions = ["float32"] + ([auto] if auto != "float32" else [])

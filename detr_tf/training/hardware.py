@@ -19,10 +19,9 @@ automatically.
 The choice is a pure function of a `Hardware` description, so tests can fake any machine.
 """
 import dataclasses
-import os
 from typing import Optional, Tuple
 
-from detr_tf.machine import read_cpu_flags
+from detr_tf.machine import onednn_environment, read_cpu_flags
 
 # CPU flags (Linux /proc/cpuinfo names) of native bfloat16 arithmetic.
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -74,18 +73,6 @@ def detect() -> Hardware:
     onednn, max_isa = onednn_environment()
     return Hardware(tuple(capabilities), bool(tf.config.list_physical_devices("TPU")),
                     read_cpu_flags(), _tensorflow_onednn_on(onednn), max_isa)
-
-
-def onednn_environment(environ=None) -> Tuple[bool, Optional[str]]:
-    """(oneDNN on, its instruction-set limit) as the environment sets them for the tools:
-    TensorFlow turns its oneDNN kernels off for TF_ENABLE_ONEDNN_OPTS=0 or false (any case;
-    another value it cannot parse leaves its default, on for CPUs with native bfloat16), and the
-    tools set 1 where it is unset; the limit is ONEDNN_MAX_CPU_ISA (or its old name
-    DNNL_MAX_CPU_ISA).
-    """
-    environ = os.environ if environ is None else environ
-    on = environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() not in ("0", "false")
-    return on, environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA")
 
 
 def _tensorflow_onednn_on(fallback: bool) -> bool:
