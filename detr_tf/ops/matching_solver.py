@@ -14,6 +14,11 @@ docs/PERFORMANCE.md.
 
 Row potentials are never stored: an assigned row's potential is implied by its tight edge,
 u[i] = C[i, col(i)] - v[col(i)], which saves one state tensor and its updates.
+
+What a search does when it reaches a free column (augment the assignment, update the column
+potentials, clear the labels and the scanned set) is settled at the start of the problem's next
+step, inside the passes that step makes anyway, instead of in passes of its own over [N, C]
+every step; `_settled_row4col` settles the last one after the loop.
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -90,6 +95,11 @@ def solve(cost: tf.Tensor, row_mask: tf.Tensor, col_mask: tf.Tensor,
         row4col=row4col,  # [N, C]
         v=v,  # [N, C] column potentials
         shortest=tf.fill([n, num_cols], float("inf")),  # [N, C] Dijkstra labels
+        # The search that ended in the last step, settled in the next one (see _settle):
+        ended=tf.zeros([n], tf.bool),  # [N] whether one did
+        sink_col=tf.zeros([n], tf.int32),  # [N] the free column it reached
+        sink_dist=tf.zeros([n], tf.float32),  # [N] that column's label
+        sink_bits=tf.zeros([n, num_words], tf.int64),  # [N, W] the rows on its path
         path=tf.fill([n, num_cols], -1),  # [N, C] row that set each label
         treebits=tf.zeros([n, num_rows, num_words], tf.int64),  # [N, R, W] tree path of each row
         scanned=~col_mask,  # [N, C]
@@ -113,7 +123,7 @@ def _search(state, consts, static_n: Optional[int], max_iterations: int, unroll:
     iterations = tf.constant(0, tf.int32)
     if static_n is None:
         state, iterations = _run_stage(state, consts, iterations, 0, max_iterations, unroll)
-        return state["row4col"], iterations, state["steps"]
+        return _settled_row4col(state), iterations, state["steps"]
     capacities = stage_capacities(static_n)
     row4col_out, steps_out = state["row4col"], state["steps"]
     for stage, capacity in enumerate(capacities):
@@ -127,7 +137,8 @@ def _search(state, consts, static_n: Optional[int], max_iterations: int, unroll:
         state, iterations = _run_stage(state, consts, iterations, stop, max_iterations,
                                        unroll)
         index = consts["problem"][:, None]
-        row4col_out = tf.tensor_scatter_nd_update(row4col_out, index, state["row4col"])
+        row4col_out = tf.tensor_scatter_nd_update(row4col_out, index,
+                                                  _settled_row4col(state))
         steps_out = tf.tensor_scatter_nd_update(steps_out, index, state["steps"])
     return row4col_out, iterations, steps_out
 
@@ -204,6 +215,25 @@ def _on_path(owner: tf.Tensor, sink_bits: tf.Tensor, col: tf.Tensor) -> tf.Tenso
     return on_path | (tf.range(owner.shape[1], dtype=tf.int32) == col[:, None])
 
 
+def _settled_row4col(s: Dict[str, tf.Tensor]) -> tf.Tensor:
+    """[n, C] row4col after the augmentation of the search that ended in the last step: the
+    rows on its path each take the column that reached them."""
+    on_path = _on_path(s["row4col"], s["sink_bits"], s["sink_col"])
+    return tf.where(s["ended"][:, None] & on_path, s["path"], s["row4col"])
+
+
+def _settle(s: Dict[str, tf.Tensor], col_mask: tf.Tensor) -> Dict[str, tf.Tensor]:
+    """The state with the search that ended in the last step finished off: the assignment
+    augmented, the potentials of the columns it scanned updated (the sink's change is zero),
+    the labels and the scanned set cleared for the next search."""
+    ended = s["ended"][:, None]
+    v = tf.where(ended & s["scanned"] & col_mask,
+                 s["v"] - (s["sink_dist"][:, None] - s["shortest"]), s["v"])
+    return dict(s, row4col=_settled_row4col(s), v=v,
+                shortest=tf.where(ended, float("inf"), s["shortest"]),
+                scanned=tf.where(ended, ~col_mask, s["scanned"]))
+
+
 def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
     """One Dijkstra step of every unfinished problem (the state of `solve`, see there)."""
     cost, order, num_todo, col_mask = (consts[k] for k in ("cost", "order", "num_todo",
@@ -212,6 +242,7 @@ def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[
     num_words = (num_rows + 63) // 64
     col_iota = tf.range(num_cols, dtype=tf.int32)
     active = s["ptr"] < num_todo  # [n]
+    s = _settle(s, col_mask)
     shortest, path = _relax(s, tf.reshape(cost, [-1, num_cols]), num_rows,
                             consts["problem"], active)
     # The current row's tree path, kept per row: a column's label always comes from a row of
@@ -232,13 +263,9 @@ def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[
     is_sink = active & (tf.bitwise.bitwise_and(best, 65536) == 0)
     step = active & ~is_sink
 
-    # Augment: the rows on the path to the sink each take the column that reached them.
+    # The tree path of the row that labelled `col`: at a sink, the rows the augmentation moves.
     sink_row = tf.maximum(tf.gather(path, col[:, None], batch_dims=1)[:, 0], 0)  # [n]
     sink_bits = tf.gather_nd(treebits, tf.stack([local, sink_row], 1))  # [n, W]
-    new_row4col = tf.where(is_sink[:, None] & _on_path(owner, sink_bits, col), path, owner)
-    # Dual update over the columns scanned in this search (the sink's change is zero).
-    new_v = tf.where(is_sink[:, None] & s["scanned"] & col_mask,
-                     s["v"] - (dist[:, None] - shortest), s["v"])
 
     # Next search state: either continue from the row owning `col`, or start the next row.
     next_ptr = s["ptr"] + tf.cast(is_sink, tf.int32)
@@ -252,12 +279,15 @@ def _search_step(s: Dict[str, tf.Tensor], consts: Dict[str, tf.Tensor]) -> Dict[
         entry_dist=tf.where(step, dist, 0.0),
         rowbits=tf.where(step[:, None], step_bits,
                          tf.where(is_sink[:, None], _row_bit(root, num_words), s["rowbits"])),
-        row4col=new_row4col,
-        v=new_v,
-        shortest=tf.where(is_sink[:, None], float("inf"), shortest),
+        row4col=owner,
+        v=s["v"],
+        shortest=shortest,
         path=path,
         treebits=treebits,
-        scanned=tf.where(is_sink[:, None], ~col_mask,
-                         s["scanned"] | (step[:, None] & (col_iota == col[:, None]))),
+        scanned=s["scanned"] | (step[:, None] & (col_iota == col[:, None])),
+        ended=is_sink,
+        sink_col=col,
+        sink_dist=dist,
+        sink_bits=sink_bits,
         steps=s["steps"] + tf.cast(active, tf.int32),
     )
