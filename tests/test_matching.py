@@ -256,6 +256,27 @@ def test_no_gradient_flows_through_the_matching():
     assert tape.gradient(out, cost) is None
 
 
+@pytest.mark.parametrize("call", ["hungarian_matching", "HungarianMatcher", "sinkhorn_matching",
+                                  "SinkhornMatcher"])
+def test_a_callers_own_tf_function_traces_the_matchers_without_autograph(call):
+    # A caller's tf.function converts what it calls with AutoGraph unless told not to; the
+    # matchers are marked, so none of their functions is converted (a component's own
+    # one-line __call__ still is: AutoGraph converts a callable object's class method without
+    # looking for the mark), and the result is the same.
+    from detr_tf.ops import sinkhorn
+    from tests.autograph_probe import converted_functions
+    fn = {"hungarian_matching": matching.hungarian_matching,
+          "HungarianMatcher": matching.HungarianMatcher(),
+          "sinkhorn_matching": sinkhorn.sinkhorn_matching,
+          "SinkhornMatcher": sinkhorn.SinkhornMatcher()}[call]
+    cost, mask = _batch(3, (4, 7, 5), ["uniform"], "random")
+    cost, mask = tf.constant(cost), tf.constant(mask)
+    with converted_functions("detr_tf") as seen:
+        traced = tf.function(lambda c, m: fn(c, m))(cost, mask)  # AutoGraph on, the default
+    assert [name for name in seen if not name.endswith("Matcher.__call__")] == [], seen
+    np.testing.assert_array_equal(traced.numpy(), fn(cost, mask).numpy())
+
+
 def test_replica_context():
     cpus = tf.config.list_logical_devices("CPU")  # two of them: see tests/conftest.py
     assert len(cpus) >= 2

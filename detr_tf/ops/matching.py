@@ -72,6 +72,10 @@ def _hungarian_flat(cost: tf.Tensor, target_mask: tf.Tensor, arr_passes: Optiona
     return tf.where(t, inverse, direct), stats
 
 
+# The matchers are traced as written, never through AutoGraph, even inside a caller's own
+# tf.function that converts what it calls: they branch in Python on static shapes only, and
+# converting their ~100 functions took 3 of a 3.5 s trace (docs/PERFORMANCE.md#compiles-per-run).
+@tf.autograph.experimental.do_not_convert
 def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
                                   arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
                                   unroll: Optional[int] = None,
@@ -106,6 +110,7 @@ def hungarian_matching_with_stats(cost: tf.Tensor, target_mask: Optional[tf.Tens
     return matched, stats
 
 
+@tf.autograph.experimental.do_not_convert
 def hungarian_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
                        arr_passes: Optional[int] = DEFAULT_ARR_PASSES,
                        unroll: Optional[int] = None,

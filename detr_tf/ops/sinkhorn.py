@@ -103,6 +103,7 @@ def _round(score: tf.Tensor, target_free: tf.Tensor, query_taken: tf.Tensor,
     return tf.where(can_bid & won, query, query4target)
 
 
+@tf.autograph.experimental.do_not_convert  # as matching.hungarian_matching: traced as written
 def sinkhorn_matching(cost: tf.Tensor, target_mask: Optional[tf.Tensor] = None,
                       epsilon: float = 0.02, num_iters: int = 50) -> tf.Tensor:
     """Approximate batched minimum-cost matching of queries to targets (see the module doc).
