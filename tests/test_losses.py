@@ -221,6 +221,30 @@ def test_jit_compiled_equals_eager():
                                    err_msg=k)
 
 
+@pytest.mark.parametrize("focal", [False, True], ids=["SetCriterion", "FocalSetCriterion"])
+def test_a_callers_own_tf_function_traces_the_criterion_without_autograph(focal):
+    # A caller's tf.function converts what it calls with AutoGraph unless told not to; a
+    # criterion's entry points are marked, so nothing of detr_tf's is converted but the
+    # one-line wrapper AutoGraph makes of a callable object's __call__, and the results are
+    # the eager ones.
+    from detr_tf.losses.focal import FocalSetCriterion
+    from tests.autograph_probe import converted_functions
+    out, tg = to_tf(*make_case(np.random.default_rng(11)))
+    crit = FocalSetCriterion(NUM_CLASSES + 1) if focal else criterion()
+    layers = [out] + out["aux_outputs"]
+    logits = tf.stack([o["pred_logits"] for o in layers])
+    boxes = tf.stack([o["pred_boxes"] for o in layers])
+    with converted_functions() as seen:
+        losses = tf.function(lambda o, t: crit(o, t))(out, tg)
+        matched = tf.function(lambda lg, bx, t: crit.match(lg, bx, t))(logits, boxes, tg)
+    assert [name for name in seen if not name.endswith("Criterion.__call__")] == [], seen
+    eager = crit(out, tg)
+    for k in eager:
+        np.testing.assert_allclose(float(losses[k]), float(eager[k]), rtol=1e-5, atol=1e-6,
+                                   err_msg=k)
+    np.testing.assert_array_equal(matched.numpy(), crit.match(logits, boxes, tg).numpy())
+
+
 _MIRRORED_SCRIPT = r"""
 import numpy as np
 import tensorflow as tf

@@ -134,6 +134,7 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         out["ddf"] = tf.concat([students, tf.zeros([1])], 0)  # the teacher's own is 0
         return out
 
+    @tf.autograph.experimental.do_not_convert  # traced as written (SetCriterion.match)
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
                  ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:

@@ -149,6 +149,7 @@ class FocalSetCriterion:
         del num_queries  # no class-weight normalizer: the focal loss is divided by num_boxes
         return {"num_boxes": tf.reduce_sum(tf.cast(targets["mask"], tf.float32))}
 
+    @tf.autograph.experimental.do_not_convert  # traced as written (SetCriterion.match)
     def match(self, logits: tf.Tensor, boxes: tf.Tensor,
               targets: Dict[str, tf.Tensor]) -> tf.Tensor:
         """[N, B, Q, *] predictions -> [N, B, Q] int32 target per query, -1 unmatched.
@@ -197,6 +198,7 @@ class FocalSetCriterion:
             tf.zeros_like(targets["labels"]), targets["boxes"], targets["mask"], n_box)
         return ce[0], bbox[0], giou[0]
 
+    @tf.autograph.experimental.do_not_convert  # traced as written (SetCriterion.match)
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
                  ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:

@@ -203,6 +203,7 @@ class RTDetrCriterion(focal.FocalSetCriterion):
             every_layer(tf.cast(dn["positive"], tf.float32)), n_box * float(dn["num_groups"]),
             every_layer(tf.cast(dn["valid"], tf.float32)))
 
+    @tf.autograph.experimental.do_not_convert  # traced as written (SetCriterion.match)
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
                  ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:

@@ -94,6 +94,10 @@ class SetCriterion:
         return {"num_boxes": tf.reduce_sum(real),
                 "ce_weight": self.eos_coef * (total - matched) + matched}
 
+    # A criterion is traced as written, never through AutoGraph, even inside a caller's own
+    # tf.function (as the matchers, detr_tf/ops/matching.py): it branches in Python on
+    # static values only, as the trainer's AutoGraph-free step relies on.
+    @tf.autograph.experimental.do_not_convert
     def match(self, pred_logits: tf.Tensor, pred_boxes: tf.Tensor,
               targets: Dict[str, tf.Tensor], num_groups: int = 1) -> tf.Tensor:
         """Matches [N, B, Q, *] predictions (N layers) to the targets in one matcher call.
@@ -131,6 +135,7 @@ class SetCriterion:
         idx = self.matcher(cost, mask)  # [N, B, K, Qg]
         return tf.cast(tf.reshape(idx, [n, b, q]), tf.int32)
 
+    @tf.autograph.experimental.do_not_convert  # traced as written (SetCriterion.match)
     def __call__(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],
                  num_boxes: Optional[tf.Tensor] = None,
                  ce_weight: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
