@@ -19,7 +19,7 @@ automatically.
 The choice is a pure function of a `Hardware` description, so tests can fake any machine.
 """
 import dataclasses
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from detr_tf.machine import onednn_environment, read_cpu_flags
 
@@ -85,6 +85,12 @@ def _tensorflow_onednn_on(fallback: bool) -> bool:
         return fallback
 
 
+def native_bf16_flags(hw: Hardware) -> List[str]:
+    """The CPU's flags of native bfloat16 arithmetic, sorted; empty where it has none or its
+    flags cannot be read."""
+    return sorted(set(NATIVE_BF16_CPU_FLAGS) & (hw.cpu_flags or frozenset()))
+
+
 def onednn_allows(max_isa: Optional[str], isa: str) -> bool:
     """Whether oneDNN held to `max_isa` (ONEDNN_MAX_CPU_ISA as set; None: no limit) may use the
     instruction set `isa` (a key of ONEDNN_ISA_MASKS, e.g. 'avx512_core_bf16')."""
@@ -104,7 +110,7 @@ def auto_precision(hw: Hardware) -> Tuple[str, str]:
         return "float32", f"GPU compute capability {shown} < 8.0 has no native bfloat16"
     if hw.cpu_flags is None:
         return "float32", "this CPU's flags cannot be read"
-    native = sorted(set(NATIVE_BF16_CPU_FLAGS) & hw.cpu_flags)
+    native = native_bf16_flags(hw)
     if not native:
         return "float32", "this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16)"
     if not hw.onednn:
@@ -162,7 +168,7 @@ def _check_runs(precision: str, hw: Hardware) -> None:
     docs/PERFORMANCE.md#precision-on-cpus-without-native-bfloat16).
     """
     if (precision != "mixed_bfloat16" or hw.accelerated or not hw.onednn
-            or not set(NATIVE_BF16_CPU_FLAGS) & (hw.cpu_flags or frozenset())):
+            or not native_bf16_flags(hw)):
         return
     if not onednn_allows(hw.onednn_max_isa, "avx512_core"):
         raise ValueError(
