@@ -50,7 +50,9 @@ def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
     assert ("mixed_bfloat16" in text) == ("avx512_bf16" in _CPUS[kind]), kind
     slug = cpu_report.KIND_SLUGS[kind]
     reports = [s.output for s in steps if s.output.endswith(".json") and os.sep not in s.output]
-    assert len(reports) == 7 and all(slug in name for name in reports), reports
+    assert len(reports) == 8 and all(slug in name for name in reports), reports
+    one_thread = [s for s in steps if "--intra_op_threads=1" in s.argv]
+    assert [s.name for s in one_thread] == ["matcher_one_thread"]
 
 
 @pytest.mark.parametrize("env", [{"TF_ENABLE_ONEDNN_OPTS": "0"},

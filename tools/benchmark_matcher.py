@@ -58,7 +58,11 @@ flags.DEFINE_list("variants", ["ours", "greedy", "sinkhorn", "scipy"],
 flags.DEFINE_integer("arr_passes", matching.DEFAULT_ARR_PASSES,
                      "JV augmenting-row-reduction passes of 'ours'; -1 = greedy start.")
 flags.DEFINE_integer("unroll", 0, "Search steps per loop iteration of 'ours'; 0 = the default "
-                     "(4 on crowded shapes, else 1).")
+                     "(matching.DEFAULT_CPU_UNROLL on a CPU, DEFAULT_UNROLL with a GPU or TPU).")
+flags.DEFINE_integer("intra_op_threads", 0,
+                     "Threads of TensorFlow's intra-op pool, which XLA:CPU splits the compiled "
+                     "matchers' passes over; 0 = TensorFlow's default (one per core). 1 shows "
+                     "what the second core gains or costs on this machine.")
 flags.DEFINE_float("sinkhorn_epsilon", 0.02, "Entropic regularisation of 'sinkhorn'.")
 flags.DEFINE_integer("sinkhorn_iters", 50, "Sinkhorn iterations of 'sinkhorn'.")
 flags.DEFINE_integer("seed", 0, "Random seed.")
@@ -185,6 +189,8 @@ def _print_row(r: Dict) -> None:
 
 def main(argv):
     del argv
+    if FLAGS.intra_op_threads:  # before TensorFlow runs anything, or it is fixed already
+        tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
     unknown = sorted(set(FLAGS.distributions) - set(matcher_costs.DISTRIBUTIONS))
     if unknown:
         raise app.UsageError(f"--distributions: unknown {unknown}; expected some of "
@@ -222,7 +228,8 @@ def _write_json(results: List[Dict], skipped: Dict[str, List[str]]) -> None:
                            load_average=os.getloadavg(),
                            flags={k: FLAGS[k].value for k in (
                                "arr_passes", "unroll", "sinkhorn_epsilon", "sinkhorn_iters",
-                               "seed", "variants", "distributions")},
+                               "seed", "variants", "distributions", "intra_op_threads")},
+                           intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(),
                            devices=[d.name for d in tf.config.list_logical_devices()], **extra),
                       FLAGS.json_out)
 

@@ -1,8 +1,9 @@
 """The measurements docs/PERFORMANCE.md keeps one table of per CPU kind, as one plan to run.
 
 `plan` lists them as commands of the repository's own tools (the README's quickstart from an
-empty data cache, the matcher over its cost distributions twice, the step profiles, Model Garden
-side by side, each side's first call alone, and the test suite from a clean clone); `run_plan`
+empty data cache, the matcher over its cost distributions twice and once more on one intra-op
+thread, the step profiles, Model Garden side by side, each side's first call alone, and the
+test suite from a clean clone); `run_plan`
 runs them one after the other, each with its log, and writes `summary.json`: per step its exit
 status, wall time and the share of the CPU that other processes took meanwhile
 (detr_tf/machine.py), so that every figure says whether the machine was idle. A step whose
@@ -26,7 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Slugs of machine.cpu_kind's kinds, for file names.
 KIND_SLUGS = {"AMX": "amx", "AVX-512 with native bf16": "avx512bf16", "AVX-512": "avx512",
               "AVX2 only": "avx2", "no AVX2": "noavx2"}
-_MATCHER_CASES = "384x100x20,384x100x20full,384x100x100,384x100x100full,24x20x16,24x20x6full"
+_MATCHER_CASES_384 = "384x100x20,384x100x20full,384x100x100,384x100x100full"
+_MATCHER_CASES = _MATCHER_CASES_384 + ",24x20x16,24x20x6full"
 _QUICKSTART_SHAPES = ["--gin_file", "quickstart.gin", "--image_size", "128", "--batch_size", "8",
                       "--num_boxes", "4", "--max_boxes", "16"]
 
@@ -65,6 +67,13 @@ def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
                           _tool("benchmark_matcher.py", f"--cases={_MATCHER_CASES}",
                                 "--variants=ours,scipy", "--rounds=7",
                                 f"--json_out={os.path.join(out, name)}"), name, 2.0))
+    # The same 384-problem cases with one intra-op thread: whether XLA:CPU's split of each pass
+    # over both cores gains here what it gains on the AVX-512 CPU (docs/PERFORMANCE.md#matcher).
+    name = f"matcher_one_thread_{slug}.json"
+    steps.append(Step("matcher_one_thread", "the matcher with one intra-op thread",
+                      _tool("benchmark_matcher.py", f"--cases={_MATCHER_CASES_384}",
+                            "--variants=ours,scipy", "--rounds=7", "--intra_op_threads=1",
+                            f"--json_out={os.path.join(out, name)}"), name, 1.5))
     variants = [a for v in ["model_garden/float32/none"] + ours for a in ("--variant", v)]
     quick = [a for v in ours for a in ("--variant", v)]
     steps += [
