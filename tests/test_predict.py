@@ -87,6 +87,7 @@ def test_bad_files_are_skipped_and_named(images_dir, tmp_path, capsys):
     (folder / "0_truncated.jpg").write_bytes(full[: len(full) // 2])
     (folder / "c_text.jpg").write_text("not an image at all")
     (folder / "d_dir.png").mkdir()  # an image name that cannot be read as a file
+    (folder / "e_empty.jpg").write_bytes(b"")
     tf_keras.utils.set_random_seed(0)
     module = export.DetectionModule(
         StandInDetr(), export.make_resize_pad_preprocess(shorter_side=32, max_size=48))
@@ -95,8 +96,10 @@ def test_bad_files_are_skipped_and_named(images_dir, tmp_path, capsys):
                                      score_threshold=0.0, skipped=skipped)
     printed = capsys.readouterr().out
     bad = {"0_truncated.jpg": "not a decodable image", "c_text.jpg": "not a decodable image",
-           "d_dir.png": "cannot be read"}
+           "d_dir.png": "cannot be read", "e_empty.jpg": "empty file"}
     assert {p.rsplit("/", 1)[1]: why.split(" (")[0] for p, why in skipped} == bad
+    # Each reason names the file's own trouble, not the in-memory copy PIL was given.
+    assert not any("BytesIO" in why for _, why in skipped), skipped
     for name in bad:
         assert sum(name in line and "skipped" in line for line in printed.splitlines()) == 1
     assert sorted(r["file"].rsplit("/", 1)[1] for r in records) == ["a.bmp", "a.png", "b.jpg"]

@@ -24,7 +24,7 @@ import gin
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from detr_tf import config, run as run_lib
 from detr_tf.evaluation import export, preprocess, restore, visualize
@@ -102,10 +102,15 @@ def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
             encoded = f.read()
     except OSError as e:
         raise UnreadableImage(f"cannot be read ({e.strerror or e})") from e
+    if not encoded:
+        raise UnreadableImage("empty file (0 bytes)")
     try:
         with Image.open(io.BytesIO(encoded)) as image:
             image.load()
             return encoded, image.convert("RGB")
+    except UnidentifiedImageError as e:  # its message names the in-memory copy, not the file
+        raise UnreadableImage("not a decodable image (no image format recognised in "
+                              f"{len(encoded)} bytes)") from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise UnreadableImage(f"not a decodable image ({e})") from e
 
