@@ -229,7 +229,6 @@ def _write_json(results: List[Dict], skipped: Dict[str, List[str]]) -> None:
                            flags={k: FLAGS[k].value for k in (
                                "arr_passes", "unroll", "sinkhorn_epsilon", "sinkhorn_iters",
                                "seed", "variants", "distributions", "intra_op_threads")},
-                           intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(),
                            devices=[d.name for d in tf.config.list_logical_devices()], **extra),
                       FLAGS.json_out)
 

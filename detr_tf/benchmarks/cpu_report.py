@@ -3,11 +3,11 @@
 `plan` lists them as commands of the repository's own tools (the README's quickstart from an
 empty data cache, the matcher over its cost distributions twice and once more on one intra-op
 thread, the step profiles, Model Garden side by side, each side's first call alone, and the
-test suite from a clean clone); `run_plan`
-runs them one after the other, each with its log, and writes `summary.json`: per step its exit
-status, wall time and the share of the CPU that other processes took meanwhile
-(detr_tf/machine.py), so that every figure says whether the machine was idle. A step whose
-output already exists is skipped, so an interrupted report resumes where it stopped.
+test suite from a clean clone); `run_plan` runs them one after the other, each with its log, and
+writes `summary.json`: per step its exit status, wall time and the share of the CPU that other
+processes took meanwhile (detr_tf/machine.py), so that every figure says whether the machine was
+idle. A step whose output already exists is skipped, so an interrupted report resumes where it
+stopped.
 
 Standard library only (and training/hardware.py's precision choice, which loads nothing): it
 starts the tools, it does not import TensorFlow.
