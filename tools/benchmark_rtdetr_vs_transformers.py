@@ -1,7 +1,7 @@
 """Inference latency of detr_tf's RT-DETR against transformers' PyTorch model, same weights.
 
     PYTHONPATH=. python tools/benchmark_rtdetr_vs_transformers.py --image_size 640 \
-        --rounds 10 --json_out docs/perf/rtdetr_r50vd_vs_transformers_avx2.json
+        --rounds 10 --json_out docs/perf/rtdetr_r50vd_vs_transformers_avx2_idle.json
 
 Needs torch and transformers (a benchmark oracle, never a detr_tf dependency). Builds
 transformers' RTDetrForObjectDetection at R50-vd size (its default config, 80 classes) with
