@@ -50,9 +50,17 @@ def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
     assert ("mixed_bfloat16" in text) == ("avx512_bf16" in _CPUS[kind]), kind
     slug = cpu_report.KIND_SLUGS[kind]
     reports = [s.output for s in steps if s.output.endswith(".json") and os.sep not in s.output]
-    assert len(reports) == 8 and all(slug in name for name in reports), reports
+    assert len(reports) == 9 and all(slug in name for name in reports), reports
     one_thread = [s for s in steps if "--intra_op_threads=1" in s.argv]
     assert [s.name for s in one_thread] == ["matcher_one_thread"]
+    # The matcher steps ask only for variants the tool knows, the floor step for the floor.
+    matcher_tool = REPO / "tools" / "benchmark_matcher.py"
+    known = set(re.findall(r'"(\w+)"', re.search(r"^VARIANTS = \((.*?)\)$",
+                                                  matcher_tool.read_text(), re.M).group(1)))
+    asked = {s.name: a.split("=", 1)[1].split(",") for s in steps for a in s.argv
+             if a.startswith("--variants=")}
+    assert asked and all(set(v) <= known for v in asked.values()), (asked, known)
+    assert asked["matcher_call_floor"] == ["floor", "scipy"]
 
 
 @pytest.mark.parametrize("env", [{"TF_ENABLE_ONEDNN_OPTS": "0"},

@@ -18,7 +18,12 @@ random order every round, so a busy machine slows all alike):
   (the solver before the JV start), for comparison;
 - sinkhorn: the approximate `sinkhorn_matching` (`--sinkhorn_epsilon`, `--sinkhorn_iters`);
 - scipy: scipy.optimize.linear_sum_assignment called once per problem;
-- for square all-real cases with N <= --mg_max_n, TF Model Garden's matcher.
+- for square all-real cases with N <= --mg_max_n, TF Model Garden's matcher;
+- floor (only if asked for): a compiled program that does no matching, its output shaped like a
+  matcher's. One call of it costs what any single call of a compiled program costs here (the
+  dispatch from Python, and after a pause such as the scipy loop, waking the threads its work
+  is split across), which every compiled matcher here pays as well
+  (docs/PERFORMANCE.md#matcher).
 It reports minimum and median times, the median of the per-round ratios to scipy, first-call
 compile times (a case's first distribution only: the others reuse its compiled matchers), the
 while-loop iterations of the exact solves (JV passes + search iterations) and their search
@@ -53,8 +58,10 @@ flags.DEFINE_list("distributions", list(matcher_costs.DISTRIBUTIONS),
                   "matcher_costs.py).")
 flags.DEFINE_string("trained_fixture", matcher_costs.FIXTURE,
                     "The 'trained' distribution's costs (tools/make_matcher_cost_fixture.py).")
+VARIANTS = ("ours", "greedy", "sinkhorn", "scipy", "floor")
 flags.DEFINE_list("variants", ["ours", "greedy", "sinkhorn", "scipy"],
-                  "Which matchers to time (Model Garden is added by --mg_max_n).")
+                  f"Which of {','.join(VARIANTS)} to time; scipy is always timed (the ratios' "
+                  "reference). Model Garden's matcher is added by --mg_max_n.")
 flags.DEFINE_integer("arr_passes", matching.DEFAULT_ARR_PASSES,
                      "JV augmenting-row-reduction passes of 'ours'; -1 = greedy start.")
 flags.DEFINE_integer("unroll", 0, "Search steps per loop iteration of 'ours'; 0 = the default "
@@ -77,6 +84,12 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _call_floor(cost: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
+    """[N, Q] int32 of -1, read from one element of each input: no matching at all."""
+    touch = tf.cast(cost[0, 0, 0] > 0, tf.int32) * tf.cast(mask[0, 0], tf.int32)  # 0 or 1
+    return tf.fill(tf.shape(cost)[:2], -1) - tf.minimum(touch, 0)
+
+
 def _matchers(n: int, q: int, t: int, full: bool) -> Dict[str, Callable]:
     """name -> jit-compiled fn(cost, mask) -> (matching, stats dict), for this case."""
     passes = None if FLAGS.arr_passes < 0 else FLAGS.arr_passes
@@ -86,6 +99,7 @@ def _matchers(n: int, q: int, t: int, full: bool) -> Dict[str, Callable]:
         "greedy": lambda c, m: matching.hungarian_matching_with_stats(c, m, None, 1),
         "sinkhorn": lambda c, m: (sinkhorn.sinkhorn_matching(
             c, m, FLAGS.sinkhorn_epsilon, FLAGS.sinkhorn_iters), {}),
+        "floor": lambda c, m: (_call_floor(c, m), {}),
     }
     out = {k: tf.function(f, jit_compile=True) for k, f in out.items() if k in FLAGS.variants}
     if full and q == t and n <= FLAGS.mg_max_n:
@@ -133,8 +147,8 @@ def run_case(spec: str, distribution: str, cost: np.ndarray, mask: np.ndarray) -
         first = timed(lambda: fn(cost_t, mask_t)[0].numpy())
         if fresh:
             result[f"{name}_compile_s"] = first
-        if name == "model_garden":
-            continue  # timed only: its output is an assignment matrix
+        if name in ("model_garden", "floor"):
+            continue  # timed only: no matching to check
         out, stats = fn(cost_t, mask_t)
         got = matcher_costs.matched_totals(cost, out.numpy())
         # Relative to |optimum|, but at least 1: the optimum of a full square 'ties' problem
@@ -184,13 +198,17 @@ def _print_row(r: Dict) -> None:
           f"{cell('greedy')} {ratio('greedy')} "
           f"{iters('greedy')} {cell('sinkhorn')} {ratio('sinkhorn')} "
           f"{'-' if excess is None else f'{100 * excess:.2f}%':>8} "
-          f"{cell('model_garden')} {r.get('ours_exact', '-')!s:>5}", flush=True)
+          f"{cell('model_garden')} {cell('floor')} {r.get('ours_exact', '-')!s:>5}", flush=True)
 
 
 def main(argv):
     del argv
     if FLAGS.intra_op_threads:  # before TensorFlow runs anything, or it is fixed already
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op_threads)
+    unknown = sorted(set(FLAGS.variants) - set(VARIANTS))
+    if unknown:
+        raise app.UsageError(f"--variants: unknown {unknown}; expected some of "
+                             f"{','.join(VARIANTS)}")
     unknown = sorted(set(FLAGS.distributions) - set(matcher_costs.DISTRIBUTIONS))
     if unknown:
         raise app.UsageError(f"--distributions: unknown {unknown}; expected some of "
@@ -200,7 +218,7 @@ def main(argv):
     results, skipped = [], {}
     print(f"{'case':>16} {'costs':>8} {'scipy':>8} {'ours':>8} {'/scipy':>6} {'iters':>6} "
           f"{'cmp s':>6} {'greedy':>8} {'/scipy':>6} {'iters':>6} {'sinkhorn':>8} {'/scipy':>6} "
-          f"{'excess':>8} {'MG':>8} exact")
+          f"{'excess':>8} {'MG':>8} {'floor':>8} exact")
     for spec in (s.strip() for s in FLAGS.cases.split(",")):
         n, q, t, full = parse_case(spec)
         for name in FLAGS.distributions:

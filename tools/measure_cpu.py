@@ -4,14 +4,14 @@
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report --list     # the plan only
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report --only=quickstart,matcher_run1
 
-The steps (detr_tf/benchmarks/cpu_report.py): the README's quickstart from an empty data cache,
-the matcher against scipy on every cost distribution (twice, then its 384-problem cases on one
-intra-op thread), where R50's and the quickstart's step time goes, R50 beside Model Garden,
-each side's first call alone, and the test suite from a clean clone as CI runs it. Each writes
-its JSON (named for the CPU kind) and its log into --out_dir; summary.json gives each step's
-exit status, wall time and whether other processes shared the CPU meanwhile. Steps whose output
-exists are skipped (--force reruns them), so an interrupted report resumes. For figures that
-compare, run it on an otherwise idle machine.
+The steps (detr_tf/benchmarks/cpu_report.py): the README's quickstart from an empty data cache, the
+matcher against scipy on every cost distribution (twice, then its 384-problem cases on one intra-op
+thread, then the floor of a single compiled call), where R50's and the quickstart's step time goes,
+R50 beside Model Garden, each side's first call alone, and the test suite from a clean clone as CI
+runs it. Each writes its JSON (named for the CPU kind) and its log into --out_dir; summary.json
+gives each step's exit status, wall time and whether other processes shared the CPU meanwhile. Steps
+whose output exists are skipped (--force reruns them), so an interrupted report resumes. For figures
+that compare, run it on an otherwise idle machine.
 """
 import sys
 

@@ -1,13 +1,13 @@
 """The measurements docs/PERFORMANCE.md keeps one table of per CPU kind, as one plan to run.
 
-`plan` lists them as commands of the repository's own tools (the README's quickstart from an
-empty data cache, the matcher over its cost distributions twice and once more on one intra-op
-thread, the step profiles, Model Garden side by side, each side's first call alone, and the
-test suite from a clean clone); `run_plan` runs them one after the other, each with its log, and
-writes `summary.json`: per step its exit status, wall time and the share of the CPU that other
-processes took meanwhile (detr_tf/machine.py), so that every figure says whether the machine was
-idle. A step whose output already exists is skipped, so an interrupted report resumes where it
-stopped.
+`plan` lists them as commands of the repository's own tools (the README's quickstart from an empty
+data cache, the matcher over its cost distributions (twice, once more on one intra-op thread, and
+the floor of a single compiled call), the step profiles, Model Garden side by side, each side's
+first call alone, and the test suite from a clean clone); `run_plan` runs them one after the other,
+each with its log, and writes `summary.json`: per step its exit status, wall time and the share of
+the CPU that other processes took meanwhile (detr_tf/machine.py), so that every figure says whether
+the machine was idle. A step whose output already exists is skipped, so an interrupted report
+resumes where it stopped.
 
 Standard library only (and training/hardware.py's precision choice, which loads nothing): it
 starts the tools, it does not import TensorFlow.
@@ -46,6 +46,29 @@ def _tool(name: str, *args: str) -> List[str]:
     return [sys.executable, os.path.join("tools", name), *args]
 
 
+def _matcher_steps(out: str, slug: str) -> List[Step]:
+    """The matcher against scipy: twice on every distribution, its 384-problem cases on one
+    intra-op thread, and the floor of a single compiled call."""
+    def step(name, what, output, minutes, *args):
+        return Step(name, what, _tool("benchmark_matcher.py", *args, "--rounds=7",
+                                      f"--json_out={os.path.join(out, output)}"), output, minutes)
+
+    steps = [step(f"matcher_run{run}", "the matcher against scipy on every distribution",
+                  f"matcher_distributions_{slug}_run{run}.json", 2.0,
+                  f"--cases={_MATCHER_CASES}", "--variants=ours,scipy") for run in (1, 2)]
+    # The 384-problem cases with one intra-op thread: whether XLA:CPU's split of each pass over
+    # both cores gains here what it gains on the AVX-512 CPU (docs/PERFORMANCE.md#matcher).
+    steps.append(step("matcher_one_thread", "the matcher with one intra-op thread",
+                      f"matcher_one_thread_{slug}.json", 1.5, f"--cases={_MATCHER_CASES_384}",
+                      "--variants=ours,scipy", "--intra_op_threads=1"))
+    # What a single call of any compiled program costs here, beside scipy: the part of the
+    # matcher's single-call times that no matching causes (docs/PERFORMANCE.md#matcher).
+    steps.append(step("matcher_call_floor", "a compiled program that does no matching",
+                      f"matcher_call_floor_{slug}.json", 1.0, f"--cases={_MATCHER_CASES}",
+                      "--variants=floor,scipy"))
+    return steps
+
+
 def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
     """The report's steps for a CPU with these flags (machine.read_cpu_flags), writing under
     `out`: float32, and the precision train.precision='auto' picks there if it is another."""
@@ -61,19 +84,7 @@ def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
                         f"--model_dir={os.path.join(out, 'quickstart')}"),
                   os.path.join("quickstart", "eval", "metrics.json"), 10.0,
                   fresh=("shapes", "quickstart"))]
-    for run in (1, 2):
-        name = f"matcher_distributions_{slug}_run{run}.json"
-        steps.append(Step(f"matcher_run{run}", "the matcher against scipy on every distribution",
-                          _tool("benchmark_matcher.py", f"--cases={_MATCHER_CASES}",
-                                "--variants=ours,scipy", "--rounds=7",
-                                f"--json_out={os.path.join(out, name)}"), name, 2.0))
-    # The same 384-problem cases with one intra-op thread: whether XLA:CPU's split of each pass
-    # over both cores gains here what it gains on the AVX-512 CPU (docs/PERFORMANCE.md#matcher).
-    name = f"matcher_one_thread_{slug}.json"
-    steps.append(Step("matcher_one_thread", "the matcher with one intra-op thread",
-                      _tool("benchmark_matcher.py", f"--cases={_MATCHER_CASES_384}",
-                            "--variants=ours,scipy", "--rounds=7", "--intra_op_threads=1",
-                            f"--json_out={os.path.join(out, name)}"), name, 1.5))
+    steps += _matcher_steps(out, slug)
     variants = [a for v in ["model_garden/float32/none"] + ours for a in ("--variant", v)]
     quick = [a for v in ours for a in ("--variant", v)]
     steps += [
