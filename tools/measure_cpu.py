@@ -3,6 +3,7 @@
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report            # everything: about an hour
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report --list     # the plan only
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report --only=quickstart,matcher_run1
+    python tools/measure_cpu.py --out_dir=/tmp/cpu_report --verdict  # the targets, met or not
 
 The steps (detr_tf/benchmarks/cpu_report.py): the README's quickstart from an empty data cache, the
 matcher against scipy on every cost distribution (twice, then its 384-problem cases on one intra-op
@@ -19,12 +20,14 @@ from absl import app, flags
 
 from detr_tf import cli  # noqa: F401 -- first, as every tool (its environment reaches the steps)
 from detr_tf import machine
-from detr_tf.benchmarks import cpu_report
+from detr_tf.benchmarks import cpu_report, cpu_verdict
 
 flags.DEFINE_string("out_dir", None, "Where the JSONs, logs and summary.json go.")
 flags.DEFINE_list("only", [], "Run only these steps (names as --list prints them).")
 flags.DEFINE_bool("force", False, "Rerun steps whose output already exists.")
 flags.DEFINE_bool("list", False, "Print the plan and exit.")
+flags.DEFINE_bool("verdict", False, "Print each target against what --out_dir holds and exit "
+                  "(a full run prints it at its end too).")
 flags.mark_flag_as_required("out_dir")
 FLAGS = flags.FLAGS
 
@@ -34,6 +37,7 @@ def main(argv):
     cpu_flags = machine.read_cpu_flags()
     kind = machine.cpu_kind(cpu_flags)
     steps = cpu_report.plan(FLAGS.out_dir, cpu_flags)
+    slug = cpu_report.kind_slug(cpu_flags)
     unknown = sorted(set(FLAGS.only) - {s.name for s in steps})
     if unknown:
         sys.exit(f"measure_cpu: --only names no step {unknown}; the steps are "
@@ -44,7 +48,11 @@ def main(argv):
         for s in steps:
             print(f"  {s.name}: {s.what}\n    {' '.join(s.argv)}")
         return
+    if FLAGS.verdict:
+        print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, slug)))
+        return
     summary = cpu_report.run_plan(steps, FLAGS.out_dir, FLAGS.only, FLAGS.force)
+    print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, slug)))
     failed = [name for name, r in summary.items() if r["returncode"] != 0]
     if failed:
         sys.exit(f"measure_cpu: failed: {failed} (see their logs in {FLAGS.out_dir})")

@@ -69,10 +69,15 @@ def _matcher_steps(out: str, slug: str) -> List[Step]:
     return steps
 
 
+def kind_slug(cpu_flags: Optional[frozenset]) -> str:
+    """The CPU kind's name in the report's file names, e.g. 'avx2'."""
+    return KIND_SLUGS.get(machine.cpu_kind(cpu_flags), "cpu")
+
+
 def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
     """The report's steps for a CPU with these flags (machine.read_cpu_flags), writing under
     `out`: float32, and the precision train.precision='auto' picks there if it is another."""
-    slug = KIND_SLUGS.get(machine.cpu_kind(cpu_flags), "cpu")
+    slug = kind_slug(cpu_flags)
     onednn, max_isa = machine.onednn_environment()  # what the tools it starts will see
     auto = hardware.auto_precision(hardware.Hardware(cpu_flags=cpu_flags, onednn=onednn,
                                                      onednn_max_isa=max_isa))[0]

@@ -1,0 +1,153 @@
+"""The per-CPU targets checked against what a cpu_report run wrote: one row per target.
+
+`verdict(out, slug)` reads the outputs `cpu_report.run_plan` left in `out` (the JSONs named for
+the CPU kind `slug`, summary.json, the logs) and gives, per target, what was measured and
+whether it is met. The targets are the ones the README and docs/PERFORMANCE.md hold every CPU
+kind to:
+- the quickstart, from an empty data cache: at most 10 minutes end to end, at AP50 >= 65%;
+- the matcher, in every run and on every cost distribution: at most 0.5x the scipy loop's time
+  at [384, 100, 20] (padded and full), at most 1.0x at [384, 100, 100] full;
+- each of our step profiles: at most 10% of the op time in the overhead (the update, dropout,
+  casts, transposes and matching);
+- our best step at least 2.5x Model Garden's best (images/s), and our first call no slower;
+- the default test suite in at most 20 minutes (pytest's own time).
+A row whose step has not run, or failed, says so and is neither met nor missed (`met` None).
+Standard library only, like cpu_report.
+"""
+import glob
+import json
+import os
+import re
+from typing import List, NamedTuple, Optional
+
+QUICKSTART_MAX_S = 600.0
+QUICKSTART_MIN_AP50 = 0.65
+MATCHER_MAX_RATIO = {"384x100x20": 0.5, "384x100x100full": 1.0}
+OVERHEAD_MAX_SHARE = 0.10
+MODEL_GARDEN_MIN_RATIO = 2.5
+SUITE_MAX_S = 1200.0
+
+
+class Row(NamedTuple):
+    target: str
+    measured: str
+    met: Optional[bool]  # None: not measured
+
+
+def _load(path: str) -> Optional[dict]:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
+
+
+def _not_run(target: str, what: str) -> Row:
+    return Row(target, f"not measured ({what})", None)
+
+
+def quickstart_rows(out: str) -> List[Row]:
+    target = "quickstart end to end <= 10 min at AP50 >= 65%"
+    step = (_load(os.path.join(out, "summary.json")) or {}).get("quickstart")
+    metrics = _load(os.path.join(out, "quickstart", "eval", "metrics.json"))
+    if not step or step["returncode"] != 0 or metrics is None:
+        return [_not_run(target, "step 'quickstart' has not run or failed")]
+    found = re.search(r"precision=(\S+)", _read(os.path.join(out, "quickstart.log")))
+    wall, ap50 = step["wall_s"], metrics["AP50"]
+    minutes, seconds = divmod(round(wall), 60)
+    return [Row(target, f"{minutes} min {seconds} s at AP50 {100 * ap50:.1f}% "
+                        f"(precision {found.group(1) if found else '?'})",
+                wall <= QUICKSTART_MAX_S and ap50 >= QUICKSTART_MIN_AP50)]
+
+
+def matcher_rows(out: str, slug: str) -> List[Row]:
+    runs = sorted(glob.glob(os.path.join(out, f"matcher_distributions_{slug}_run*.json")))
+    results = [(os.path.basename(p), r) for p in runs for r in _load(p)["results"]]
+    rows = []
+    for case, limit in MATCHER_MAX_RATIO.items():
+        target = f"matcher at {case.replace('full', ' full')} (N = 384) <= {limit}x scipy"
+        # The T = 20 target covers its padded and full cases; T = 100 only the full one.
+        hits = [(r["ours_ratio_median"], r["distribution"], r["case"], name)
+                for name, r in results if r["case"] == case or r["case"] == case + "full"]
+        if not hits:
+            rows.append(_not_run(target, "steps 'matcher_run1' and 'matcher_run2' have not run"))
+            continue
+        worst = max(hits)
+        rows.append(Row(target, f"{min(hits)[0]:.2f}-{worst[0]:.2f}x over {len(hits)} cases "
+                                f"(worst: {worst[1]} {worst[2]} in {worst[3]})",
+                        worst[0] <= limit))
+    return rows
+
+
+def profile_rows(out: str, slug: str) -> List[Row]:
+    rows = []
+    for model in ("r50", "quickstart"):
+        target = f"{model} step overhead <= {OVERHEAD_MAX_SHARE:.0%} of op time"
+        report = _load(os.path.join(out, f"step_profile_{model}_{slug}.json"))
+        if report is None:
+            rows.append(_not_run(target, f"step 'profile_{model}' has not run"))
+            continue
+        for name, v in report["variants"].items():
+            share = v.get("overhead_share")  # reports of an older profile_step lack it
+            if name.startswith("detr_tf/"):
+                rows.append(Row(f"{target}: {name}",
+                                "no overhead share in this report" if share is None
+                                else f"{share:.1%}",
+                                None if share is None else share <= OVERHEAD_MAX_SHARE))
+    return rows
+
+
+def model_garden_rows(out: str, slug: str) -> List[Row]:
+    target = f"R50 step vs Model Garden, best against best >= {MODEL_GARDEN_MIN_RATIO}x"
+    report = _load(os.path.join(out, f"vs_model_garden_{slug}.json"))
+    if report is None:
+        return [_not_run(target, "step 'vs_model_garden' has not run")]
+    ratios = report["ratios"]
+    best = ratios["best_images_per_sec_ratio"]
+    equal = ratios.get("float32/jit=none/images_per_sec_ratio")
+    return [Row(target, f"{best:.2f}x", best >= MODEL_GARDEN_MIN_RATIO),
+            Row("R50 step vs Model Garden, both float32 without XLA (reported, no target)",
+                "-" if equal is None else f"{equal:.2f}x", None)]
+
+
+def first_call_rows(out: str, slug: str) -> List[Row]:
+    target = "R50 first call (fresh process) no slower than Model Garden's"
+    sides = [_load(os.path.join(out, f"first_call_{slug}_{side}.json"))
+             for side in ("detr_tf", "model_garden")]
+    if None in sides:
+        return [_not_run(target, "steps 'first_call_detr_tf' and 'first_call_model_garden' "
+                                "have not run")]
+    ours, theirs = (next(iter(s["variants"].values()))["first_call_s"] for s in sides)
+    return [Row(target, f"{ours:.1f} s against {theirs:.1f} s ({ours / theirs:.2f}x)",
+                ours <= theirs)]
+
+
+def suite_rows(out: str) -> List[Row]:
+    target = "default test suite <= 20 min (pytest's time, clean clone)"
+    times = re.findall(r"(\d+) passed.* in ([\d.]+)s", _read(os.path.join(out, "suite.log")))
+    if not times or not os.path.exists(os.path.join(out, "suite.done")):
+        return [_not_run(target, "step 'suite' has not run or failed")]
+    passed, seconds = times[-1]
+    minutes, rest = divmod(round(float(seconds)), 60)
+    return [Row(target, f"{passed} passed in {minutes} min {rest} s",
+                float(seconds) <= SUITE_MAX_S)]
+
+
+def verdict(out: str, slug: str) -> List[Row]:
+    """Every target's row, in the order of the report's steps."""
+    return (quickstart_rows(out) + matcher_rows(out, slug) + profile_rows(out, slug)
+            + model_garden_rows(out, slug) + first_call_rows(out, slug) + suite_rows(out))
+
+
+def format_rows(rows: List[Row]) -> str:
+    """A Markdown table of the rows."""
+    mark = {True: "met", False: "**missed**", None: "-"}
+    lines = ["| target | measured | |", "|---|---|---|"]
+    lines += [f"| {r.target} | {r.measured} | {mark[r.met]} |" for r in rows]
+    return "\n".join(lines)
