@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from detr_tf.durations import format_duration, format_elapsed
 from detr_tf.training import metrics_writer
-from detr_tf.training.metrics_writer import Progress, format_duration, format_elapsed
+from detr_tf.training.metrics_writer import Progress
 
 REPO = Path(__file__).resolve().parent.parent
 

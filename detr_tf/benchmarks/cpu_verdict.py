@@ -12,13 +12,15 @@ kind to:
 - our best step at least 2.5x Model Garden's best (images/s), and our first call no slower;
 - the default test suite in at most 20 minutes (pytest's own time).
 A row whose step has not run, or failed, says so and is neither met nor missed (`met` None).
-Standard library only, like cpu_report.
+Standard library only (and detr_tf/durations.py), like cpu_report.
 """
 import glob
 import json
 import os
 import re
 from typing import List, NamedTuple, Optional
+
+from detr_tf.durations import format_elapsed
 
 QUICKSTART_MAX_S = 600.0
 QUICKSTART_MIN_AP50 = 0.65
@@ -60,8 +62,7 @@ def quickstart_rows(out: str) -> List[Row]:
         return [_not_run(target, "step 'quickstart' has not run or failed")]
     found = re.search(r"precision=(\S+)", _read(os.path.join(out, "quickstart.log")))
     wall, ap50 = step["wall_s"], metrics["AP50"]
-    minutes, seconds = divmod(round(wall), 60)
-    return [Row(target, f"{minutes} min {seconds} s at AP50 {100 * ap50:.1f}% "
+    return [Row(target, f"{format_elapsed(wall)} at AP50 {100 * ap50:.1f}% "
                         f"(precision {found.group(1) if found else '?'})",
                 wall <= QUICKSTART_MAX_S and ap50 >= QUICKSTART_MIN_AP50)]
 
@@ -138,8 +139,7 @@ def suite_rows(out: str) -> List[Row]:
     if not times or not os.path.exists(os.path.join(out, "suite.done")):
         return [_not_run(target, "step 'suite' has not run or failed")]
     passed, seconds = times[-1]
-    minutes, rest = divmod(round(float(seconds)), 60)
-    return [Row(target, f"{passed} passed in {minutes} min {rest} s",
+    return [Row(target, f"{passed} passed in {format_elapsed(float(seconds))}",
                 float(seconds) <= SUITE_MAX_S)]
 
 

@@ -31,11 +31,12 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import machine
+from detr_tf.durations import format_elapsed
 from detr_tf.training import checkpointing, hardware, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
 from detr_tf.training.host_loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
-from detr_tf.training.metrics_writer import MetricsWriter, format_elapsed
+from detr_tf.training.metrics_writer import MetricsWriter
 from detr_tf.training.step import (  # noqa: F401
     StepBuilder, resolve_jit, resolve_jit_why, split_variables)
 
