@@ -4,7 +4,8 @@ import json
 import shutil
 from pathlib import Path
 
-from detr_tf.benchmarks import cpu_verdict
+from detr_tf.benchmarks import cpu_report, cpu_verdict
+from tests.test_cpu_report import _CPUS
 
 REPO = Path(__file__).resolve().parent.parent
 PERF = REPO / "docs" / "perf"
@@ -19,8 +20,10 @@ AVX2_OUTPUTS = {
 }
 
 
-def _rows(out):
-    return {r.target: r for r in cpu_verdict.verdict(str(out), "avx2")}
+def _rows(out, cpu_flags=_CPUS["AVX2 only"]):
+    """The verdict on `out` for the plan of a CPU with these flags (its outputs' names)."""
+    steps = cpu_report.plan(str(out), cpu_flags)
+    return {r.target: r for r in cpu_verdict.verdict(str(out), steps)}
 
 
 def test_the_committed_avx2_runs_get_the_verdicts_the_docs_give_them(tmp_path):
@@ -54,17 +57,16 @@ def test_the_committed_avx2_runs_get_the_verdicts_the_docs_give_them(tmp_path):
 
 def test_a_matcher_ratio_counts_only_at_scipys_optimum(tmp_path):
     report = json.loads((PERF / "matcher_distributions_avx512_run1.json").read_text())
-
-    def rows():
-        return {r.target: r for r in cpu_verdict.matcher_rows(str(tmp_path), "avx512")}
-
-    (tmp_path / "matcher_distributions_avx512_run1.json").write_text(json.dumps(report))
+    run1 = tmp_path / "matcher_distributions_avx512bf16_run1.json"  # the plan's name for it
+    native_bf16 = _CPUS["AVX-512 with native bf16"]
+    run1.write_text(json.dumps(report))
     t100 = "matcher at 384x100x100 full (N = 384) <= 1.0x scipy"
-    assert rows()[t100].met is True  # PERFORMANCE.md: 0.48-0.60x in run 1, every case exact
+    assert _rows(tmp_path, native_bf16)[t100].met is True  # PERFORMANCE.md: 0.48-0.60x in run 1
     full = [r for r in report["results"] if r["case"] == "384x100x100full"]
     full[0]["ours_exact"] = False
-    (tmp_path / "matcher_distributions_avx512_run1.json").write_text(json.dumps(report))
-    assert rows()[t100].met is False and "not scipy's optimum in 1" in rows()[t100].measured
+    run1.write_text(json.dumps(report))
+    row = _rows(tmp_path, native_bf16)[t100]
+    assert row.met is False and "not scipy's optimum in 1" in row.measured
 
 
 def test_the_quickstart_and_the_suite_are_read_from_the_steps_outputs(tmp_path):

@@ -37,7 +37,6 @@ def main(argv):
     cpu_flags = machine.read_cpu_flags()
     kind = machine.cpu_kind(cpu_flags)
     steps = cpu_report.plan(FLAGS.out_dir, cpu_flags)
-    slug = cpu_report.kind_slug(cpu_flags)
     unknown = sorted(set(FLAGS.only) - {s.name for s in steps})
     if unknown:
         sys.exit(f"measure_cpu: --only names no step {unknown}; the steps are "
@@ -49,10 +48,10 @@ def main(argv):
             print(f"  {s.name}: {s.what}\n    {' '.join(s.argv)}")
         return
     if FLAGS.verdict:
-        print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, slug)))
+        print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, steps)))
         return
     summary = cpu_report.run_plan(steps, FLAGS.out_dir, FLAGS.only, FLAGS.force)
-    print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, slug)))
+    print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, steps)))
     failed = [name for name, r in summary.items() if r["returncode"] != 0]
     if failed:
         sys.exit(f"measure_cpu: failed: {failed} (see their logs in {FLAGS.out_dir})")

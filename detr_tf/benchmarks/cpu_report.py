@@ -69,15 +69,10 @@ def _matcher_steps(out: str, slug: str) -> List[Step]:
     return steps
 
 
-def kind_slug(cpu_flags: Optional[frozenset]) -> str:
-    """The CPU kind's name in the report's file names, e.g. 'avx2'."""
-    return KIND_SLUGS.get(machine.cpu_kind(cpu_flags), "cpu")
-
-
 def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
     """The report's steps for a CPU with these flags (machine.read_cpu_flags), writing under
     `out`: float32, and the precision train.precision='auto' picks there if it is another."""
-    slug = kind_slug(cpu_flags)
+    slug = KIND_SLUGS.get(machine.cpu_kind(cpu_flags), "cpu")
     onednn, max_isa = machine.onednn_environment()  # what the tools it starts will see
     auto = hardware.auto_precision(hardware.Hardware(cpu_flags=cpu_flags, onednn=onednn,
                                                      onednn_max_isa=max_isa))[0]
@@ -152,17 +147,22 @@ def run_plan(steps: Sequence[Step], out: str, only: Optional[Sequence[str]] = No
     return summary
 
 
+def log_path(out: str, name: str) -> str:
+    """Where step `name` of a report in `out` logs its output."""
+    return os.path.join(out, f"{name}.log")
+
+
 def _run_step(step: Step, out: str, cwd: str) -> Dict[str, object]:
     watch = machine.CpuWatch()
     start = time.time()
     path = [p for p in (REPO, os.environ.get("PYTHONPATH")) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    with open(os.path.join(out, f"{step.name}.log"), "w") as log:
+    with open(log_path(out, step.name), "w") as log:
         returncode = subprocess.call(step.argv, cwd=cwd, env=env, stdout=log,
                                      stderr=subprocess.STDOUT)
     wall = time.time() - start
     rec = machine.record(watch)
-    with open(os.path.join(out, f"{step.name}.log")) as log:
+    with open(log_path(out, step.name)) as log:
         lines = [line.rstrip() for line in log if line.strip()]
     return dict(argv=step.argv, output=step.output, returncode=returncode,
                 wall_s=round(wall, 1), last_line=lines[-1] if lines else "", machine=rec,

@@ -1,7 +1,7 @@
 """The per-CPU targets checked against what a cpu_report run wrote: one row per target.
 
-`verdict(out, slug)` reads the outputs `cpu_report.run_plan` left in `out` (the JSONs named for
-the CPU kind `slug`, summary.json, the logs) and gives, per target, what was measured and
+`verdict(out, steps)` reads the outputs that `cpu_report.run_plan` left in `out` for the plan
+`steps` (each step's output, summary.json, the logs) and gives, per target, what was measured and
 whether it is met. The targets are the ones the README and docs/PERFORMANCE.md hold every CPU
 kind to:
 - the quickstart, from an empty data cache: at most 10 minutes end to end, at AP50 >= 65%;
@@ -14,12 +14,12 @@ kind to:
 A row whose step has not run, or failed, says so and is neither met nor missed (`met` None).
 Standard library only (and detr_tf/durations.py), like cpu_report.
 """
-import glob
 import json
 import os
 import re
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
+from detr_tf.benchmarks.cpu_report import Step, log_path
 from detr_tf.durations import format_elapsed
 
 QUICKSTART_MAX_S = 600.0
@@ -36,8 +36,8 @@ class Row(NamedTuple):
     met: Optional[bool]  # None: not measured
 
 
-def _load(path: str) -> Optional[dict]:
-    if not os.path.exists(path):
+def _load(path: Optional[str]) -> Optional[dict]:
+    if path is None or not os.path.exists(path):
         return None
     with open(path) as f:
         return json.load(f)
@@ -54,35 +54,37 @@ def _not_run(target: str, what: str) -> Row:
     return Row(target, f"not measured ({what})", None)
 
 
-def quickstart_rows(out: str) -> List[Row]:
+def quickstart_rows(out: str, outputs: Dict[str, str]) -> List[Row]:
     target = "quickstart end to end <= 10 min at AP50 >= 65%"
     step = (_load(os.path.join(out, "summary.json")) or {}).get("quickstart")
-    metrics = _load(os.path.join(out, "quickstart", "eval", "metrics.json"))
+    metrics = _load(outputs.get("quickstart"))
     if not step or step["returncode"] != 0 or metrics is None:
         return [_not_run(target, "step 'quickstart' has not run or failed")]
-    found = re.search(r"precision=(\S+)", _read(os.path.join(out, "quickstart.log")))
+    found = re.search(r"precision=(\S+)", _read(log_path(out, "quickstart")))
     wall, ap50 = step["wall_s"], metrics["AP50"]
     return [Row(target, f"{format_elapsed(wall)} at AP50 {100 * ap50:.1f}% "
                         f"(precision {found.group(1) if found else '?'})",
                 wall <= QUICKSTART_MAX_S and ap50 >= QUICKSTART_MIN_AP50)]
 
 
-def matcher_rows(out: str, slug: str) -> List[Row]:
-    runs = sorted(glob.glob(os.path.join(out, f"matcher_distributions_{slug}_run*.json")))
-    results = [(os.path.basename(p), r) for p in runs for r in _load(p)["results"]]
+def matcher_rows(outputs: Dict[str, str]) -> List[Row]:
+    results = []  # (the run's file name, one case's result)
+    for name in ("matcher_run1", "matcher_run2"):
+        report = _load(outputs.get(name))
+        if report:
+            results += [(os.path.basename(outputs[name]), r) for r in report["results"]]
     rows = []
     for case, limit in MATCHER_MAX_RATIO.items():
         target = f"matcher at {case.replace('full', ' full')} (N = 384) <= {limit}x scipy"
         # The T = 20 target covers its padded and full cases; T = 100 only the full one.
-        hits = [(r["ours_ratio_median"], r["distribution"], r["case"], name)
-                for name, r in results if r["case"] == case or r["case"] == case + "full"]
-        if not hits:
+        mine = [(name, r) for name, r in results if r["case"] in (case, case + "full")]
+        if not mine:
             rows.append(_not_run(target, "steps 'matcher_run1' and 'matcher_run2' have not run"))
             continue
+        hits = [(r["ours_ratio_median"], r["distribution"], r["case"], name) for name, r in mine]
         worst = max(hits)
         # A ratio counts only for a matching at scipy's optimum.
-        inexact = sum(1 for name, r in results if r["case"] in (case, case + "full")
-                      and not r.get("ours_exact", True))
+        inexact = sum(1 for _, r in mine if not r.get("ours_exact", True))
         rows.append(Row(target, f"{min(hits)[0]:.2f}-{worst[0]:.2f}x over {len(hits)} cases "
                                 f"(worst: {worst[1]} {worst[2]} in {worst[3]})"
                                 + (f"; not scipy's optimum in {inexact}" if inexact else ""),
@@ -90,11 +92,11 @@ def matcher_rows(out: str, slug: str) -> List[Row]:
     return rows
 
 
-def profile_rows(out: str, slug: str) -> List[Row]:
+def profile_rows(outputs: Dict[str, str]) -> List[Row]:
     rows = []
     for model in ("r50", "quickstart"):
         target = f"{model} step overhead <= {OVERHEAD_MAX_SHARE:.0%} of op time"
-        report = _load(os.path.join(out, f"step_profile_{model}_{slug}.json"))
+        report = _load(outputs.get(f"profile_{model}"))
         if report is None:
             rows.append(_not_run(target, f"step 'profile_{model}' has not run"))
             continue
@@ -108,9 +110,9 @@ def profile_rows(out: str, slug: str) -> List[Row]:
     return rows
 
 
-def model_garden_rows(out: str, slug: str) -> List[Row]:
+def model_garden_rows(outputs: Dict[str, str]) -> List[Row]:
     target = f"R50 step vs Model Garden, best against best >= {MODEL_GARDEN_MIN_RATIO}x"
-    report = _load(os.path.join(out, f"vs_model_garden_{slug}.json"))
+    report = _load(outputs.get("vs_model_garden"))
     if report is None:
         return [_not_run(target, "step 'vs_model_garden' has not run")]
     ratios = report["ratios"]
@@ -121,10 +123,9 @@ def model_garden_rows(out: str, slug: str) -> List[Row]:
                 "-" if equal is None else f"{equal:.2f}x", None)]
 
 
-def first_call_rows(out: str, slug: str) -> List[Row]:
+def first_call_rows(outputs: Dict[str, str]) -> List[Row]:
     target = "R50 first call (fresh process) no slower than Model Garden's"
-    sides = [_load(os.path.join(out, f"first_call_{slug}_{side}.json"))
-             for side in ("detr_tf", "model_garden")]
+    sides = [_load(outputs.get(f"first_call_{side}")) for side in ("detr_tf", "model_garden")]
     if None in sides:
         return [_not_run(target, "steps 'first_call_detr_tf' and 'first_call_model_garden' "
                                 "have not run")]
@@ -133,20 +134,21 @@ def first_call_rows(out: str, slug: str) -> List[Row]:
                 ours <= theirs)]
 
 
-def suite_rows(out: str) -> List[Row]:
+def suite_rows(out: str, outputs: Dict[str, str]) -> List[Row]:
     target = "default test suite <= 20 min (pytest's time, clean clone)"
-    times = re.findall(r"(\d+) passed.* in ([\d.]+)s", _read(os.path.join(out, "suite.log")))
-    if not times or not os.path.exists(os.path.join(out, "suite.done")):
+    times = re.findall(r"(\d+) passed.* in ([\d.]+)s", _read(log_path(out, "suite")))
+    if not times or "suite" not in outputs or not os.path.exists(outputs["suite"]):
         return [_not_run(target, "step 'suite' has not run or failed")]
     passed, seconds = times[-1]
     return [Row(target, f"{passed} passed in {format_elapsed(float(seconds))}",
                 float(seconds) <= SUITE_MAX_S)]
 
 
-def verdict(out: str, slug: str) -> List[Row]:
-    """Every target's row, in the order of the report's steps."""
-    return (quickstart_rows(out) + matcher_rows(out, slug) + profile_rows(out, slug)
-            + model_garden_rows(out, slug) + first_call_rows(out, slug) + suite_rows(out))
+def verdict(out: str, steps: Sequence[Step]) -> List[Row]:
+    """Every target's row, in the order of the report's steps (`cpu_report.plan` for `out`)."""
+    outputs = {s.name: os.path.join(out, s.output) for s in steps}
+    return (quickstart_rows(out, outputs) + matcher_rows(outputs) + profile_rows(outputs)
+            + model_garden_rows(outputs) + first_call_rows(outputs) + suite_rows(out, outputs))
 
 
 def format_rows(rows: List[Row]) -> str:
