@@ -4,6 +4,7 @@
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report --list     # the plan only
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report --only=quickstart,matcher_run1
     python tools/measure_cpu.py --out_dir=/tmp/cpu_report --verdict  # the targets, met or not
+    python tools/measure_cpu.py --out_dir=/tmp/cpu_report --publish=docs/perf/cpu_report_avx2
 
 The steps (detr_tf/benchmarks/cpu_report.py): the README's quickstart from an empty data cache, the
 matcher against scipy on every cost distribution (twice, then its 384-problem cases on one intra-op
@@ -12,7 +13,8 @@ R50 beside Model Garden, each side's first call alone, and the test suite from a
 runs it. Each writes its JSON (named for the CPU kind) and its log into --out_dir; summary.json
 gives each step's exit status, wall time and whether other processes shared the CPU meanwhile. Steps
 whose output exists are skipped (--force reruns them), so an interrupted report resumes. For figures
-that compare, run it on an otherwise idle machine.
+that compare, run it on an otherwise idle machine. --publish copies what the verdict reads into
+the repository, with this machine's paths taken out (detr_tf/benchmarks/cpu_publish.py).
 """
 import sys
 
@@ -20,7 +22,7 @@ from absl import app, flags
 
 from detr_tf import cli  # noqa: F401 -- first, as every tool (its environment reaches the steps)
 from detr_tf import machine
-from detr_tf.benchmarks import cpu_report, cpu_verdict
+from detr_tf.benchmarks import cpu_publish, cpu_report, cpu_verdict
 
 flags.DEFINE_string("out_dir", None, "Where the JSONs, logs and summary.json go.")
 flags.DEFINE_list("only", [], "Run only these steps (names as --list prints them).")
@@ -28,6 +30,8 @@ flags.DEFINE_bool("force", False, "Rerun steps whose output already exists.")
 flags.DEFINE_bool("list", False, "Print the plan and exit.")
 flags.DEFINE_bool("verdict", False, "Print each target against what --out_dir holds and exit "
                   "(a full run prints it at its end too).")
+flags.DEFINE_string("publish", None, "Copy what the verdict reads from --out_dir into this "
+                    "directory, with the machine's paths taken out, print its verdict and exit.")
 flags.mark_flag_as_required("out_dir")
 FLAGS = flags.FLAGS
 
@@ -50,11 +54,25 @@ def main(argv):
     if FLAGS.verdict:
         print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, steps)))
         return
+    if FLAGS.publish:
+        _publish(FLAGS.out_dir, steps, FLAGS.publish, cpu_flags)
+        return
     summary = cpu_report.run_plan(steps, FLAGS.out_dir, FLAGS.only, FLAGS.force)
     print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, steps)))
     failed = [name for name, r in summary.items() if r["returncode"] != 0]
     if failed:
         sys.exit(f"measure_cpu: failed: {failed} (see their logs in {FLAGS.out_dir})")
+
+
+def _publish(out, steps, dest, cpu_flags):
+    try:
+        written = cpu_publish.publish(out, steps, dest)
+    except FileNotFoundError as e:
+        sys.exit(str(e))
+    for rel, what in written.items():
+        print(f"  {rel}: {what}")
+    print(f"measure_cpu: {len(written)} files in {dest}; its verdict:")
+    print(cpu_verdict.format_rows(cpu_verdict.verdict(dest, cpu_report.plan(dest, cpu_flags))))
 
 
 if __name__ == "__main__":

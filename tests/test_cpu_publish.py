@@ -1,0 +1,80 @@
+"""A published cpu_report names no machine path and gives the verdict the run itself gives."""
+import json
+import os
+import sys
+
+import pytest
+
+from detr_tf.benchmarks import cpu_publish, cpu_report, cpu_verdict
+from tests.test_cpu_report import _CPUS
+from tests.test_cpu_verdict import AVX2_OUTPUTS, PERF
+
+AVX2 = _CPUS["AVX2 only"]
+
+
+def _report(out):
+    """A report directory as run_plan leaves it: the committed AVX2 outputs, a quickstart and a
+    suite, and a summary and logs that name the run's paths, the interpreter and the home."""
+    steps = cpu_report.plan(str(out), AVX2)
+    for committed, name in AVX2_OUTPUTS.items():
+        text = (PERF / committed).read_text()
+        (out / name).write_text(text.replace('"command": "', f'"command": "{out}/x ', 1))
+    (out / "quickstart" / "eval").mkdir(parents=True)
+    (out / "quickstart" / "eval" / "metrics.json").write_text(json.dumps({"AP50": 0.70}))
+    (out / "quickstart" / "checkpoints").mkdir()  # not what the verdict reads: left behind
+    (out / "suite.done").write_text("ok\n")
+    noise = [f"step {i} loss 1.0 ({out}/quickstart)" for i in range(200)]
+    (out / "quickstart.log").write_text("\n".join(
+        ["some warning", f"detr_tf: engine=default jit=matcher precision=float32 model_dir={out}"]
+        + noise + ["detr_tf: done in 9 min 20 s"]))
+    (out / "suite.log").write_text("\n".join(
+        [f"CI: virtualenv {os.path.expanduser('~')}/.cache/venv ({sys.executable})"] + noise
+        + ["===== 1087 passed, 16 skipped, 1 warning in 1100.00s (0:18:20) ====="]))
+    summary = {s.name: {"argv": s.argv, "returncode": 0, "wall_s": 560.0,
+                        "last_line": f"wrote {out}/{s.output}"} for s in steps}
+    (out / "summary.json").write_text(json.dumps(summary))
+    return steps
+
+
+def test_the_published_report_names_no_path_and_keeps_its_verdict(tmp_path):
+    out, dest = tmp_path / "run", tmp_path / "published"
+    out.mkdir()
+    steps = _report(out)
+    before = cpu_verdict.verdict(str(out), steps)
+    written = cpu_publish.publish(str(out), steps, str(dest))
+
+    assert set(written) == {"summary.json", "quickstart/eval/metrics.json", "suite.done",
+                            "quickstart.log", "suite.log", *AVX2_OUTPUTS.values()}
+    assert not (dest / "quickstart" / "checkpoints").exists()
+    for rel in written:
+        text = (dest / rel).read_text()
+        for path in (str(out), cpu_report.REPO, sys.executable, os.path.expanduser("~")):
+            assert path not in text, (rel, path)
+    summary = json.loads((dest / "summary.json").read_text())
+    assert summary["quickstart"]["last_line"] == "wrote REPORT_DIR/quickstart/eval/metrics.json"
+    assert summary["quickstart"]["argv"][0] == "python"
+    assert 'git clone -q "REPO" "REPORT_DIR/clone"' in summary["suite"]["argv"][-1]
+    assert "CI: virtualenv ~/.cache/venv (python)" in (dest / "suite.log").read_text()
+    # The logs are cut to the run's own lines and their tails.
+    log = (dest / "quickstart.log").read_text().splitlines()
+    assert log[0].startswith("detr_tf: engine=default") and "model_dir=REPORT_DIR" in log[0]
+    assert len(log) == 1 + cpu_publish.LOG_TAIL_LINES and log[-1] == "detr_tf: done in 9 min 20 s"
+
+    after = cpu_verdict.verdict(str(dest), cpu_report.plan(str(dest), AVX2))
+    assert [r.met for r in after] == [r.met for r in before]
+    assert [r.measured for r in after] == [r.measured for r in before]
+    assert sum(r.met is not None for r in after) >= 7  # every target that ran is judged
+
+
+def test_a_directory_without_a_run_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no summary.json"):
+        cpu_publish.publish(str(tmp_path), cpu_report.plan(str(tmp_path), AVX2),
+                            str(tmp_path / "dest"))
+
+
+def test_a_path_inside_another_is_replaced_as_itself(tmp_path):
+    repo = tmp_path / "repo"
+    out = repo / "docs" / "report"
+    pairs = cpu_publish.replacements(str(out), str(repo))
+    assert cpu_publish.sanitize(f"{out}/a.json in {repo}/tools", pairs) == (
+        "REPORT_DIR/a.json in REPO/tools")
