@@ -78,3 +78,38 @@ def test_a_path_inside_another_is_replaced_as_itself(tmp_path):
     pairs = cpu_publish.replacements(str(out), str(repo))
     assert cpu_publish.sanitize(f"{out}/a.json in {repo}/tools", pairs) == (
         "REPORT_DIR/a.json in REPO/tools")
+
+
+def test_the_committed_report_gives_the_verdict_the_docs_state():
+    # docs/PERFORMANCE.md's "report 2" column, read from the published files with the plan of
+    # the CPU the report ran on (its summary's flags), whatever CPU reads it.
+    report = PERF / "cpu_report_avx512bf16_run2"
+    flags = cpu_verdict.report_cpu_flags(str(report))
+    assert flags == {"avx2", "avx512f", "avx512_bf16"}
+    # Read with another kind's plan, it would find none of its files.
+    elsewhere = cpu_verdict.verdict(str(report), cpu_report.plan(str(report), AVX2))
+    assert [r.met for r in elsewhere if r.target.startswith("matcher")] == [None, None]
+    rows = {r.target: r for r in cpu_verdict.verdict(str(report),
+                                                     cpu_report.plan(str(report), flags))}
+    measured = {target: (r.measured, r.met) for target, r in rows.items()}
+    assert measured["quickstart end to end <= 10 min at AP50 >= 65%"] == (
+        "3 min 33 s at AP50 69.9% (precision mixed_bfloat16)", True)
+    t20 = rows["matcher at 384x100x20 (N = 384) <= 0.5x scipy"]
+    assert t20.met is False and t20.measured.startswith("0.39-0.55x over 12 cases")
+    t100 = rows["matcher at 384x100x100 full (N = 384) <= 1.0x scipy"]
+    assert t100.met is True and t100.measured.startswith("0.42-0.77x over 6 cases")
+    overhead = "step overhead <= 10% of op time: detr_tf/"
+    assert [(measured[f"{m} {overhead}{p}/jit=matcher"]) for m in ("r50", "quickstart")
+            for p in ("float32", "mixed_bfloat16")] == [
+        ("8.2%", True), ("16.6%", False), ("6.1%", True), ("10.4%", False)]
+    assert measured["R50 step vs Model Garden, best against best >= 2.5x"] == ("2.37x", False)
+    assert measured["R50 first call (fresh process) no slower than Model Garden's"] == (
+        "18.5 s against 27.8 s (0.67x)", True)
+    assert measured["default test suite <= 20 min (pytest's time, clean clone)"] == (
+        "1200 passed in 7 min 47 s", True)
+
+
+def test_a_report_without_machine_records_names_no_flags(tmp_path):
+    assert cpu_verdict.report_cpu_flags(str(tmp_path)) is None
+    (tmp_path / "summary.json").write_text(json.dumps({"quickstart": {"returncode": 0}}))
+    assert cpu_verdict.report_cpu_flags(str(tmp_path)) is None

@@ -51,11 +51,14 @@ def main(argv):
         for s in steps:
             print(f"  {s.name}: {s.what}\n    {' '.join(s.argv)}")
         return
-    if FLAGS.verdict:
-        print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, steps)))
-        return
-    if FLAGS.publish:
-        _publish(FLAGS.out_dir, steps, FLAGS.publish, cpu_flags)
+    if FLAGS.verdict or FLAGS.publish:
+        # An existing report: its own CPU kind names its files, wherever it is read.
+        run_flags = cpu_verdict.report_cpu_flags(FLAGS.out_dir) or cpu_flags
+        if FLAGS.publish:
+            _publish(FLAGS.out_dir, FLAGS.publish, run_flags)
+        else:
+            print(cpu_verdict.format_rows(cpu_verdict.verdict(
+                FLAGS.out_dir, cpu_report.plan(FLAGS.out_dir, run_flags))))
         return
     summary = cpu_report.run_plan(steps, FLAGS.out_dir, FLAGS.only, FLAGS.force)
     print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, steps)))
@@ -64,15 +67,17 @@ def main(argv):
         sys.exit(f"measure_cpu: failed: {failed} (see their logs in {FLAGS.out_dir})")
 
 
-def _publish(out, steps, dest, cpu_flags):
+def _publish(out, dest, run_flags):
+    """Publishes the report in `out` (made on a CPU with `run_flags`) into `dest`, then prints
+    the verdict read back from `dest`."""
     try:
-        written = cpu_publish.publish(out, steps, dest)
+        written = cpu_publish.publish(out, cpu_report.plan(out, run_flags), dest)
     except FileNotFoundError as e:
         sys.exit(str(e))
     for rel, what in written.items():
         print(f"  {rel}: {what}")
     print(f"measure_cpu: {len(written)} files in {dest}; its verdict:")
-    print(cpu_verdict.format_rows(cpu_verdict.verdict(dest, cpu_report.plan(dest, cpu_flags))))
+    print(cpu_verdict.format_rows(cpu_verdict.verdict(dest, cpu_report.plan(dest, run_flags))))
 
 
 if __name__ == "__main__":

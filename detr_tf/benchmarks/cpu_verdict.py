@@ -144,6 +144,17 @@ def suite_rows(out: str, outputs: Dict[str, str]) -> List[Row]:
                 float(seconds) <= SUITE_MAX_S)]
 
 
+def report_cpu_flags(out: str) -> Optional[frozenset]:
+    """The deciding CPU flags of the machine the report in `out` ran on (its summary's machine
+    records), or None if it names none: a report names its files for its own CPU kind, so it
+    is read with that kind's plan, wherever it is read."""
+    for step in (_load(os.path.join(out, "summary.json")) or {}).values():
+        flags = (step.get("machine") or {}).get("cpu_flags")
+        if flags is not None:
+            return frozenset(flags)
+    return None
+
+
 def verdict(out: str, steps: Sequence[Step]) -> List[Row]:
     """Every target's row, in the order of the report's steps (`cpu_report.plan` for `out`)."""
     outputs = {s.name: os.path.join(out, s.output) for s in steps}
