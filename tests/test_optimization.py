@@ -172,6 +172,45 @@ def test_ema_update_swap_and_restore_for_eval(tmp_path):
         checkpointing.restore_for_eval(fresh, model_dir=str(tmp_path / "empty"))
 
 
+class _FormerEma(optimization.ExponentialMovingAverage):
+    """The EMA's former checkpoint layout: it also checkpointed its list of model variables."""
+
+    def __init__(self, variables, decay):
+        super().__init__(variables, decay)
+        self._model_variables = list(variables)
+
+
+@pytest.mark.parametrize("layout", ["current", "former"])
+def test_ema_checkpoints_keep_model_weights_under_model_and_old_ones_restore(tmp_path, layout):
+    def build():
+        net = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,)),
+                                   tf_keras.layers.BatchNormalization()])
+        net.backbone = net.layers[0]
+        return net
+
+    model = build()
+    ema = (optimization.ExponentialMovingAverage if layout == "current" else _FormerEma)(
+        model.trainable_variables, decay=0.5)
+    for v in ema.shadow:
+        v.assign(v + 0.5)
+    path = tf.train.Checkpoint(model=model, ema=ema).save(str(tmp_path / "checkpoints" / "ckpt"))
+    keys = [name for name, _ in tf.train.list_variables(path) if name.startswith("model/")]
+    # A variable is saved once, under its shortest path: the former list took the trainable ones.
+    assert len(keys) == len(model.variables) - (len(model.trainable_variables)
+                                                if layout == "former" else 0)
+
+    fresh = build()
+    fresh_ema = optimization.ExponentialMovingAverage(fresh.trainable_variables, decay=0.5)
+    for v in fresh.variables + fresh_ema.shadow:
+        v.assign(tf.zeros_like(v))
+    tf.train.Checkpoint(model=fresh, ema=fresh_ema).restore(path).assert_consumed()
+    for a, b in zip(model.variables + ema.shadow, fresh.variables + fresh_ema.shadow):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    checkpointing.restore_for_eval(fresh, checkpoint=path, use_ema=True)
+    for v, shadow in zip(fresh.trainable_variables, ema.shadow):
+        np.testing.assert_array_equal(v.numpy(), shadow.numpy())
+
+
 def test_resolve_jit_and_bad_choices():
     accelerated = tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
     assert trainer.resolve_jit("auto") == ("step" if accelerated else "matcher")

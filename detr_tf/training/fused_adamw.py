@@ -236,7 +236,7 @@ class FusedUpdate:
     def _ema_pairs(self, local):
         """(local shadow copy, model variable) pairs of the EMA."""
         return [(local(shadow), var) for shadow, var in
-                zip(self.ema.shadow, self.ema._model_variables)]  # noqa: SLF001
+                zip(self.ema.shadow, self.ema.model_variables)]
 
 
 def _split_by_group(grads: Sequence[tf.Tensor], groups) -> List[Sequence[tf.Tensor]]:

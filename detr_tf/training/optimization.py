@@ -16,7 +16,7 @@ Both forms keep the same state, so a checkpoint moves between devices; it resume
 optimizer kind (fused or tf_keras) that wrote it.
 """
 import math
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import gin
 import tensorflow as tf
@@ -211,21 +211,39 @@ class DynamicLossScale(tf.Module):
         return scale, good_steps
 
 
+class _NotCheckpointed:
+    """Holds objects where a tf.Module's attribute tracking does not see them."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+
 class ExponentialMovingAverage(tf.Module):
     """EMA of a model's trainable weights, for evaluation.
 
     `shadow` holds one variable per tracked model variable; it is checkpointed under the name
     `ema`, and `swap()` exchanges model and EMA values (call it twice to undo).
+
+    The model's own variables are kept out of the EMA's checkpoint dependencies. A checkpoint
+    saves a variable reached from two objects once, under its shortest path, and
+    `ema/<list>/<i>` is shorter than a model's own paths, so the trainable weights would be
+    saved under the EMA's name instead of `model/...`, where the weight importer and anyone
+    reading the checkpoint's keys look for them.
     """
 
     def __init__(self, variables: Sequence[tf.Variable], decay: float = 0.9998):
         super().__init__(name="ema")
         self.decay = float(decay)
-        self._model_variables = list(variables)
+        self._model = _NotCheckpointed(variables)
         self.shadow = [
             tf.Variable(v.read_value(), trainable=False, name=v.name.split(":")[0] + "/ema",
                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            for v in self._model_variables]
+            for v in self.model_variables]
+
+    @property
+    def model_variables(self) -> List[tf.Variable]:
+        """The model variables the averages follow, in the order of `shadow`."""
+        return self._model.items
 
     def update(self, distribution: Optional[tf.distribute.Strategy] = None) -> None:
         """Cross-replica context: shadow = decay * shadow + (1 - decay) * weights."""
@@ -234,18 +252,18 @@ class ExponentialMovingAverage(tf.Module):
         def blend(shadow, value):
             return shadow.assign(self.decay * shadow + (1.0 - self.decay) * value)
 
-        for shadow, var in zip(self.shadow, self._model_variables):
+        for shadow, var in zip(self.shadow, self.model_variables):
             distribution.extended.update(shadow, blend, args=(var,), group=False)
 
     def reset(self) -> None:
         """Sets the averages to the model's current weights (after they were initialised from a
         file, the initialisers' values must not linger in the average)."""
-        for shadow, var in zip(self.shadow, self._model_variables):
+        for shadow, var in zip(self.shadow, self.model_variables):
             shadow.assign(var.read_value())
 
     def swap(self) -> None:
         """Exchanges the model's weights and the EMA weights (eager, cross-replica context)."""
-        for shadow, var in zip(self.shadow, self._model_variables):
+        for shadow, var in zip(self.shadow, self.model_variables):
             tmp = tf.identity(var.read_value())
             var.assign(shadow.read_value())
             shadow.assign(tmp)
