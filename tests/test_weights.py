@@ -21,6 +21,7 @@ from detr_tf.modeling.backbone import BasicBlock, Bottleneck, ResNet
 from detr_tf.modeling.detr import build_model
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 from detr_tf.modeling.transformer import AnchorTransformer, Transformer
+from detr_tf.training.optimization import ExponentialMovingAverage
 from detr_tf.weights import targets
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "weights"
@@ -239,6 +240,37 @@ def test_a_detr_tf_checkpoint_imports_every_variable(tmp_path, where):
     model = narrow_detr()
     report = weights.load_pretrained(model, str(path))
     assert report.format.startswith("detr_tf checkpoint") and "ckpt-7" in report.format
+    assert len(report.loaded) == len(model.variables) and not report.unused
+    for a, b in zip(values(source.variables), values(model.variables)):
+        np.testing.assert_array_equal(a, b)
+
+
+class _FormerEma(tf.Module):
+    """The EMA as it once was: it held the model's variables in a list it checkpointed."""
+
+    def __init__(self, variables):
+        super().__init__(name="ema")
+        self.model_variables = list(variables)
+        self.shadow = [tf.Variable(v + 1.0) for v in variables]
+
+
+@pytest.mark.parametrize("ema", ["current", "former"])
+def test_a_run_with_an_ema_imports_every_model_variable(tmp_path, ema):
+    source = narrow_detr()
+    trainable = source.trainable_variables
+    holder = (ExponentialMovingAverage(trainable, 0.5) if ema == "current"
+              else _FormerEma(trainable))
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=source, ema=holder),
+                                         str(tmp_path / "checkpoints"), max_to_keep=1)
+    keys = [name for name, _ in tf.train.list_variables(manager.save(checkpoint_number=3))]
+    under_model = [k for k in keys if k.startswith("model/")]
+    if ema == "current":  # every model variable under the model's own name
+        assert len(under_model) == len(source.variables)
+    else:  # the trainable weights were saved under the EMA's list, once each
+        assert len(under_model) == len(source.variables) - len(trainable)
+        assert sum(k.startswith("ema/model_variables/") for k in keys) == len(trainable)
+    model = narrow_detr()
+    report = weights.load_pretrained(model, str(tmp_path))
     assert len(report.loaded) == len(model.variables) and not report.unused
     for a, b in zip(values(source.variables), values(model.variables)):
         np.testing.assert_array_equal(a, b)

@@ -13,9 +13,10 @@ from typing import Dict, Optional
 import numpy as np
 import tensorflow as tf
 
+from detr_tf.weights import checkpoint_graph
+
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy format starts with a pickle protocol opcode
-_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class WeightImportError(ValueError):
@@ -142,14 +143,14 @@ def find_tf_checkpoint(path: str) -> Optional[str]:
 def read_tf_checkpoint(prefix: str) -> Dict[str, np.ndarray]:
     """The model's variables in a detr_tf checkpoint: {object path under 'model/': array}.
 
-    Other objects (optimizer slots, EMA, step counters) are not model weights and are left out.
+    Other objects (optimizer slots, EMA averages, step counters) are not model weights and are
+    left out.
     """
     reader = tf.train.load_checkpoint(prefix)
-    out = {}
-    for name in reader.get_variable_to_shape_map():
-        is_weight = name.startswith("model/") and name.endswith(_VALUE_SUFFIX)
-        if is_weight and "/.OPTIMIZER_SLOT/" not in name:  # slots hang under their variable
-            out[name[len("model/"):-len(_VALUE_SUFFIX)]] = reader.get_tensor(name)
+    # By the object graph, not by key: a variable that another object also held may have been
+    # saved under that object's key (weights/checkpoint_graph.py).
+    out = {path: reader.get_tensor(key)
+           for path, key in checkpoint_graph.model_variable_keys(reader).items()}
     if not out:
         raise WeightImportError(f"checkpoint {prefix!r} holds no 'model' variables; expected a "
                                 "checkpoint written by detr_tf (tools/train.py or "

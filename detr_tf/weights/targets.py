@@ -11,6 +11,7 @@ from detr_tf.modeling.deformable_detr import DeformableDETR
 from detr_tf.modeling.dfine import DFINE
 from detr_tf.modeling.rtdetr import RTDETR
 from detr_tf.weights import deformable_targets, target
+from detr_tf.weights.checkpoint_graph import escape_name
 from detr_tf.weights.dfine import model as dfine_targets
 from detr_tf.weights.rtdetr import model as rtdetr_targets
 from detr_tf.weights.target import Constant, Target
@@ -121,11 +122,6 @@ def _is_deformable(model: tf_keras.Model) -> bool:
     return isinstance(model, DeformableDETR)
 
 
-def _escape(name: str) -> str:
-    # TensorFlow's escaping of object names in checkpoint keys.
-    return name.replace(".", "..").replace("/", ".S")
-
-
 def checkpoint_targets(model: tf_keras.Model) -> Dict[str, Target]:
     """{object path: Target} as a `tf.train.Checkpoint(model=model)` names the model's variables
     (the path under 'model/', e.g. 'class_embed/kernel'), found breadth first like TensorFlow's
@@ -138,7 +134,7 @@ def checkpoint_targets(model: tf_keras.Model) -> Dict[str, Target]:
         for name, child in view.children(obj).items():
             if id(child) in paths:
                 continue
-            path = f"{paths[id(obj)]}/{_escape(name)}".lstrip("/")
+            path = f"{paths[id(obj)]}/{escape_name(name)}".lstrip("/")
             paths[id(child)] = path
             if isinstance(child, tf.Variable):
                 out[path] = Target(child)
