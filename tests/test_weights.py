@@ -7,6 +7,7 @@ here must reproduce those outputs: that checks every name, transpose and q/k/v s
 independent implementation. The rest checks the report and the failure modes.
 """
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -274,6 +275,19 @@ def test_a_run_with_an_ema_imports_every_model_variable(tmp_path, ema):
     assert len(report.loaded) == len(model.variables) and not report.unused
     for a, b in zip(values(source.variables), values(model.variables)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_without_an_object_graph_is_refused_naming_it(tmp_path):
+    # A TF1 name-based checkpoint (written in its own process: graph mode is process-wide).
+    script = ("import sys, tensorflow as tf; tf.compat.v1.disable_eager_execution(); "
+              "tf.compat.v1.get_variable('w', [2]); saver = tf.compat.v1.train.Saver()\n"
+              "with tf.compat.v1.Session() as s:\n"
+              "    s.run(tf.compat.v1.global_variables_initializer()); saver.save(s, sys.argv[1])")
+    prefix = str(tmp_path / "ckpt")
+    subprocess.run([sys.executable, "-c", script, prefix], check=True, capture_output=True)
+    with pytest.raises(weights.WeightImportError, match="holds no 'model' variables") as e:
+        weights.load_pretrained(narrow_detr(), prefix)
+    assert prefix in str(e.value)
 
 
 def test_checkpoint_paths_are_tensorflows_own():

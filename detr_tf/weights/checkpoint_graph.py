@@ -25,7 +25,10 @@ def model_variable_keys(reader, root_child: str = "model") -> Dict[str, str]:
     checkpoint key} for every variable that the object graph of the checkpoint `reader`
     (tf.train.load_checkpoint's) reaches from the root's `root_child`, each at its first path
     breadth first (TensorFlow's own order). Optimizer slots hang off their variables, not
-    under them, so they are not included. Empty when the checkpoint holds no such object."""
+    under them, so they are not included. Empty when the checkpoint holds no such object, or
+    no object graph (a name-based TF1 checkpoint)."""
+    if not reader.has_tensor(OBJECT_GRAPH_KEY):
+        return {}
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
     start = next((c.node_id for c in graph.nodes[0].children if c.local_name == root_child),
