@@ -8,7 +8,7 @@ model's variables hold the trainable weights as `ema/_model_variables/<i>/...`, 
 `model` object finds every model variable under its own path, whatever key it was saved under.
 """
 from collections import deque
-from typing import Dict
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, Tuple
 
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
@@ -18,6 +18,23 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 def escape_name(name: str) -> str:
     """TensorFlow's escaping of an object's name in checkpoint keys."""
     return name.replace(".", "..").replace("/", ".S")
+
+
+def breadth_first_paths(start: Hashable, children: Callable[[Any], Iterable[Tuple[str, Any]]],
+                        key: Callable[[Any], Hashable] = lambda node: node
+                        ) -> Iterator[Tuple[str, Any]]:
+    """(path, node) for every node reached from `start`, each once, at its first path breadth
+    first: TensorFlow's own rule for naming a checkpoint's objects. `children(node)` gives
+    (name, child) pairs in order; `key(node)` tells nodes apart (`id` for live objects, which
+    variables make unhashable). Paths are '/'-joined escaped names, '' for `start`."""
+    seen, queue = {key(start)}, deque([("", start)])
+    while queue:
+        path, node = queue.popleft()
+        yield path, node
+        for name, child in children(node):
+            if key(child) not in seen:
+                seen.add(key(child))
+                queue.append((f"{path}/{escape_name(name)}".lstrip("/"), child))
 
 
 def model_variable_keys(reader, root_child: str = "model") -> Dict[str, str]:
@@ -31,20 +48,13 @@ def model_variable_keys(reader, root_child: str = "model") -> Dict[str, str]:
         return {}
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
-    start = next((c.node_id for c in graph.nodes[0].children if c.local_name == root_child),
-                 None)
+    nodes = graph.nodes
+    start = next((c.node_id for c in nodes[0].children if c.local_name == root_child), None)
     if start is None:
         return {}
-    paths, queue, keys = {start: ""}, deque([start]), {}
-    while queue:
-        node_id = queue.popleft()
-        node = graph.nodes[node_id]
-        for attribute in node.attributes:
-            if attribute.name == "VARIABLE_VALUE":
-                keys[paths[node_id]] = attribute.checkpoint_key
-        for child in node.children:
-            if child.node_id not in paths:
-                path = f"{paths[node_id]}/{escape_name(child.local_name)}"
-                paths[child.node_id] = path.lstrip("/")
-                queue.append(child.node_id)
-    return keys
+    def children(node_id):
+        return ((c.local_name, c.node_id) for c in nodes[node_id].children)
+
+    return {path: attribute.checkpoint_key
+            for path, node_id in breadth_first_paths(start, children)
+            for attribute in nodes[node_id].attributes if attribute.name == "VARIABLE_VALUE"}

@@ -11,7 +11,7 @@ from detr_tf.modeling.deformable_detr import DeformableDETR
 from detr_tf.modeling.dfine import DFINE
 from detr_tf.modeling.rtdetr import RTDETR
 from detr_tf.weights import deformable_targets, target
-from detr_tf.weights.checkpoint_graph import escape_name
+from detr_tf.weights.checkpoint_graph import breadth_first_paths
 from detr_tf.weights.dfine import model as dfine_targets
 from detr_tf.weights.rtdetr import model as rtdetr_targets
 from detr_tf.weights.target import Constant, Target
@@ -124,20 +124,12 @@ def _is_deformable(model: tf_keras.Model) -> bool:
 
 def checkpoint_targets(model: tf_keras.Model) -> Dict[str, Target]:
     """{object path: Target} as a `tf.train.Checkpoint(model=model)` names the model's variables
-    (the path under 'model/', e.g. 'class_embed/kernel'), found breadth first like TensorFlow's
-    own object-graph traversal so each variable gets its shortest path."""
+    (the path under 'model/', e.g. 'class_embed/kernel'): TensorFlow's breadth-first naming,
+    the walk the weight importer also takes over a saved checkpoint's graph."""
     view = tf.train.TrackableView(model)
-    paths = {id(model): ""}
-    queue, out = [model], {}
-    while queue:
-        obj = queue.pop(0)
-        for name, child in view.children(obj).items():
-            if id(child) in paths:
-                continue
-            path = f"{paths[id(obj)]}/{escape_name(name)}".lstrip("/")
-            paths[id(child)] = path
-            if isinstance(child, tf.Variable):
-                out[path] = Target(child)
-            else:
-                queue.append(child)
-    return out
+
+    def children(obj):
+        return () if isinstance(obj, tf.Variable) else view.children(obj).items()
+
+    return {path: Target(obj) for path, obj in breadth_first_paths(model, children, key=id)
+            if isinstance(obj, tf.Variable)}
