@@ -54,11 +54,11 @@ def main(argv):
     if FLAGS.verdict or FLAGS.publish:
         # An existing report: its own CPU kind names its files, wherever it is read.
         run_flags = cpu_verdict.report_cpu_flags(FLAGS.out_dir) or cpu_flags
+        run_steps = cpu_report.plan(FLAGS.out_dir, run_flags)
         if FLAGS.publish:
-            _publish(FLAGS.out_dir, FLAGS.publish, run_flags)
+            _publish(FLAGS.out_dir, run_steps, FLAGS.publish)
         else:
-            print(cpu_verdict.format_rows(cpu_verdict.verdict(
-                FLAGS.out_dir, cpu_report.plan(FLAGS.out_dir, run_flags))))
+            print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, run_steps)))
         return
     summary = cpu_report.run_plan(steps, FLAGS.out_dir, FLAGS.only, FLAGS.force)
     print(cpu_verdict.format_rows(cpu_verdict.verdict(FLAGS.out_dir, steps)))
@@ -67,17 +67,17 @@ def main(argv):
         sys.exit(f"measure_cpu: failed: {failed} (see their logs in {FLAGS.out_dir})")
 
 
-def _publish(out, dest, run_flags):
-    """Publishes the report in `out` (made on a CPU with `run_flags`) into `dest`, then prints
-    the verdict read back from `dest`."""
+def _publish(out, steps, dest):
+    """Publishes the report in `out` (its plan: `steps`) into `dest`, then prints the verdict
+    read back from `dest` (the verdict reads each step's output relative to its directory)."""
     try:
-        written = cpu_publish.publish(out, cpu_report.plan(out, run_flags), dest)
+        written = cpu_publish.publish(out, steps, dest)
     except FileNotFoundError as e:
         sys.exit(str(e))
     for rel, what in written.items():
         print(f"  {rel}: {what}")
     print(f"measure_cpu: {len(written)} files in {dest}; its verdict:")
-    print(cpu_verdict.format_rows(cpu_verdict.verdict(dest, cpu_report.plan(dest, run_flags))))
+    print(cpu_verdict.format_rows(cpu_verdict.verdict(dest, steps)))
 
 
 if __name__ == "__main__":
