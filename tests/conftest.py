@@ -10,6 +10,12 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 # As the tools (detr_tf/cli.py): tf.keras is tf_keras, and TensorFlow does not import Keras 3
 # at start, in the test processes and every process they start.
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+# This checkout first on every child process's path: a tool or program a test starts must import
+# the package under test (and `tests`), not another installed copy of detr_tf, nor fail where
+# none is installed.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != REPO])
 
 import tensorflow as tf  # noqa: E402
 

@@ -1,9 +1,7 @@
 """Shared by the whole-model D-FINE weight tests (tests/test_dfine_weights.py and its torch
 twin): the narrow fixture model (tools/make_dfine_fixtures.py) built in detr_tf, directly or
 through an experiment file's bindings, its outputs and the comparison with transformers'."""
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, Sequence
 
@@ -14,6 +12,7 @@ from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from detr_tf.modeling.dfine import build_dfine
 from detr_tf.modeling.dfine_encoder import dfine_hybrid_encoder
 from detr_tf.modeling.hgnetv2 import HGNetV2
+from tests import tool_helpers
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "dfine"
@@ -86,8 +85,4 @@ def compare(ours: Dict[str, np.ndarray], ref: Dict[str, np.ndarray],
 def tool(*args: str, name: str = "import_weights.py",
          timeout: int = 1800) -> subprocess.CompletedProcess:
     """One of tools/*.py in a subprocess, as a user runs it."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("DETR_TF_TRACEBACK", None)
-    return subprocess.run([sys.executable, str(REPO / "tools" / name), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return tool_helpers.run_tool(name, *args, timeout=timeout)

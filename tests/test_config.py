@@ -1,13 +1,11 @@
 """Gin entry point: strict parsing, file lookup and plain error messages."""
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gin
 import pytest
 
 from detr_tf import config
+from tests import tool_helpers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,9 +58,7 @@ def test_file_found_relative_to_gin_configs_and_cwd(tmp_path, monkeypatch):
 
 
 def _run_train(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run([sys.executable, str(REPO / "tools" / "train.py"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    return tool_helpers.run_tool("train.py", *args, timeout=300)
 
 
 def test_train_script_rejects_bad_config_without_traceback(tmp_path):

@@ -7,8 +7,6 @@ Slow (about 1.5 min of CPU, 4 min on the loaded 2-core machine): `pytest -m slow
 tests/test_deformable_weights_cli.py`."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gin
@@ -20,6 +18,7 @@ from PIL import Image
 from detr_tf import cli
 from detr_tf.evaluation import export, predict, restore
 from tests import deformable_helpers as h
+from tests import tool_helpers
 
 REPO = Path(__file__).resolve().parent.parent
 NARROW = ["ResNet.layers = (2, 2, 2, 2)", "ResNet.width = 4", "ResNet.stem_width = 64",
@@ -34,16 +33,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("imported")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "import_weights.py"),
-         "--gin_file=gin_configs/deformable_tiny.gin",
-         f"--gin_param=SHAPES_CACHE_DIR = '{root / 'shapes'}'",
-         *[f"--gin_param={p}" for p in NARROW],
-         f"--weights={os.path.join(h.FIXTURES, h.WEIGHTS['two_stage'])}",
-         f"--output_dir={root / 'run'}"],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    result = tool_helpers.run_tool(
+        "import_weights.py", "--gin_file=gin_configs/deformable_tiny.gin",
+        f"--gin_param=SHAPES_CACHE_DIR = '{root / 'shapes'}'",
+        *[f"--gin_param={p}" for p in NARROW],
+        f"--weights={os.path.join(h.FIXTURES, h.WEIGHTS['two_stage'])}",
+        f"--output_dir={root / 'run'}")
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     return {"dir": root / "run", "stdout": result.stdout}
 

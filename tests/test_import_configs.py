@@ -5,9 +5,6 @@ INIT_WEIGHTS: %gin.REQUIRED macros) that tools/import_weights.py never reads: it
 same model as their model file (gin_configs/models/*.gin), and write a run directory whose
 config asks for those macros again. Evaluation then asks only for what it reads.
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gin
@@ -17,10 +14,9 @@ import tensorflow as tf
 
 from detr_tf import config
 from detr_tf import run as run_lib
+from tests import tool_helpers
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-           PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 EXPERIMENTS = sorted(p.name for p in (REPO / "gin_configs").glob("*.gin"))
 # The custom-data files take the class count (and custom_cpu its query count) from the data;
 # without the data they need it given. No data macro is given anywhere.
@@ -55,10 +51,9 @@ def test_custom_data_files_name_what_the_model_needs_from_the_data():
 
 
 def _import(gin_file, weights, out, *params):
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "import_weights.py"), f"--gin_file={gin_file}",
-         f"--weights={weights}", f"--output_dir={out}", *[f"--gin_param={p}" for p in params]],
-        capture_output=True, text=True, timeout=900, cwd=REPO, env=ENV)
+    return tool_helpers.run_tool(
+        "import_weights.py", f"--gin_file={gin_file}", f"--weights={weights}",
+        f"--output_dir={out}", *[f"--gin_param={p}" for p in params], timeout=900)
 
 
 def _import_and_check(experiment, prefix, num_variables, weights_macro, tmp_path):
@@ -111,9 +106,7 @@ def test_import_through_the_experiment_file_equals_the_model_file(experiment, mo
 
     if experiment.startswith(("deformable", "rtdetr")):
         # Evaluation reads the model and the eval data, and asks only for the latter.
-        proc = subprocess.run([sys.executable, str(REPO / "tools" / "eval.py"),
-                               f"--model_dir={tmp_path / 'run'}"], capture_output=True,
-                              text=True, timeout=900, cwd=REPO, env=ENV)
+        proc = tool_helpers.run_tool("eval.py", f"--model_dir={tmp_path / 'run'}", timeout=900)
         assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
         assert "COCO_VAL_PATTERN is required for reading TFRecordSource" in proc.stderr, (
             proc.stderr[-3000:])

@@ -9,9 +9,7 @@ a decoder of d_model 8, 2 heads, 2 layers, 3 levels, 4 points, 10 queries, 4 cla
 64x96 images, fed ImageNet-normalized as detr_tf's pipeline makes them.
 """
 import gzip
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ from detr_tf.modeling.resnet_vd import ResNetVd
 from detr_tf.modeling.rtdetr import build_rtdetr
 from detr_tf.weights import targets
 from tests import run_dir_helpers
+from tests import tool_helpers
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "rtdetr"
@@ -215,11 +214,7 @@ def test_a_file_with_other_constants_is_refused(files, model, tmp_path):
 
 
 def _tool(*args: str, tool: str = "import_weights.py") -> subprocess.CompletedProcess:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("DETR_TF_TRACEBACK", None)
-    return subprocess.run([sys.executable, str(REPO / "tools" / tool), *args],
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    return tool_helpers.run_tool(tool, *args)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from detr_tf import cli
 from detr_tf import run as run_lib
 from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from detr_tf.training import checkpointing
+from tests import tool_helpers
 
 # TensorFlow (imported first, by conftest) and triton's LLVM library crash the process when both
 # are loaded; triton only serves GPUs, so the torch oracles run without it.
@@ -144,12 +145,9 @@ def _permute(x: np.ndarray, order) -> np.ndarray:
 
 
 def _import(weights: str, gin_file: str, output_dir: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "import_weights.py"), f"--weights={weights}",
-         f"--gin_file={gin_file}", f"--output_dir={output_dir}"],
-        capture_output=True, text=True, timeout=1800, cwd=REPO, env=env)
+    return tool_helpers.run_tool("import_weights.py", f"--weights={weights}",
+                                 f"--gin_file={gin_file}", f"--output_dir={output_dir}",
+                                 timeout=1800)
 
 
 def _restored(run_dir: str):

@@ -9,11 +9,9 @@ every new user takes is exercised too. Each script runs in a subprocess, as a us
 is judged by its exit status, its files and its message.
 """
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import gin
@@ -24,18 +22,14 @@ import tensorflow as tf
 from detr_tf import config
 from detr_tf import cli, machine
 from detr_tf.evaluation import predict, restore
+from tests import tool_helpers
 
 REPO = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {"AP", "AP50", "AP75", "APs", "APm", "APl"}
 
 
 def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    # PYTHONPATH: the scripts must import this checkout's package, not another installed copy.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("DETR_TF_TRACEBACK", None)
-    return subprocess.run([sys.executable, str(REPO / "tools" / script), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return tool_helpers.run_tool(script, *args, timeout=timeout)
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -6,9 +6,7 @@ shapes data's 4 classes, so the file's 7-class head is re-initialised and everyt
 reproduce the torch model's boxes.
 """
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import gin
@@ -20,6 +18,7 @@ from PIL import Image
 from detr_tf import cli, config
 from detr_tf.evaluation import export, predict, restore
 from detr_tf.weights import run_dir as run_dir_lib
+from tests import tool_helpers
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "weights"
@@ -29,11 +28,7 @@ NARROW = ["ResNet.layers = (2, 2, 2, 2)", "ResNet.width = 4", "ResNet.stem_width
 
 
 def _run(*args: str, tool: str = "import_weights.py") -> subprocess.CompletedProcess:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("DETR_TF_TRACEBACK", None)
-    return subprocess.run([sys.executable, str(REPO / "tools" / tool), *args],
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    return tool_helpers.run_tool(tool, *args)
 
 
 @pytest.fixture(scope="module")
