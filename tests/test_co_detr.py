@@ -13,7 +13,6 @@ import gin
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras
 
 from detr_tf import config
 from detr_tf.evaluation import export, restore

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras
 
 from detr_tf.modeling.deformable_attention import MultiScaleDeformableAttention
 from detr_tf.ops.deformable_sampling import multi_scale_deformable_sampling

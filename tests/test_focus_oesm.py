@@ -6,13 +6,11 @@ The step is checked against a float64 numpy transcription of the reference's for
 its own layers run by hand after that transcription; the tiny model shares the decoder's
 two-stage class head and adds exactly one attention and one LayerNorm per encoder layer.
 """
-import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import config
 from detr_tf.modeling import focus_encoder
 from detr_tf.modeling.dino_encoder import DinoEncoder
 from detr_tf.modeling.focus_encoder import FocusSelector

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from detr_tf.modeling.hgnetv2 import PRESETS
-from detr_tf.weights.dfine.backbone import PREFIX, hf_targets
+from detr_tf.weights.dfine.backbone import PREFIX
 from tests import hgnetv2_helpers as h
 from tests.resnet_vd_helpers import relative_errors
 

@@ -315,7 +315,6 @@ elif MODE == "paths":
     import gin
 
     from detr_tf.evaluation import restore
-    from detr_tf.training import optimization
 
     import tf_keras
 
