@@ -32,7 +32,7 @@ import tf_keras
 
 from detr_tf import machine
 from detr_tf.durations import format_elapsed
-from detr_tf.training import checkpointing, hardware, state as state_lib
+from detr_tf.training import checkpointing, hardware, state as state_lib, train_args
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
 from detr_tf.training.host_loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
@@ -175,11 +175,10 @@ def train(model_dir: str,
     Returns:
       The last logged training scalars and, if evaluated, the final eval metrics.
     """
+    train_args.check(locals())  # here, locals() holds exactly the arguments
     started, watch = time.time(), machine.CpuWatch()
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"train.nan_policy={nan_policy!r} is not one of {NAN_POLICIES}")
-    if grad_accum_steps < 1:
-        raise ValueError(f"train.grad_accum_steps must be >= 1, got {grad_accum_steps}")
     check_model_dir(model_dir)
     info = dataset_info_fn(is_training=True) if dataset_info_fn is not None else None
     if train_examples is None and info is not None:
