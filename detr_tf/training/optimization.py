@@ -22,6 +22,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import arg_checks as ac
 from detr_tf.training import fused_adamw
 
 
@@ -112,6 +113,17 @@ class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
                     tail_steps=self.tail_steps, final_factor=self.final_factor)
 
 
+# build_optimizers' plain Gin-bound arguments, checked before it builds anything
+# (detr_tf/arg_checks.py).
+OPTIMIZER_RULES = {
+    "learning_rate": ac.number(0), "backbone_learning_rate": ac.number(0),
+    "weight_decay": ac.number(0), "lr_drop_epochs": ac.numbers_from(0),
+    "lr_drop_factor": ac.number(0), "warmup_steps": ac.integer(0),
+    "beta_1": ac.number(0, 1), "beta_2": ac.number(0, 1), "epsilon": ac.number(0, low_open=True),
+    "jit_compile": ac.optional(ac.FLAG), "fused": ac.FLAG,
+}
+
+
 @gin.configurable(denylist=["steps_per_epoch", "total_steps"])
 def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
                      learning_rate: float = 1e-4,
@@ -152,7 +164,13 @@ def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
     Returns:
       (backbone_group, main_group): AdamWGroups, or tf_keras AdamW optimizers.
     """
-    drops = [int(round(e * steps_per_epoch)) for e in lr_drop_epochs]
+    ac.check("build_optimizers", locals(), OPTIMIZER_RULES)
+    if lr_drop_epochs and not steps_per_epoch and schedule is None:
+        raise ValueError(
+            f"build_optimizers.lr_drop_epochs = {tuple(lr_drop_epochs)} places the rate drops by "
+            "epoch, but the run's epoch size is unknown: set train.train_examples (or "
+            "train.dataset_info_fn), or bind build_optimizers.lr_drop_epochs = ()")
+    drops = [int(round(e * steps_per_epoch)) for e in lr_drop_epochs] if schedule is None else []
     if jit_compile is None:
         jit_compile = bool(tf.config.list_physical_devices("GPU")
                            or tf.config.list_physical_devices("TPU"))

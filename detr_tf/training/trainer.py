@@ -30,9 +30,9 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import machine
+from detr_tf import arg_checks as ac, machine
 from detr_tf.durations import format_elapsed
-from detr_tf.training import checkpointing, hardware, state as state_lib, train_args
+from detr_tf.training import checkpointing, hardware, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
 from detr_tf.training.host_loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
@@ -88,6 +88,23 @@ def check_classes(model: tf_keras.Model, criterion: Any, info: Any) -> None:
         raise ValueError(
             f"NUM_CLASSES (build_model.num_classes) is {model_classes} but the training data's "
             f"label map has {data_classes} classes ({shown}); set NUM_CLASSES = {data_classes}")
+
+
+# train's plain arguments, checked before a run builds or writes anything (detr_tf/arg_checks.py).
+# The string choices (precision, jit, distribution, nan_policy, steps_per_loop) are checked
+# against their lists where they are resolved.
+TRAIN_RULES = {
+    "global_batch_size": ac.integer(1), "num_steps": ac.optional(ac.integer(0)),
+    "num_epochs": ac.optional(ac.number(0, low_open=True)),
+    "train_examples": ac.optional(ac.integer(1)), "cpu_devices": ac.integer(0),
+    "clip_norm": ac.number(what="a number (<= 0: no clipping)"),
+    "grad_accum_steps": ac.integer(1), "ema_decay": ac.optional(ac.number(0, 1)),
+    "checkpoint_every": ac.integer(1), "keep_checkpoints": ac.integer(1),
+    "log_every": ac.integer(1), "eval_every": ac.optional(ac.integer(1)), "seed": ac.integer(),
+    "deterministic": ac.FLAG, "init_weights": ac.optional(ac.text("a path", nonempty=True)),
+    "precision": ac.text(), "jit": ac.text(), "distribution": ac.text(),
+    "nan_policy": ac.text(),
+}
 
 
 @gin.configurable(denylist=["model_dir"])
@@ -175,7 +192,7 @@ def train(model_dir: str,
     Returns:
       The last logged training scalars and, if evaluated, the final eval metrics.
     """
-    train_args.check(locals())  # here, locals() holds exactly the arguments
+    ac.check("train", locals(), TRAIN_RULES)  # here, locals() holds exactly the arguments
     started, watch = time.time(), machine.CpuWatch()
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"train.nan_policy={nan_policy!r} is not one of {NAN_POLICIES}")

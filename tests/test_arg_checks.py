@@ -1,0 +1,135 @@
+"""The plain arguments of train and build_optimizers are checked before a run builds or writes
+anything (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value
+and what it must be."""
+import inspect
+
+import gin
+import numpy as np
+import pytest
+
+from detr_tf import arg_checks
+from detr_tf.training import optimization, trainer
+from tests import tool_helpers
+
+# One value of the wrong type and one out of range (or None where None is not allowed) for
+# every argument with a rule.
+TRAIN_BAD = {
+    "global_batch_size": ["8", 0, True, None],
+    "num_steps": ["abc", -5, 1e4],
+    "num_epochs": ["300", 0, -1.5],
+    "train_examples": [2.5, 0],
+    "cpu_devices": ["2", -1],
+    "clip_norm": ["0.1", None],
+    "grad_accum_steps": [0, 1.0],
+    "ema_decay": ["0.99", 1.0, -0.1, 2],
+    "checkpoint_every": [0, "1000"],
+    "keep_checkpoints": [0, 3.0],
+    "log_every": [0, -1, "50"],
+    "eval_every": [0, "500"],
+    "seed": ["0", 0.5, None],
+    "deterministic": [1, "True", None],
+    "init_weights": [3, ""],
+    "precision": [None, 32],
+    "jit": [True, None],
+    "distribution": [None, 0],
+    "nan_policy": [None, 0],
+}
+TRAIN_GOOD = {
+    "global_batch_size": [1, 64, np.int64(8)],
+    "num_steps": [None, 0, 3000],
+    "num_epochs": [None, 300, 0.5],
+    "train_examples": [None, 1, 118287],
+    "cpu_devices": [0, 2],
+    "clip_norm": [0.1, 0, -1.0, 1],
+    "grad_accum_steps": [1, 4],
+    "ema_decay": [None, 0, 0.9999],
+    "checkpoint_every": [1, 1000],
+    "keep_checkpoints": [1, 3],
+    "log_every": [1, 50],
+    "eval_every": [None, 1, 500],
+    "seed": [0, -3, np.int32(7)],
+    "deterministic": [True, False],
+    "init_weights": [None, "/some/path.pth"],
+}
+
+
+OPTIMIZER_BAD = {
+    "learning_rate": ["1e-4", -1e-4, None],
+    "backbone_learning_rate": ["1e-5", -1.0],
+    "weight_decay": [-1e-4, "0"],
+    "lr_drop_epochs": [5, "200", (200, "x"), (-1,)],
+    "lr_drop_factor": [-0.1, None],
+    "warmup_steps": [-3, 200.0, "200"],
+    "beta_1": [1.0, -0.1, "0.9"],
+    "beta_2": [1.5, None],
+    "epsilon": [0, -1e-8, "1e-8"],
+    "jit_compile": ["False", 0],
+    "fused": [None, 1],
+}
+OPTIMIZER_GOOD = {
+    "learning_rate": [1e-4, 0, 1], "backbone_learning_rate": [0.0, 1e-5],
+    "weight_decay": [0, 1e-4], "lr_drop_epochs": [(), (200,), [10, 20.5]],
+    "lr_drop_factor": [0.1, 1], "warmup_steps": [0, 2000], "beta_1": [0.9, 0],
+    "beta_2": [0.999], "epsilon": [1e-8, 1], "jit_compile": [None, True, False],
+    "fused": [True, False],
+}
+TABLES = [("train", trainer.train, trainer.TRAIN_RULES, TRAIN_BAD, TRAIN_GOOD),
+          ("build_optimizers", optimization.build_optimizers, optimization.OPTIMIZER_RULES,
+           OPTIMIZER_BAD, OPTIMIZER_GOOD)]
+
+
+@pytest.mark.parametrize("name,fn,rules,bad,good", TABLES, ids=[t[0] for t in TABLES])
+def test_every_rule_refuses_bad_values_naming_the_binding(name, fn, rules, bad, good):
+    assert set(bad) == set(rules)
+    for arg, values in bad.items():
+        for value in values:
+            with pytest.raises(ValueError) as e:
+                arg_checks.check(name, {arg: value}, rules)
+            message = str(e.value)
+            assert message.startswith(f"{name}.{arg} = {value!r} ({type(value).__name__}) "
+                                      f"must be {rules[arg][0]}"), message
+
+
+@pytest.mark.parametrize("name,fn,rules,bad,good", TABLES, ids=[t[0] for t in TABLES])
+def test_good_values_and_the_functions_own_defaults_pass(name, fn, rules, bad, good):
+    for arg, values in good.items():
+        for value in values:
+            arg_checks.check(name, {arg: value}, rules)
+    parameters = inspect.signature(fn).parameters
+    assert set(rules) <= set(parameters)
+    # Gin fills the gin.REQUIRED ones (global_batch_size) or fails naming them.
+    defaults = {arg: p.default for arg, p in parameters.items()
+                if p.default not in (inspect.Parameter.empty, gin.REQUIRED)}
+    arg_checks.check(name, defaults, rules)
+
+
+def test_every_bad_argument_is_named_in_one_error():
+    with pytest.raises(ValueError) as e:
+        arg_checks.check("train", {"num_steps": "abc", "log_every": 0, "seed": 1,
+                                   "other": object()}, trainer.TRAIN_RULES)
+    assert str(e.value).count("train.") == 2
+    assert "train.num_steps = 'abc'" in str(e.value) and "train.log_every = 0" in str(e.value)
+
+
+def test_build_optimizers_checks_its_bindings_and_needs_an_epoch_size_for_epoch_drops():
+    with pytest.raises(ValueError, match=r"^build_optimizers\.lr_drop_epochs = 5 \(int\)"):
+        optimization.build_optimizers(steps_per_epoch=10, lr_drop_epochs=5)
+    with pytest.raises(ValueError, match=r"epoch size is unknown: set train.train_examples"):
+        optimization.build_optimizers(steps_per_epoch=None, lr_drop_epochs=(200,))
+    # No drops, or a schedule of its own: no epoch size needed.
+    optimization.build_optimizers(steps_per_epoch=None, lr_drop_epochs=())
+    optimization.build_optimizers(steps_per_epoch=None, total_steps=100,
+                                  schedule=optimization.FlatCosineSchedule)
+
+
+def test_train_py_names_a_bad_binding_in_one_line_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = tool_helpers.run_tool("train.py", "--gin_file=tiny.gin",
+                                 "--gin_param=train.num_steps = 'abc'",
+                                 "--gin_param=train.log_every = 0", f"--model_dir={run_dir}",
+                                 timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("train.num_steps = 'abc' (str) must be None or an int >= 0; "
+            "train.log_every = 0 (int) must be an int >= 1") in proc.stderr, proc.stderr
+    assert not run_dir.exists()
