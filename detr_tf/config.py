@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import gin
+import gin.config
+
+from detr_tf import config_types
 
 # The repository's gin_configs/ (present in a source checkout or an editable install).
 GIN_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "gin_configs"
@@ -64,6 +67,15 @@ def bound_value(selector: str, name: str, default: Any = None) -> Any:
     """
     bindings = gin.get_bindings(selector, resolve_references=False)
     return copy.deepcopy(bindings[name]) if name in bindings else default
+
+
+@gin.config.register_finalize_hook
+def _check_binding_types(bindings) -> None:
+    """Finalize hook: a literal binding whose value cannot be of its parameter's annotated type
+    fails here, before anything is built (detr_tf/config_types.py)."""
+    bad = config_types.mismatches(bindings, placeholders=(UnsetMacro,))
+    if bad:
+        raise ConfigError("a binding's value is not of its parameter's type: " + "; ".join(bad))
 
 
 def _required_macros() -> list[str]:
@@ -166,6 +178,8 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
                 gin.bind_parameter(f"{name}/macro.value", UnsetMacro(name))
         if finalize:
             gin.finalize()
+    except ConfigError:
+        raise
     except (ValueError, SyntaxError, OSError, TypeError) as e:
         where = f"gin files {paths}" if paths else "gin bindings"
         missing = _REQUIRED_MACRO.search(str(e))

@@ -125,11 +125,13 @@ def test_build_optimizers_checks_its_bindings_and_needs_an_epoch_size_for_epoch_
 def test_train_py_names_a_bad_binding_in_one_line_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     proc = tool_helpers.run_tool("train.py", "--gin_file=tiny.gin",
-                                 "--gin_param=train.num_steps = 'abc'",
+                                 "--gin_param=train.num_steps = -5",
                                  "--gin_param=train.log_every = 0", f"--model_dir={run_dir}",
                                  timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert ("train.num_steps = 'abc' (str) must be None or an int >= 0; "
+    # Of the right type (test_config_types.py checks types when the config is parsed), but out
+    # of range.
+    assert ("train.num_steps = -5 (int) must be None or an int >= 0; "
             "train.log_every = 0 (int) must be an int >= 1") in proc.stderr, proc.stderr
     assert not run_dir.exists()

@@ -1,0 +1,104 @@
+"""Every literal Gin binding checked against its parameter's type, when the config is finalized.
+
+`build_model.num_queries = '30'` or `build_optimizers.lr_drop_epochs = 5` parse, and would fail
+only once the run calls the function, in a traceback that names no binding, or work by chance
+(a string learning rate once trained). `mismatches` runs in a Gin finalize hook
+(detr_tf/config.py), before any tool builds anything, and names every binding whose value
+cannot be of the type its parameter is annotated with: int, float, bool, str, a list or tuple,
+and Optional / Union of them. A macro is followed to its value; references (`@fn`, `@fn()`)
+and configurables outside detr_tf are left to the function. Ranges are the functions' own
+checks (detr_tf/arg_checks.py).
+"""
+import collections.abc
+import inspect
+import numbers
+import typing
+from typing import Any, Dict, List, Optional, Tuple
+
+import gin
+import gin.config
+
+_MACRO = "gin.macro"
+_SEQUENCES = (list, tuple, collections.abc.Sequence)
+
+
+def _fits(value: Any, annotation: Any) -> Optional[bool]:
+    """Whether `value` can be of type `annotation`; None when the annotation says too little."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        verdicts = [_fits(value, arg) for arg in typing.get_args(annotation)]
+        return True if True in verdicts else (None if None in verdicts else False)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if annotation in _SEQUENCES or origin in _SEQUENCES:
+        return isinstance(value, (list, tuple))
+    return None
+
+
+def _describe(annotation: Any) -> str:
+    if inspect.isclass(annotation) and not typing.get_args(annotation):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "").replace("collections.abc.", "")
+
+
+def _parameters(selector: str) -> Dict[str, Tuple[Any, Any]]:
+    """{parameter: (annotation, default)} of a detr_tf configurable; {} for others."""
+    fn = gin.get_configurable(selector)
+    if not getattr(fn, "__module__", "").startswith("detr_tf"):
+        return {}
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    try:
+        hints = typing.get_type_hints(target)
+        params = inspect.signature(target).parameters
+    except (NameError, TypeError, ValueError):  # an annotation it cannot resolve: no check
+        return {}
+    return {name: (hints[name], p.default) for name, p in params.items() if name in hints}
+
+
+def _literal(value: Any, config: Dict, placeholders: Tuple[type, ...]
+             ) -> Tuple[bool, Any, str]:
+    """(whether `value`, a macro followed to its value, is a literal to check; that value; the
+    first macro it came through, as ", from %NAME", or "")."""
+    via = ""
+    for _ in range(32):  # a macro may name another macro
+        if not isinstance(value, gin.config.ConfigurableReference):
+            break
+        scope, selector = value.config_key
+        if selector != _MACRO:
+            return False, None, via
+        via = via or f", from %{scope}"
+        value = config.get((scope, _MACRO), {}).get("value", gin.REQUIRED)
+    skip = (isinstance(value, (gin.config.ConfigurableReference, *placeholders))
+            or value is gin.REQUIRED)
+    return not skip, value, via
+
+
+def mismatches(config: Dict, placeholders: Tuple[type, ...] = ()) -> List[str]:
+    """The bindings of `config` (Gin's (scope, selector) -> {parameter: value}) whose value
+    cannot be of its parameter's annotated type, one line each. Values of a `placeholders`
+    type (a tool's stand-in for a macro it may not need) are not checked."""
+    bad = []
+    for (scope, selector), bindings in config.items():
+        if selector == _MACRO:
+            continue
+        parameters = _parameters(selector)
+        for name, value in bindings.items():
+            if name not in parameters:
+                continue
+            annotation, default = parameters[name]
+            is_literal, value, via = _literal(value, config, placeholders)
+            if not is_literal or (value is None and default is None):
+                continue
+            if _fits(value, annotation) is False:
+                where = f"{scope}/" if scope else ""
+                bad.append(f"{where}{selector.rsplit('.', 1)[-1]}.{name} = {value!r} "
+                           f"({type(value).__name__}{via}) is not {_describe(annotation)}")
+    return bad
