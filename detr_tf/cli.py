@@ -139,6 +139,9 @@ def parse_tool_config(tool: str, gin_files: Sequence[str], gin_params: Sequence[
     Raises:
       SystemExit: with "<tool>: <what is wrong>" (exit status 1).
     """
+    if model_dir and not os.path.isdir(model_dir):
+        sys.exit(f"{tool}: --model_dir={model_dir!r} is not a directory; give the run directory "
+                 "that tools/train.py wrote")
     if not gin_files:
         saved = os.path.join(model_dir or "", "config.gin")
         if not model_dir or not os.path.isfile(saved):

@@ -242,3 +242,8 @@ def test_errors_name_the_missing_thing(run, tmp_path):
     # No --gin_file and no config.gin to fall back on.
     with pytest.raises(SystemExit, match="eval.py: no --gin_file"):
         cli.parse_tool_config("eval.py", [], [], str(tmp_path))
+    # No run directory at all: said so, with or without --gin_file.
+    for gin_files in ([], ["tiny.gin"]):
+        with pytest.raises(SystemExit, match=r"predict.py: --model_dir='.*no_such_run' is not a "
+                                             r"directory; give the run directory"):
+            cli.parse_tool_config("predict.py", gin_files, [], str(tmp_path / "no_such_run"))
