@@ -1,6 +1,6 @@
-"""The plain arguments of train and build_optimizers are checked before a run builds or writes
-anything (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value
-and what it must be."""
+"""The plain arguments of train, build_optimizers and build_dataset are checked before they are
+used (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value and
+what it must be."""
 import inspect
 
 import gin
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from detr_tf import arg_checks
+from detr_tf.data import pipeline
 from detr_tf.training import optimization, trainer
 from tests import tool_helpers
 
@@ -73,9 +74,19 @@ OPTIMIZER_GOOD = {
     "beta_2": [0.999], "epsilon": [1e-8, 1], "jit_compile": [None, True, False],
     "fused": [True, False],
 }
+DATASET_BAD = {
+    "max_boxes": [0, -1, 2.0], "shuffle_buffer": [0, -1, "1000"], "start_batch": [-1, 1.5],
+    "prefetch": [-2, "auto", None], "deterministic": [1, None],
+}
+DATASET_GOOD = {
+    "max_boxes": [1, 100], "shuffle_buffer": [1, 1000], "start_batch": [0, 5],
+    "prefetch": [pipeline.AUTOTUNE, 0, 2], "deterministic": [True, False],
+}
 TABLES = [("train", trainer.train, trainer.TRAIN_RULES, TRAIN_BAD, TRAIN_GOOD),
           ("build_optimizers", optimization.build_optimizers, optimization.OPTIMIZER_RULES,
-           OPTIMIZER_BAD, OPTIMIZER_GOOD)]
+           OPTIMIZER_BAD, OPTIMIZER_GOOD),
+          ("build_dataset", pipeline.build_dataset, pipeline.DATASET_RULES, DATASET_BAD,
+           DATASET_GOOD)]
 
 
 @pytest.mark.parametrize("name,fn,rules,bad,good", TABLES, ids=[t[0] for t in TABLES])

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import gin
 import tensorflow as tf
 
+from detr_tf import arg_checks as ac
 from detr_tf.cpu_quota import usable_cpus
 from detr_tf.data import augment
 from detr_tf.data import buckets as buckets_lib
@@ -41,6 +42,14 @@ from detr_tf.data import sources as sources_lib
 from detr_tf.data import stages as stages_lib
 
 AUTOTUNE = tf.data.AUTOTUNE
+# build_dataset's plain arguments, checked before it reads anything (detr_tf/arg_checks.py); the
+# buckets are checked by buckets.validate_buckets.
+DATASET_RULES = {
+    "max_boxes": ac.integer(1), "shuffle_buffer": ac.integer(1), "start_batch": ac.integer(0),
+    "prefetch": (f"tf.data.AUTOTUNE ({AUTOTUNE}) or an int >= 0",
+                 lambda v: ac.integer(0)[1](v) or v == AUTOTUNE),
+    "deterministic": ac.FLAG,
+}
 
 # Canvases for the DETR COCO recipe (shorter side <= 800, longer <= 1333): 21 buckets.
 COCO_BUCKETS = tuple(buckets_lib.canvas_buckets((576, 704, 832), (704, 896, 1088, 1344)))
@@ -197,6 +206,7 @@ def build_dataset(is_training: bool, global_batch_size: int,
     Returns:
       tf.data.Dataset of (features, targets) batches.
     """
+    ac.check("build_dataset", locals(), DATASET_RULES)
     shard = sharding(global_batch_size, input_context, num_shards, shard_index)
     buckets = buckets_lib.validate_buckets(buckets)
     source = train_source if is_training else eval_source
