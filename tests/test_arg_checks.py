@@ -1,5 +1,5 @@
-"""The plain arguments of train, build_optimizers and build_dataset are checked before they are
-used (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value and
+"""The plain arguments of train, build_optimizers, build_dataset and the model builders are
+checked before they are used (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value and
 what it must be."""
 import inspect
 
@@ -9,6 +9,7 @@ import pytest
 
 from detr_tf import arg_checks
 from detr_tf.data import pipeline
+from detr_tf.modeling import deformable_detr, detector, detr, dfine, rtdetr
 from detr_tf.training import optimization, trainer
 from tests import tool_helpers
 
@@ -82,6 +83,19 @@ DATASET_GOOD = {
     "max_boxes": [1, 100], "shuffle_buffer": [1, 1000], "start_batch": [0, 5],
     "prefetch": [pipeline.AUTOTUNE, 0, 2], "deterministic": [True, False],
 }
+BUILDER_BAD = {
+    "num_classes": [0, "80"], "num_queries": [0, 300.0, "300"], "hidden_dim": [0, -256],
+    "num_groups": [0, None], "num_levels": [0, 3.0], "num_decoder_layers": [0, "6"],
+    "num_heads": [0, 8.0], "dim_feedforward": [0, None], "dropout": [1.0, -0.1, "0.1"],
+    "num_inference_layers": [0, 3.0],
+}
+BUILDER_GOOD = {
+    "num_classes": [1, 80], "num_queries": [1, 300], "hidden_dim": [8, 256], "num_groups": [1, 11],
+    "num_levels": [1, 4], "num_decoder_layers": [1, 6], "num_heads": [1, 8],
+    "dim_feedforward": [1, 1024], "dropout": [0, 0.1, 0.0], "num_inference_layers": [None, 3],
+}
+BUILDERS = [detr.build_model, deformable_detr.build_deformable_detr, rtdetr.build_rtdetr,
+            dfine.build_dfine]
 TABLES = [("train", trainer.train, trainer.TRAIN_RULES, TRAIN_BAD, TRAIN_GOOD),
           ("build_optimizers", optimization.build_optimizers, optimization.OPTIMIZER_RULES,
            OPTIMIZER_BAD, OPTIMIZER_GOOD),
@@ -112,6 +126,28 @@ def test_good_values_and_the_functions_own_defaults_pass(name, fn, rules, bad, g
     defaults = {arg: p.default for arg, p in parameters.items()
                 if p.default not in (inspect.Parameter.empty, gin.REQUIRED)}
     arg_checks.check(name, defaults, rules)
+
+
+def test_the_builders_share_one_table_and_check_it_before_building():
+    assert set(BUILDER_BAD) == set(detector.BUILDER_RULES) == set(BUILDER_GOOD)
+    for arg, values in BUILDER_BAD.items():
+        for value in values:
+            with pytest.raises(ValueError, match=rf"^build_x\.{arg} = "):
+                arg_checks.check("build_x", {arg: value}, detector.BUILDER_RULES)
+    for arg, values in BUILDER_GOOD.items():
+        for value in values:
+            arg_checks.check("build_x", {arg: value}, detector.BUILDER_RULES)
+    covered = set()
+    for builder in BUILDERS:
+        parameters = inspect.signature(builder).parameters
+        covered |= set(parameters) & set(detector.BUILDER_RULES)
+        arg_checks.check(builder.__name__, {a: p.default for a, p in parameters.items()},
+                         detector.BUILDER_RULES)
+        # Checked first: a D-FINE or RT-DETR builder would otherwise ask for its backbone.
+        with pytest.raises(ValueError, match=rf"^{builder.__name__}\.num_queries = 0 \(int\) "
+                                             r"must be an int >= 1"):
+            builder(num_queries=0)
+    assert covered == set(detector.BUILDER_RULES)
 
 
 def test_every_bad_argument_is_named_in_one_error():

@@ -21,11 +21,13 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import arg_checks as ac
 from detr_tf.modeling import deformable_transformer as dt
 from detr_tf.modeling import multiscale
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
-from detr_tf.modeling.detector import Detector, pad_to_canvas, smallest_square_canvas
+from detr_tf.modeling.detector import (BUILDER_RULES, Detector, pad_to_canvas,
+                                       smallest_square_canvas)
 from detr_tf.modeling.layers import box_head, inverse_sigmoid, layer_norm, prior_class_head
 
 
@@ -212,6 +214,7 @@ def build_deformable_detr(num_classes: int = 91, num_queries: int = 300, hidden_
       canvas_sizes: the (height, width) canvases the data can have (its buckets), for a
         training step traced without static image sizes (see DeformableDETR._static_canvas).
     """
+    ac.check("build_deformable_detr", locals(), BUILDER_RULES)
     backbone = backbone if backbone is not None else ResNet()
     position_embedding = (position_embedding if position_embedding is not None else
                           PositionEmbeddingSine(hidden_dim // 2, offset=-0.5))

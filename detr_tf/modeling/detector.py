@@ -17,6 +17,19 @@ from typing import Callable, Dict, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import arg_checks as ac
+
+# The plain arguments the family's builders share (build_model, build_deformable_detr,
+# build_rtdetr, build_dfine), each checked by its builder before it builds anything
+# (detr_tf/arg_checks.py).
+BUILDER_RULES = {
+    "num_classes": ac.integer(1), "num_queries": ac.integer(1), "hidden_dim": ac.integer(1),
+    "num_groups": ac.integer(1), "num_levels": ac.integer(1),
+    "num_decoder_layers": ac.integer(1), "num_heads": ac.integer(1),
+    "dim_feedforward": ac.integer(1), "dropout": ac.number(0, 1),
+    "num_inference_layers": ac.optional(ac.integer(1)),
+}
+
 
 class Detector(tf_keras.Model):
     """Base of the family's detectors (see the module docstring)."""

@@ -5,11 +5,12 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import arg_checks as ac
 from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling import proposals as proposals_lib
 from detr_tf.modeling import query_groups
 from detr_tf.modeling.denoising import DenoisingQueries
-from detr_tf.modeling.detector import Detector, smallest_square_canvas
+from detr_tf.modeling.detector import BUILDER_RULES, Detector, smallest_square_canvas
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 from detr_tf.modeling.layers import MLP, class_head
 from detr_tf.modeling.transformer import Transformer
@@ -244,6 +245,7 @@ def build_model(num_classes: int = 91, num_queries: int = 100, hidden_dim: int =
     Returns:
       An unbuilt DETR (variables are created by the first call).
     """
+    ac.check("build_model", locals(), BUILDER_RULES)
     backbone = backbone if backbone is not None else ResNet()
     position_embedding = (position_embedding if position_embedding is not None
                           else PositionEmbeddingSine(hidden_dim // 2))

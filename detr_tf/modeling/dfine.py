@@ -17,7 +17,9 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import arg_checks as ac
 from detr_tf.modeling.denoising import DenoisingQueries
+from detr_tf.modeling.detector import BUILDER_RULES
 from detr_tf.modeling.dfine_decoder import DFineDecoder
 from detr_tf.modeling.rtdetr import RTDETR
 
@@ -97,6 +99,7 @@ def build_dfine(num_classes: int = 80, num_queries: int = 300, hidden_dim: int =
         are contrastive = True, box_noise_scale = 1.0, label_noise_ratio = 0.5,
         num_denoising = 100).
     """
+    ac.check("build_dfine", locals(), BUILDER_RULES)
     if backbone is None or encoder is None:
         raise ValueError("build_dfine: backbone and encoder are required; bind them in Gin "
                          "(build_dfine.backbone = @HGNetV2(), build_dfine.encoder = ...)")

@@ -35,11 +35,13 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import arg_checks as ac
 from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from detr_tf.modeling.co_atss import CoATSSBranch, image_extent
 from detr_tf.modeling.co_rcnn import CoRCNNBranch
 from detr_tf.modeling.denoising import DenoisingQueries
-from detr_tf.modeling.detector import Detector, pad_to_canvas, smallest_square_canvas
+from detr_tf.modeling.detector import (BUILDER_RULES, Detector, pad_to_canvas,
+                                       smallest_square_canvas)
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
 
 INPUT_NORMALIZATIONS = ("imagenet", "unit")
@@ -314,6 +316,7 @@ def build_rtdetr(num_classes: int = 80, num_queries: int = 300, hidden_dim: int 
         group (co_rcnn.py); both or neither, and only with co_atss_head.
       co_max_queries: the slots of each group (300, the reference's max_pos_coords).
     """
+    ac.check("build_rtdetr", locals(), BUILDER_RULES)
     if backbone is None:
         from detr_tf.modeling.resnet_vd import ResNetVd  # the default only
         backbone = ResNetVd()
