@@ -112,6 +112,21 @@ def reject_positional(tool: str, argv: Sequence[str], hint: str = "") -> None:
         sys.exit(f"{tool}: unexpected arguments {list(argv[1:])}{hint}")
 
 
+def check_output_dir(tool: str, flag: str, path: str) -> None:
+    """Exits with one line when `path` cannot become the directory a tool writes into: it, or
+    the nearest part of it that exists, is a file, or that part is not writable. Creates
+    nothing, so a run that fails later leaves no empty directory behind."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        why = ("is a file" if existing == os.path.abspath(path)
+               else f"cannot be a directory ({existing!r} is a file)")
+        sys.exit(f"{tool}: --{flag}={path!r} {why}: give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        sys.exit(f"{tool}: --{flag}={path!r} cannot be written: {existing!r} is not writable")
+
+
 def parse_gin_or_exit(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
                       defer_required: bool = False) -> None:
     """Strict Gin parse (detr_tf.config); any configuration error exits with
@@ -154,13 +169,13 @@ def parse_tool_config(tool: str, gin_files: Sequence[str], gin_params: Sequence[
 def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
     """Calls `fn`, turning the errors a user can fix into one line and exit status 1.
 
-    A missing checkpoint or image path (FileNotFoundError), a bad value (ValueError) and an
-    incomplete Gin configuration print "<tool>: <message>"; set DETR_TF_TRACEBACK=1 to get the
-    traceback instead.
+    A missing checkpoint or image path, a path that is a file or cannot be written (OSError),
+    a bad value (ValueError) and an incomplete Gin configuration print "<tool>: <message>"; set
+    DETR_TF_TRACEBACK=1 to get the traceback instead.
     """
     try:
         return fn()
-    except (FileNotFoundError, ValueError) as e:  # config.ConfigError is a ValueError
+    except (OSError, ValueError) as e:  # config.ConfigError is a ValueError
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
         sys.exit(f"{tool}: {type(e).__name__}: {e}")

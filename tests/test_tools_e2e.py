@@ -9,6 +9,7 @@ every new user takes is exercised too. Each script runs in a subprocess, as a us
 is judged by its exit status, its files and its message.
 """
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -242,6 +243,24 @@ def test_errors_name_the_missing_thing(run, tmp_path):
     # No --gin_file and no config.gin to fall back on.
     with pytest.raises(SystemExit, match="eval.py: no --gin_file"):
         cli.parse_tool_config("eval.py", [], [], str(tmp_path))
+    # Outputs: a path that is a file, or lies under one, is refused before anything runs, and
+    # creates nothing; an OSError the tool meets later is one line too.
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit, match=r"predict.py: --output_dir='.*a_file' is a file: "
+                                         r"give a directory path"):
+        cli.check_output_dir("predict.py", "output_dir", str(a_file))
+    with pytest.raises(SystemExit, match=r"export.py: --export_dir='.*a_file/sub/dir' cannot be "
+                                         r"a directory \('.*a_file' is a file\)"):
+        cli.check_output_dir("export.py", "export_dir", str(a_file / "sub" / "dir"))
+    cli.check_output_dir("export.py", "export_dir", str(tmp_path / "new" / "dir"))
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(SystemExit, match=r"predict.py: FileExistsError: .*a_file"):
+        cli.run_tool("predict.py", lambda: os.makedirs(a_file))
+    with pytest.raises(SystemExit, match=r"predict.py: ValueError: score threshold 2.0 is not "
+                                         r"in \[0, 1\]"):
+        cli.run_tool("predict.py", lambda: predict.predict_run(
+            str(run["model_dir"]), str(a_file), str(tmp_path / "out"), score_threshold=2.0))
     # No run directory at all: said so, with or without --gin_file.
     for gin_files in ([], ["tiny.gin"]):
         with pytest.raises(SystemExit, match=r"predict.py: --model_dir='.*no_such_run' is not a "

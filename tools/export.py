@@ -36,6 +36,7 @@ def main(argv):
     cli.reject_positional("export.py", argv)
     from detr_tf.export import formats
 
+    cli.check_output_dir("export.py", "export_dir", FLAGS.export_dir)
     cli.parse_tool_config("export.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
     cli.run_tool("export.py", lambda: formats.export_formats(
         FLAGS.model_dir, FLAGS.export_dir, FLAGS.format, FLAGS.tflite_modes,

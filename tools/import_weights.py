@@ -42,6 +42,7 @@ def main(argv):
     if not FLAGS.gin_file:
         sys.exit("import_weights.py: --gin_file is required (the model to import into), e.g. "
                  "--gin_file=gin_configs/detr_r50.gin")
+    cli.check_output_dir("import_weights.py", "output_dir", FLAGS.output_dir)
     # Only the model is built: the data and backbone-weight macros an experiment file requires
     # for training may stay unset.
     cli.parse_gin_or_exit("import_weights.py", FLAGS.gin_file, FLAGS.gin_param,

@@ -28,6 +28,7 @@ def main(argv):
     cli.reject_positional("predict.py", argv)
     from detr_tf.evaluation import predict
 
+    cli.check_output_dir("predict.py", "output_dir", FLAGS.output_dir)
     cli.parse_tool_config("predict.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
     cli.run_tool("predict.py", lambda: predict.predict_run(
         FLAGS.model_dir, FLAGS.images, FLAGS.output_dir, FLAGS.score_threshold,

@@ -239,10 +239,17 @@ def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int =
 
 
 def drawing_threshold(given: Optional[float] = None) -> float:
-    """`given`, else the parsed config's `predict_eval_images.score_threshold`, else 0.5."""
-    if given is not None:
-        return given
-    return gin.get_bindings(predict_eval_images).get("score_threshold", DEFAULT_SCORE_THRESHOLD)
+    """`given`, else the parsed config's `predict_eval_images.score_threshold`, else 0.5.
+
+    Raises:
+      ValueError: the threshold is not in [0, 1], where every detector's scores lie.
+    """
+    threshold = given if given is not None else gin.get_bindings(predict_eval_images).get(
+        "score_threshold", DEFAULT_SCORE_THRESHOLD)
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"score threshold {threshold} is not in [0, 1]: detection scores are "
+                         "probabilities")
+    return threshold
 
 
 def predict_run(model_dir: str, images: str, output_dir: str,
