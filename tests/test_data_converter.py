@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from detr_tf.data import coco_converter, tfexample
+from detr_tf.data import coco_converter, json_files, label_map, tfexample
+from tests import tool_helpers
 
 
 def _write_dataset(root):
@@ -115,6 +116,31 @@ def test_bad_json_is_named(tmp_path):
     with pytest.raises(ValueError, match="bad.json.*'id'"):
         coco_converter.convert_coco(str(tmp_path), str(path), str(tmp_path / "o"), 1, 1,
                                     progress=False)
+
+
+def test_a_broken_or_missing_json_is_named_with_its_line_and_column(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"images": [\n  {"id": 1,}\n]}')
+    with pytest.raises(ValueError, match=r"annotations file '.*broken.json' is not valid JSON: "
+                                         r".* at line 2, column 12"):
+        json_files.read_json(str(broken))
+    with pytest.raises(FileNotFoundError, match=r"annotations file '.*nowhere.json' does not"):
+        json_files.read_json(str(tmp_path / "nowhere.json"))
+    a_list = tmp_path / "list.json"
+    a_list.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="list.json: field 'images' is missing or not a list"):
+        coco_converter.convert_coco(str(tmp_path), str(a_list), str(tmp_path / "o"), 1, 1,
+                                    progress=False)
+    with pytest.raises(ValueError, match="list.json: a COCO annotations file holds one JSON "
+                                         "object, got a list"):
+        label_map.label_map_from_coco_json(str(a_list))
+    # The tool: one line, no traceback, exit status 1.
+    proc = tool_helpers.run_tool("create_coco_tfrecord.py", f"--image_dir={tmp_path}",
+                                 f"--annotations_file={broken}",
+                                 f"--output_prefix={tmp_path}/o/x", timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "create_coco_tfrecord.py: ValueError: annotations file"), proc.stderr
 
 
 def _nothing_usable(tmp_path):

@@ -9,7 +9,7 @@ prints a summary of every bad-input count, and exits non-zero only if no image w
 """
 from absl import app, flags
 
-from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
+from detr_tf import cli  # first: quiets TensorFlow's C++ logs before it loads
 from detr_tf.data import coco_converter
 
 FLAGS = flags.FLAGS
@@ -22,10 +22,10 @@ flags.mark_flags_as_required(["image_dir", "annotations_file", "output_prefix"])
 
 
 def main(argv):
-    del argv
-    return coco_converter.run_conversion(FLAGS.image_dir, FLAGS.annotations_file,
-                                         FLAGS.output_prefix, FLAGS.num_shards,
-                                         FLAGS.num_processes)
+    cli.reject_positional("create_coco_tfrecord.py", argv)
+    return cli.run_tool("create_coco_tfrecord.py", lambda: coco_converter.run_conversion(
+        FLAGS.image_dir, FLAGS.annotations_file, FLAGS.output_prefix, FLAGS.num_shards,
+        FLAGS.num_processes))
 
 
 if __name__ == "__main__":

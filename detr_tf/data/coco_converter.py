@@ -20,7 +20,6 @@ JPEG (`images_reencoded`) so every TF decoder reads them.
 import collections
 import dataclasses
 import io
-import json
 import math
 import multiprocessing
 import os
@@ -28,6 +27,8 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from PIL import Image
+
+from detr_tf.data import json_files
 
 # No TensorFlow import at module level: worker processes import this module to read images,
 # and importing TF there would cost each worker seconds and hundreds of MB.
@@ -172,9 +173,8 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
 
     from detr_tf.data import tfexample
 
-    with open(annotations_file) as f:
-        coco = json.load(f)
-    if not isinstance(coco.get("images"), list):
+    coco = json_files.read_json(annotations_file)
+    if not isinstance(coco, dict) or not isinstance(coco.get("images"), list):
         raise ValueError(f"{annotations_file}: field 'images' is missing or not a list.")
     for img in coco["images"]:
         if "id" not in img or "file_name" not in img:

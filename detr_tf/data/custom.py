@@ -28,6 +28,7 @@ import gin
 
 from detr_tf import config
 from detr_tf.data import cache_dirs, custom_layouts as layouts
+from detr_tf.data import json_files
 
 _IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 _IMAGES_PER_SHARD = 1000
@@ -103,8 +104,7 @@ def fingerprint(layout: layouts.Layout) -> str:
 
 
 def _load_coco(split: layouts.SplitFiles) -> dict:
-    with open(split.annotations) as f:
-        coco = json.load(f)
+    coco = json_files.read_json(split.annotations)
     for field in ("images", "categories"):
         if not isinstance(coco.get(field), list):
             raise ValueError(f"{split.annotations}: field {field!r} is missing or not a list.")
@@ -189,8 +189,7 @@ def _build_atomically(layout: layouts.Layout, root: str) -> None:
 
 
 def _train_stats(annotations_file: str) -> Tuple[List[Tuple[int, int]], int]:
-    with open(annotations_file) as f:
-        coco = json.load(f)
+    coco = json_files.read_json(annotations_file)
     counts: Dict[int, int] = {}
     for ann in coco.get("annotations", []):
         if not ann.get("iscrowd", 0):

@@ -14,11 +14,12 @@ Category ids that the map does not know are mapped to -1; the pipeline stops wit
 naming the image when a record has one (detr_tf.data.pipeline.check_annotations).
 """
 import dataclasses
-import json
 from typing import Dict, List, Optional, Sequence
 
 import gin
 import tensorflow as tf
+
+from detr_tf.data import json_files
 
 # COCO 2017 "thing" categories: (id, name). 80 entries, ids between 1 and 90.
 COCO_CATEGORIES = (
@@ -101,8 +102,10 @@ def label_map_from_coco_json(annotations_file: str) -> LabelMap:
     Raises:
       ValueError: when the file has no `categories` list or a category lacks `id` / `name`.
     """
-    with tf.io.gfile.GFile(annotations_file) as f:
-        data = json.load(f)
+    data = json_files.read_json(annotations_file)
+    if not isinstance(data, dict):
+        raise ValueError(f"{annotations_file}: a COCO annotations file holds one JSON object, "
+                         f"got a {type(data).__name__}")
     return label_map_from_categories(data.get("categories"), source=annotations_file)
 
 

@@ -9,6 +9,8 @@ from typing import Any, Dict, Union
 
 from pycocotools.coco import COCO
 
+from detr_tf.data import json_files
+
 
 def write_json(path: Union[str, os.PathLike], payload: Any) -> None:
     """Writes `payload` as json, creating the directory."""
@@ -42,8 +44,7 @@ def load_annotations(annotations: Union[str, os.PathLike, COCO], verbose: bool) 
         source = os.fspath(annotations)
         if not os.path.exists(source):
             raise FileNotFoundError(f"CocoEvaluator: annotations file {source} does not exist")
-        with open(source) as f:
-            dataset = json.load(f)
+        dataset = json_files.read_json(source)
     for key in ("images", "annotations", "categories"):
         if key not in dataset:
             raise ValueError(f"CocoEvaluator: annotations from {source} have no {key!r} list; "

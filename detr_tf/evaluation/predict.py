@@ -27,6 +27,7 @@ import tf_keras
 from PIL import Image, UnidentifiedImageError
 
 from detr_tf import config, run as run_lib
+from detr_tf.data import json_files
 from detr_tf.evaluation import export, preprocess, restore, visualize
 
 PREDICTIONS_SUBDIR = "predictions"
@@ -197,8 +198,7 @@ def predict_images(detector: Any,
 def annotated_image_paths(annotations_file: str, limit: int) -> List[str]:
     """Image files named by a COCO json, resolved next to it (as the shapes dataset lays out)."""
     config.check_given(annotations_file, "drawing the eval images (their annotations file)")
-    with open(annotations_file) as f:
-        images = json.load(f)["images"][:limit]
+    images = json_files.read_json(annotations_file)["images"][:limit]
     base = os.path.dirname(annotations_file)
     found = []
     for image in images:

@@ -3,11 +3,11 @@
 Each image is given to the runner as tools would give it: stretched to the export's input size,
 with its own size (formats.fixed_input), so the boxes come back in its pixels.
 """
-import json
 from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
+from detr_tf.data import json_files
 from detr_tf.evaluation import coco_metrics, postprocess as pp, predict
 from detr_tf.export import formats
 
@@ -23,8 +23,7 @@ def coco_ap(runner: Callable, annotations_file: str, input_size: Sequence[int],
       input_size: (H, W) the runner takes.
       category_ids: the dataset's category id of each class index (DatasetInfo.category_ids).
     """
-    with open(annotations_file) as f:
-        images = json.load(f)["images"]
+    images = json_files.read_json(annotations_file)["images"]
     images = images[:limit] if limit else images
     paths = predict.annotated_image_paths(annotations_file, len(images))
     if len(paths) != len(images):
