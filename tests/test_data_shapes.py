@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from detr_tf.data import shapes
+from tests import tool_helpers
 
 
 def test_layout_boxes_and_determinism(tmp_path):
@@ -116,3 +117,18 @@ def test_two_first_uses_at_once_both_get_a_complete_dataset(tmp_path):
     assert os.listdir(tmp_path) == [os.path.basename(results[0]["root"])]
     counts = json.load(open(os.path.join(results[0]["root"], "DONE.json")))
     assert counts["train"]["images_written"] == 6 and counts["val"]["images_written"] == 2
+
+
+def test_the_dataset_tools_refuse_bad_output_dirs_and_counts_in_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for tool in ("make_shapes_dataset.py", "make_demo_dataset.py"):
+        proc = tool_helpers.run_tool(tool, f"--output_dir={a_file / 'data'}", timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip() == (
+            f"{tool}: --output_dir='{a_file / 'data'}' cannot be a directory ('{a_file}' is a "
+            "file): give a directory path"), proc.stderr
+    proc = tool_helpers.run_tool("make_shapes_dataset.py", f"--output_dir={tmp_path / 'd'}",
+                                 "--num_train=0", timeout=300)
+    assert proc.returncode == 1 and "--num_train=0" in proc.stderr, proc.stderr
+    assert not (tmp_path / "d").exists()

@@ -16,8 +16,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("image_dir", None, "Directory of the images named in the json.")
 flags.DEFINE_string("annotations_file", None, "COCO instances json.")
 flags.DEFINE_string("output_prefix", None, "Shards go to PREFIX-0000i-of-0000N.tfrecord.")
-flags.DEFINE_integer("num_shards", 32, "Number of output shards.")
-flags.DEFINE_integer("num_processes", None, "Worker processes (default: all CPUs).")
+flags.DEFINE_integer("num_shards", 32, "Number of output shards.", lower_bound=1)
+flags.DEFINE_integer("num_processes", None, "Worker processes (default: all CPUs).",
+                     lower_bound=1)
 flags.mark_flags_as_required(["image_dir", "annotations_file", "output_prefix"])
 
 
