@@ -10,6 +10,7 @@ import tensorflow as tf
 from PIL import Image
 
 from detr_tf.data import coco_converter, json_files, label_map, tfexample
+from detr_tf.evaluation import coco_io
 from tests import tool_helpers
 
 
@@ -134,6 +135,10 @@ def test_a_broken_or_missing_json_is_named_with_its_line_and_column(tmp_path):
     with pytest.raises(ValueError, match="list.json: a COCO annotations file holds one JSON "
                                          "object, got a list"):
         label_map.label_map_from_coco_json(str(a_list))
+    with pytest.raises(ValueError, match="annotations from .*list.json have no 'images' list"):
+        coco_io.load_annotations(str(a_list), verbose=False)
+    with pytest.raises(ValueError, match="broken.json' is not valid JSON"):
+        coco_io.load_annotations(str(broken), verbose=False)
     # The tool: one line, no traceback, exit status 1.
     proc = tool_helpers.run_tool("create_coco_tfrecord.py", f"--image_dir={tmp_path}",
                                  f"--annotations_file={broken}",

@@ -46,7 +46,7 @@ def load_annotations(annotations: Union[str, os.PathLike, COCO], verbose: bool) 
             raise FileNotFoundError(f"CocoEvaluator: annotations file {source} does not exist")
         dataset = json_files.read_json(source)
     for key in ("images", "annotations", "categories"):
-        if key not in dataset:
+        if not isinstance(dataset, dict) or key not in dataset:
             raise ValueError(f"CocoEvaluator: annotations from {source} have no {key!r} list; "
                              f"expected a COCO instances json")
     annotations_out = []
