@@ -431,6 +431,16 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     for name in (n for n in a if n.startswith("model/")):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
+    # Resumed with a binding that fails while the run is built: one line, and the run keeps the
+    # config.gin its checkpoints were trained with, and its checkpoints.
+    saved = sorted(os.listdir(full / "checkpoints"))
+    proc, log = train_cli(full, shapes_cache, *common[:3], "train.num_steps = 6",
+                          "build_optimizers.warmup_steps = -1")
+    assert proc.returncode == 1 and "Traceback" not in log, log[-4000:]
+    assert "build_optimizers.warmup_steps = -1 (int) must be an int >= 0" in log, log[-4000:]
+    assert (full / "config.gin").read_text() == config_gin
+    assert sorted(os.listdir(full / "checkpoints")) == saved
+
 
 def test_nan_loss_stops_naming_step_and_terms_or_skips(shapes_cache, tmp_path):
     proc, log = run([sys.executable, str(PROG), "nan", str(tmp_path), shapes_cache])

@@ -218,8 +218,6 @@ def train(model_dir: str,
     jit, jit_why = resolve_jit_why(jit, deterministic, hw)
     steps_per_loop = resolve_steps_per_loop(steps_per_loop)
     writer = MetricsWriter(model_dir, enabled=engine.is_chief)
-    if engine.is_chief:
-        _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
     state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps,
                             precision, ema_decay, jit, clip_norm, grad_accum_steps,
                             auto_jit=bool(jit_why))
@@ -237,6 +235,10 @@ def train(model_dir: str,
     start_step = state_lib.start(state, ckpt, saver, engine, init_weights, weights_loader)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)
+    if engine.is_chief:
+        # Once the run is built, restored and fed: a resumed run whose new bindings fail above
+        # keeps the config.gin that its checkpoints were trained with (eval.py reads it).
+        _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
                      log_every=log_every, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, nan_policy=nan_policy,
