@@ -26,12 +26,12 @@ def integer(low: Optional[int] = None) -> Rule:
 
 
 def number(low: Optional[float] = None, high: Optional[float] = None,
-           low_open: bool = False, what: Optional[str] = None) -> Rule:
-    """An int or float (not a bool) from `low` (excluded if `low_open`) up to, not including,
-    `high`."""
+           low_open: bool = False, high_open: bool = True, what: Optional[str] = None) -> Rule:
+    """An int or float (not a bool) from `low` to `high`, each end excluded if it is open."""
     if what is None:
         if high is not None:
-            what = f"a number in {'(' if low_open else '['}{low}, {high})"
+            what = (f"a number in {'(' if low_open else '['}{low}, {high}"
+                    f"{')' if high_open else ']'}")
         elif low is not None:
             what = f"a number {'>' if low_open else '>='} {low}"
         else:
@@ -39,7 +39,7 @@ def number(low: Optional[float] = None, high: Optional[float] = None,
 
     def test(v):
         return _is_number(v) and (low is None or (v > low if low_open else v >= low)) and (
-            high is None or v < high)
+            high is None or (v < high if high_open else v <= high))
     return what, test
 
 

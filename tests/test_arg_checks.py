@@ -1,5 +1,5 @@
-"""The plain arguments of train, build_optimizers, build_dataset and the model builders are
-checked before they are used (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value and
+"""The plain arguments of train, build_optimizers, build_dataset, the model builders and the
+criteria are checked before they are used (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value and
 what it must be."""
 import inspect
 
@@ -9,6 +9,8 @@ import pytest
 
 from detr_tf import arg_checks
 from detr_tf.data import pipeline
+from detr_tf.losses import (DFineCriterion, FocalSetCriterion, RTDetrCriterion, SetCriterion,
+                            criterion_rules)
 from detr_tf.modeling import deformable_detr, detector, detr, dfine, rtdetr
 from detr_tf.training import optimization, trainer
 from tests import tool_helpers
@@ -148,6 +150,23 @@ def test_the_builders_share_one_table_and_check_it_before_building():
                                              r"must be an int >= 1"):
             builder(num_queries=0)
     assert covered == set(detector.BUILDER_RULES)
+
+
+def test_the_criteria_share_one_table_and_check_it_naming_their_class():
+    rules = criterion_rules.CRITERION_RULES
+    for arg, (what, test) in rules.items():
+        for value in ("1", -1, None):
+            assert not test(value), (arg, value)
+    assert not rules["focal_alpha"][1](1.5) and rules["focal_alpha"][1](1)
+    covered = set()
+    for criterion in (SetCriterion, FocalSetCriterion, RTDetrCriterion, DFineCriterion):
+        parameters = inspect.signature(criterion.__init__).parameters
+        covered |= set(parameters) & set(rules)
+        criterion(num_classes=3)  # the defaults pass
+        for arg in ("num_classes", "cost_class"):
+            with pytest.raises(ValueError, match=rf"^{criterion.__name__}\.{arg} = -1 \(int\)"):
+                criterion(**{"num_classes": 3, arg: -1})
+    assert covered == set(rules)
 
 
 def test_every_bad_argument_is_named_in_one_error():

@@ -41,6 +41,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import criterion_rules
 from detr_tf.losses import ddf as ddf_lib
 from detr_tf.losses import fgl as fgl_lib
 from detr_tf.losses import focal
@@ -74,6 +75,7 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
                  reg_scale: float = 4.0, up: float = 0.5, weight_fgl: float = 0.15,
                  weight_ddf: float = 1.5, ddf_temperature: float = 5.0,
                  union_boxes: bool = True):
+        criterion_rules.check(self, locals())
         super().__init__(num_classes, cost_class, cost_bbox, cost_giou, matcher_alpha,
                          matcher_gamma, vfl_alpha, vfl_gamma, weight_vfl, weight_bbox,
                          weight_giou, aux_loss, matcher, class_loss)

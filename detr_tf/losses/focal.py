@@ -27,6 +27,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import criterion_rules
 from detr_tf.losses import dense
 from detr_tf.ops import box_ops
 from detr_tf.ops import matching, matching_cost
@@ -133,6 +134,7 @@ class FocalSetCriterion:
                  weight_ce: float = 2.0, weight_bbox: float = 5.0, weight_giou: float = 2.0,
                  aux_loss: bool = True, matcher: Optional[Callable] = None,
                  match_cost: Optional[Callable] = None, class_loss: Optional[Callable] = None):
+        criterion_rules.check(self, locals())
         self.num_classes = num_classes
         self.alpha = focal_alpha
         self.gamma = focal_gamma

@@ -48,6 +48,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import criterion_rules
 from detr_tf.losses import co_aux
 from detr_tf.losses import focal
 from detr_tf.losses import foreground
@@ -92,6 +93,7 @@ class RTDetrCriterion(focal.FocalSetCriterion):
                  hybrid_assign: int = 6, weight_hybrid: float = 1.0,
                  co_lambda: float = 1.0,
                  co_atss_weights: Tuple[float, float, float] = co_aux.ATSS_WEIGHTS):
+        criterion_rules.check(self, locals())
         # The parent's focal alpha / gamma serve its matching cost only; its focal class loss
         # is never used here.
         super().__init__(num_classes, focal_alpha=matcher_alpha, focal_gamma=matcher_gamma,

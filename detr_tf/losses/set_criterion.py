@@ -24,6 +24,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
+from detr_tf.losses import criterion_rules
 from detr_tf.losses import dense, denoising
 from detr_tf.ops import matching, matching_cost
 
@@ -52,8 +53,7 @@ class SetCriterion:
                  weight_bbox: float = 5.0, weight_giou: float = 2.0, aux_loss: bool = True,
                  weight_enc: float = 1.0, matcher: Optional[Callable] = None,
                  num_groups: int = 1, weight_dn: float = 1.0):
-        if num_groups < 1:
-            raise ValueError(f"SetCriterion.num_groups must be >= 1, got {num_groups}")
+        criterion_rules.check(self, locals())
         self.num_groups = num_groups
         self.weight_dn = weight_dn
         self.matcher = matching.HungarianMatcher() if matcher is None else matcher
