@@ -173,6 +173,9 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
     try:
         gin.parse_config_files_and_bindings(
             paths, list(gin_params), skip_unknown=False, finalize_config=False)
+        unused = config_types.unused_macros(gin.config._CONFIG, list(gin_params))
+        if unused:
+            raise ConfigError("; ".join(unused))
         if defer_required:
             for name in _required_macros():
                 gin.bind_parameter(f"{name}/macro.value", UnsetMacro(name))

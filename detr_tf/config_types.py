@@ -1,4 +1,5 @@
-"""Every literal Gin binding checked against its parameter's type, when the config is finalized.
+"""Checks of the Gin bindings once they are parsed: every literal against its parameter's type,
+and every macro a command line sets against the macros the configuration uses.
 
 `build_model.num_queries = '30'` or `build_optimizers.lr_drop_epochs = 5` parse, and would fail
 only once the run calls the function, in a traceback that names no binding, or work by chance
@@ -8,12 +9,18 @@ cannot be of the type its parameter is annotated with: int, float, bool, str, a 
 and Optional / Union of them. A macro is followed to its value; references (`@fn`, `@fn()`)
 and configurables outside detr_tf are left to the function. Ranges are the functions' own
 checks (detr_tf/arg_checks.py).
+
+A macro, unlike a parameter, may be set without being declared, so `--gin_param=NUM_CLASES=3`
+parses and changes nothing: `unused_macros` names the macros a command line sets that no binding
+reads, with the used names they are close to.
 """
 import collections.abc
+import difflib
 import inspect
 import numbers
+import re
 import typing
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import gin
 import gin.config
@@ -101,4 +108,35 @@ def mismatches(config: Dict, placeholders: Tuple[type, ...] = ()) -> List[str]:
                 where = f"{scope}/" if scope else ""
                 bad.append(f"{where}{selector.rsplit('.', 1)[-1]}.{name} = {value!r} "
                            f"({type(value).__name__}{via}) is not {_describe(annotation)}")
+    return bad
+
+
+def _macros_read(value: Any) -> Iterator[str]:
+    """The macro names `value` (a bound value, possibly nested) refers to."""
+    if isinstance(value, gin.config.ConfigurableReference):
+        scope, selector = value.config_key
+        if selector == _MACRO:
+            yield scope
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _macros_read(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _macros_read(item)
+
+
+def unused_macros(config: Dict, params: Sequence[str]) -> List[str]:
+    """The macros that `params` (command-line bindings) set and no binding of `config` reads,
+    one line each, with the used macros they resemble."""
+    read = {name for bindings in config.values() for value in bindings.values()
+            for name in _macros_read(value)}
+    set_here = [m.group(1) for p in params for line in p.splitlines()
+                for m in [re.match(r"\s*([A-Za-z_]\w*)\s*=", line)] if m]
+    bad = []
+    for name in dict.fromkeys(set_here):
+        if name not in read:
+            close = difflib.get_close_matches(name, sorted(read), n=3)
+            hint = f": did you mean {' or '.join(close)}?" if close else ""
+            bad.append(f"--gin_param sets the macro {name}, which nothing in the configuration "
+                       f"reads{hint}")
     return bad

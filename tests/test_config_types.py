@@ -87,3 +87,23 @@ def test_train_py_refuses_a_mistyped_binding_in_one_line_before_writing(tmp_path
     assert "Traceback" not in proc.stderr
     assert "build_model.num_queries = '30' (str) is not int" in proc.stderr, proc.stderr
     assert not run_dir.exists()
+
+
+def test_a_command_line_macro_that_nothing_reads_is_named_with_the_close_ones():
+    with pytest.raises(config.ConfigError) as e:
+        _parse("NUM_CLASES = 3", "GLOBAL_BATCH_SIZE = 2", "train.num_steps = 2",
+               "SHAPES_CACHE_DIRR = '/x'")
+    message = str(e.value)
+    assert ("--gin_param sets the macro NUM_CLASES, which nothing in the configuration reads: "
+            "did you mean NUM_CLASSES?") in message, message
+    assert "macro SHAPES_CACHE_DIRR, " in message and "did you mean SHAPES_CACHE_DIR" in message
+    assert "GLOBAL_BATCH_SIZE" not in message  # read by train.global_batch_size
+    # A macro read only inside a tuple counts as read.
+    _parse("NUM_CLASSES = 3")
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["detr_r50.gin"], ["LR_DROP_EPOCH = 10"], defer_required=True)
+    finally:
+        gin.clear_config()
+    with pytest.raises(config.ConfigError, match="macro ZZZ, which nothing .* reads$"):
+        _parse("ZZZ = 1")
