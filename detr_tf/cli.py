@@ -185,6 +185,11 @@ def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
         sys.exit(f"{tool}: gin configuration incomplete: {e}")
 
 
+# What TensorFlow's image decoders say of bytes they cannot decode.
+_DECODE_FAILURES = ("Unknown image file format", "jpeg::Uncompress failed", "Invalid JPEG data",
+                    "Invalid PNG data", "Invalid GIF data", "Invalid BMP data")
+
+
 def run_training(model_dir: str) -> None:
     """tools/train.py's call: runs the trainer (`train`, its Gin bindings parsed) and turns the
     failures a user can fix into one line and exit status 1 (set DETR_TF_TRACEBACK=1 for the
@@ -204,14 +209,22 @@ def run_training(model_dir: str) -> None:
             raise
         sys.exit(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
     except tf.errors.InvalidArgumentError as e:
-        # The input pipeline's annotation checks (data/pipeline.py) fail inside tf.data; their
-        # message, not TensorFlow's op trace, is what the user needs.
+        # The input pipeline's checks (data/pipeline.py, data/tfexample.py) fail inside tf.data;
+        # their message, not TensorFlow's op trace, is what the user needs.
         bad_input = [line for line in e.message.splitlines() if "input data: image_id" in line]
-        if not bad_input or os.environ.get("DETR_TF_TRACEBACK"):
+        undecodable = [line for line in e.message.splitlines()
+                       if any(mark in line for mark in _DECODE_FAILURES)]
+        if not (bad_input or undecodable) or os.environ.get("DETR_TF_TRACEBACK"):
             raise
-        # "... assertion failed: [input data: image_id] [42] [has ...]" -> "image_id 42 has ..."
-        what = bad_input[0].split("input data: ", 1)[1]
-        what = re.sub(r"\]\s*\[", " ", what).rstrip("] ")
+        if bad_input:
+            # "... assertion failed: [input data: image_id] [42] [has ...]" -> "image_id 42 has"
+            what = bad_input[0].split("input data: ", 1)[1]
+            what = re.sub(r"\]\s*\[", " ", what).rstrip("] ")
+        else:  # bytes that look like an image but do not decode (a truncated JPEG)
+            line = undecodable[0]
+            told = line[min(line.find(m) for m in _DECODE_FAILURES if m in line):].strip()
+            what = (f"an image of the training records does not decode ({told}); re-convert "
+                    "the data: tools/create_coco_tfrecord.py drops and counts such images")
         sys.exit(f"train.py: bad input data: {what}\n(checkpoints already in "
                  f"{model_dir} are untouched; set DETR_TF_TRACEBACK=1 for the traceback)")
     except RuntimeError as e:

@@ -93,3 +93,55 @@ def test_train_py_reports_a_pipeline_check_in_one_line(monkeypatch, tmp_path):
     message = str(exit_.value.code)
     assert message.startswith("train.py: bad input data:") and "category ids" in message
     assert "99" in message and "node" not in message and str(tmp_path) in message
+
+
+def _decoded(encoded: bytes, image_id: int = 42):
+    """decode_example of a record holding `encoded` as its image, inside Dataset.map."""
+    example = tfexample.build_tf_example(encoded, "jpeg", 20, 30, image_id, "im.jpg",
+                                         [[0.1, 0.1, 0.5, 0.5]], [3], [0], [1.0])
+    return next(iter(tf.data.Dataset.from_tensors(example.SerializeToString()).map(
+        tfexample.decode_example)))
+
+
+def _jpeg() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((20, 30, 3), 128, np.uint8)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def _one_line(monkeypatch, tmp_path, error) -> str:
+    from detr_tf import cli
+    from detr_tf.training import trainer
+
+    def failing_train(model_dir):
+        raise error
+
+    monkeypatch.setattr(trainer, "train", failing_train)
+    monkeypatch.delenv("DETR_TF_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.run_training(str(tmp_path))
+    return str(exit_.value.code)
+
+
+def test_image_bytes_no_decoder_reads_fail_naming_the_image(monkeypatch, tmp_path):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"(?s)image_id.*42.*no format TensorFlow decodes.*hello wo") as e:
+        _decoded(b"hello world, not an image")
+    message = _one_line(monkeypatch, tmp_path, e.value)
+    assert message.startswith("train.py: bad input data: image_id 42 has image bytes in no "
+                              "format TensorFlow decodes"), message
+    assert "node" not in message and str(tmp_path) in message
+    # Every format decode_image reads passes the check; an animated one gives its first frame.
+    for fmt in ("JPEG", "PNG", "GIF", "BMP", "WEBP"):
+        buf = io.BytesIO()
+        Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(buf, format=fmt)
+        assert _decoded(buf.getvalue())["image"].shape == (20, 30, 3), fmt
+
+
+def test_a_truncated_jpeg_is_one_line_telling_to_reconvert(monkeypatch, tmp_path):
+    with pytest.raises(tf.errors.InvalidArgumentError) as e:
+        _decoded(_jpeg()[:300])
+    message = _one_line(monkeypatch, tmp_path, e.value)
+    assert message.startswith("train.py: bad input data: an image of the training records "
+                              "does not decode (jpeg::Uncompress failed."), message
+    assert "create_coco_tfrecord.py" in message and "{{" not in message, message

@@ -101,6 +101,22 @@ _FEATURES = {
 }
 
 
+# The first bytes of every format tf.io.decode_image reads.
+_IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"RIFF")
+
+
+def check_image_bytes(encoded: tf.Tensor, image_id: tf.Tensor) -> tf.Operation:
+    """Fails the input pipeline, naming the image, when a record's image bytes start like no
+    format TensorFlow decodes: TensorFlow's own error names neither the image nor the record."""
+    head = tf.strings.substr(encoded, 0, 4)
+    known = tf.reduce_any([tf.strings.substr(head, 0, len(sig)) == sig
+                           for sig in _IMAGE_SIGNATURES])
+    return tf.debugging.Assert(known, [
+        "input data: image_id", image_id, "has image bytes in no format TensorFlow decodes "
+        "(JPEG, PNG, GIF, BMP, WebP); they start with", tf.strings.substr(encoded, 0, 8),
+        "(re-convert the data: tools/create_coco_tfrecord.py drops and counts such images)"])
+
+
 def decode_example(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
     """Decodes one serialized tf.Example into a raw example.
 
@@ -119,14 +135,16 @@ def decode_example(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
     lists = {k: tf.sparse.to_dense(v) for k, v in parsed.items()
              if isinstance(v, tf.SparseTensor)}
     encoded = parsed["image/encoded"]
-    image = tf.io.decode_image(encoded, channels=3)
-    image.set_shape([None, None, 3])
     # An empty id becomes a 22-bit hash of the image bytes, as in Model Garden's decoder; the
     # hash runs only then, not over every image.
     source_id = parsed["image/source_id"]
     source_id = tf.cond(tf.strings.length(source_id) > 0, lambda: source_id,
                         lambda: tf.strings.as_string(
                             tf.strings.to_hash_bucket_fast(encoded, 2 ** 22 - 1)))
+    with tf.control_dependencies([check_image_bytes(encoded, source_id)]):
+        # One frame of an animated GIF or WebP, as every other source reads it.
+        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    image.set_shape([None, None, 3])
     boxes = tf.stack([lists[f"image/object/bbox/{k}"] for k in ("ymin", "xmin", "ymax", "xmax")],
                      axis=-1)
     classes = lists["image/object/class/label"]
