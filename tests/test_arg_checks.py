@@ -1,6 +1,6 @@
 """The plain arguments of train, build_optimizers, build_dataset, the model builders and the
-criteria are checked before they are used (detr_tf/arg_checks.py): a bad Gin binding fails in one line that names it, its value and
-what it must be."""
+criteria are checked before they are used (detr_tf/arg_checks.py): a bad Gin binding fails in
+one line that names it, its value and what it must be."""
 import inspect
 
 import gin
@@ -55,8 +55,6 @@ TRAIN_GOOD = {
     "deterministic": [True, False],
     "init_weights": [None, "/some/path.pth"],
 }
-
-
 OPTIMIZER_BAD = {
     "learning_rate": ["1e-4", -1e-4, None],
     "backbone_learning_rate": ["1e-5", -1.0],

@@ -1,9 +1,10 @@
 """Importing weights needs only the model.
 
 Experiment files require training data and initial weights (BACKBONE_WEIGHTS, RT-DETR's
-INIT_WEIGHTS: %gin.REQUIRED macros) that tools/import_weights.py never reads: it must import through them with none given, build the
-same model as their model file (gin_configs/models/*.gin), and write a run directory whose
-config asks for those macros again. Evaluation then asks only for what it reads.
+INIT_WEIGHTS: %gin.REQUIRED macros) that tools/import_weights.py never reads: it must import
+through them with none given, build the same model as their model file
+(gin_configs/models/*.gin), and write a run directory whose config asks for those macros again.
+Evaluation then asks only for what it reads.
 """
 from pathlib import Path
 
