@@ -193,8 +193,8 @@ _DECODE_FAILURES = ("Unknown image file format", "jpeg::Uncompress failed", "Inv
 def run_training(model_dir: str) -> None:
     """tools/train.py's call: runs the trainer (`train`, its Gin bindings parsed) and turns the
     failures a user can fix into one line and exit status 1 (set DETR_TF_TRACEBACK=1 for the
-    traceback): a bad value or path, an unwritable model_dir, an incomplete configuration, and
-    bad input data found by the pipeline's checks, named by image_id."""
+    traceback): a bad value or path (any OSError), an unwritable model_dir, an incomplete
+    configuration, and bad input data found by the pipeline's checks, named by image_id."""
     import re
 
     import tensorflow as tf
@@ -204,7 +204,7 @@ def run_training(model_dir: str) -> None:
 
     try:
         trainer.train(model_dir)
-    except (TrainingError, FileNotFoundError, ValueError) as e:
+    except (TrainingError, OSError, ValueError) as e:
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
         sys.exit(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")

@@ -132,3 +132,14 @@ def test_the_dataset_tools_refuse_bad_output_dirs_and_counts_in_one_line(tmp_pat
                                  "--num_train=0", timeout=300)
     assert proc.returncode == 1 and "--num_train=0" in proc.stderr, proc.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_train_py_names_a_shapes_cache_that_is_a_file_in_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    proc = tool_helpers.run_tool("train.py", "--gin_file=tiny.gin",
+                                 f"--gin_param=SHAPES_CACHE_DIR = '{a_file}'",
+                                 f"--model_dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("train.py: NotADirectoryError: ") and str(a_file) in (
+        proc.stderr.splitlines()[0]), proc.stderr[-3000:]
