@@ -171,10 +171,17 @@ def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
 
     A missing checkpoint or image path, a path that is a file or cannot be written (OSError),
     a bad value (ValueError) and an incomplete Gin configuration print "<tool>: <message>"; set
-    DETR_TF_TRACEBACK=1 to get the traceback instead.
+    DETR_TF_TRACEBACK=1 to get the traceback instead. After `fn`, a note names each
+    --gin_param binding that nothing used (config.unused_bindings).
     """
+    from detr_tf import config
+
     try:
-        return fn()
+        result = fn()
+        for binding in config.unused_bindings():
+            print(f"{tool}: note: --gin_param {binding} was not used: what it binds was never "
+                  "called, or is always given that argument by its caller", flush=True)
+        return result
     except (OSError, ValueError) as e:  # config.ConfigError is a ValueError
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise

@@ -22,6 +22,8 @@ GIN_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "gin_configs"
 
 # Gin's words for a macro left at %gin.REQUIRED when the configuration is finalized.
 _REQUIRED_MACRO = re.compile(r"(\w+)/macro\.value set to `%gin\.REQUIRED` but not subsequently")
+# The command-line bindings of the last `parse_gin_config`, for `unused_bindings`.
+_GIVEN: list[str] = []
 
 
 class ConfigError(ValueError):
@@ -76,6 +78,26 @@ def _check_binding_types(bindings) -> None:
     bad = config_types.mismatches(bindings, placeholders=(UnsetMacro,))
     if bad:
         raise ConfigError("a binding's value is not of its parameter's type: " + "; ".join(bad))
+
+
+def unused_bindings() -> list[str]:
+    """The command-line bindings `F.x = v` (of the last `parse_gin_config`) that no call so far
+    has used, by Gin's record of the calls: F was never called (in that scope), or its caller
+    always passes x itself. Macros are checked when they are parsed."""
+    used = {(selector, name) for (_, selector), params in gin.config._OPERATIVE_CONFIG.items()
+            for name in params}
+    unused = []
+    for line in (line for param in _GIVEN for line in param.splitlines()):
+        key = re.match(r"\s*([\w./]+)\s*=", line)
+        if not key or "." not in key.group(1):
+            continue
+        try:
+            parsed = gin.config.ParsedBindingKey.parse(key.group(1))
+        except (ValueError, KeyError):
+            continue
+        if (parsed.complete_selector, parsed.arg_name) not in used:
+            unused.append(key.group(1))
+    return unused
 
 
 def _required_macros() -> list[str]:
@@ -161,6 +183,7 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
         message names the file (or the --gin_param) and the offending binding.
     """
     _register_configurables()
+    _GIVEN[:] = list(gin_params)
     for path in gin_search_paths():
         gin.add_config_file_search_path(str(path))
     paths = [resolve_gin_file(f) for f in gin_files]

@@ -107,3 +107,20 @@ def test_a_command_line_macro_that_nothing_reads_is_named_with_the_close_ones():
         gin.clear_config()
     with pytest.raises(config.ConfigError, match="macro ZZZ, which nothing .* reads$"):
         _parse("ZZZ = 1")
+
+
+def test_command_line_bindings_that_nothing_used_are_named():
+    from detr_tf.training import optimization
+
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["tiny.gin"], [
+            "train/TFRecordSource.file_pattern = 'x'",  # tiny.gin reads the shapes data
+            "build_optimizers.warmup_steps = 3", "build_optimizers.learning_rate = 1e-3",
+            "NUM_CLASSES = 4"], defer_required=True)
+        # warmup_steps is used; learning_rate is passed by this caller itself.
+        optimization.build_optimizers(steps_per_epoch=10, learning_rate=5e-4)
+        assert config.unused_bindings() == ["train/TFRecordSource.file_pattern",
+                                            "build_optimizers.learning_rate"]
+    finally:
+        gin.clear_config()

@@ -399,8 +399,10 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     common = ("train.deterministic = True", "train.checkpoint_every = 2", "train.num_steps = 4",
               "train.log_every = 1")
-    proc, log = train_cli(full, shapes_cache, *common)
+    # tiny.gin does not evaluate, so a binding of the evaluation is never used: said at the end.
+    proc, log = train_cli(full, shapes_cache, *common, "coco_evaluate.batch_size = 2")
     assert proc.returncode == 0, log[-4000:]
+    assert "detr_tf: note: --gin_param coco_evaluate.batch_size was not used" in log, log[-4000:]
     # The last line says how long the run took, and where the time went.
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("detr_tf: done in ") and "4 steps" in last, last

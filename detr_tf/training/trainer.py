@@ -30,7 +30,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import arg_checks as ac, machine
+from detr_tf import arg_checks as ac, config, machine
 from detr_tf.durations import format_elapsed
 from detr_tf.training import checkpointing, hardware, state as state_lib
 from detr_tf.training import distribution as dist
@@ -342,6 +342,9 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, t
             after_train_fn(model=state.model, model_dir=model_dir)
         timing["after-train"] = time.time() - t0
     if engine.is_chief:
+        for binding in config.unused_bindings():
+            print(f"detr_tf: note: --gin_param {binding} was not used by this run: what it binds "
+                  "was never called, or is always given that argument by its caller", flush=True)
         print(f"detr_tf: machine: {machine.summary(machine.record(watch))}", flush=True)
         # The process's own start-up (imports) comes before train() and is not counted.
         print(f"detr_tf: done in {format_elapsed(sum(timing.values()))} ("
