@@ -11,18 +11,20 @@ from typing import Any, Callable, Dict, Optional, Tuple
 Rule = Tuple[str, Callable[[Any], bool]]
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An integer that is not a bool (which Python counts as one)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A real number that is not a bool."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def integer(low: Optional[int] = None) -> Rule:
     """An int (not a bool), at least `low` if given."""
     what = "an int" if low is None else f"an int >= {low}"
-    return what, lambda v: _is_int(v) and (low is None or v >= low)
+    return what, lambda v: is_int(v) and (low is None or v >= low)
 
 
 def number(low: Optional[float] = None, high: Optional[float] = None,
@@ -38,7 +40,7 @@ def number(low: Optional[float] = None, high: Optional[float] = None,
             what = "a number"
 
     def test(v):
-        return _is_number(v) and (low is None or (v > low if low_open else v >= low)) and (
+        return is_number(v) and (low is None or (v > low if low_open else v >= low)) and (
             high is None or (v < high if high_open else v <= high))
     return what, test
 
@@ -46,7 +48,7 @@ def number(low: Optional[float] = None, high: Optional[float] = None,
 def numbers_from(low: float) -> Rule:
     """A list or tuple of numbers, each at least `low`."""
     return (f"a list of numbers >= {low}",
-            lambda v: isinstance(v, (list, tuple)) and all(_is_number(x) and x >= low for x in v))
+            lambda v: isinstance(v, (list, tuple)) and all(is_number(x) and x >= low for x in v))
 
 
 def optional(rule: Rule) -> Rule:

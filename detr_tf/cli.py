@@ -172,15 +172,14 @@ def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
     A missing checkpoint or image path, a path that is a file or cannot be written (OSError),
     a bad value (ValueError) and an incomplete Gin configuration print "<tool>: <message>"; set
     DETR_TF_TRACEBACK=1 to get the traceback instead. After `fn`, a note names each
-    --gin_param binding that nothing used (config.unused_bindings).
+    --gin_param binding that nothing used (config.unused_binding_notes).
     """
     from detr_tf import config
 
     try:
         result = fn()
-        for binding in config.unused_bindings():
-            print(f"{tool}: note: --gin_param {binding} was not used: what it binds was never "
-                  "called, or is always given that argument by its caller", flush=True)
+        for note in config.unused_binding_notes():
+            print(f"{tool}: note: {note}", flush=True)
         return result
     except (OSError, ValueError) as e:  # config.ConfigError is a ValueError
         if os.environ.get("DETR_TF_TRACEBACK"):

@@ -22,7 +22,7 @@ GIN_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "gin_configs"
 
 # Gin's words for a macro left at %gin.REQUIRED when the configuration is finalized.
 _REQUIRED_MACRO = re.compile(r"(\w+)/macro\.value set to `%gin\.REQUIRED` but not subsequently")
-# The command-line bindings of the last `parse_gin_config`, for `unused_bindings`.
+# The command-line bindings of the last `parse_gin_config`, for `unused_binding_notes`.
 _GIVEN: list[str] = []
 
 
@@ -80,24 +80,12 @@ def _check_binding_types(bindings) -> None:
         raise ConfigError("a binding's value is not of its parameter's type: " + "; ".join(bad))
 
 
-def unused_bindings() -> list[str]:
-    """The command-line bindings `F.x = v` (of the last `parse_gin_config`) that no call so far
-    has used, by Gin's record of the calls: F was never called (in that scope), or its caller
-    always passes x itself. Macros are checked when they are parsed."""
-    used = {(selector, name) for (_, selector), params in gin.config._OPERATIVE_CONFIG.items()
-            for name in params}
-    unused = []
-    for line in (line for param in _GIVEN for line in param.splitlines()):
-        key = re.match(r"\s*([\w./]+)\s*=", line)
-        if not key or "." not in key.group(1):
-            continue
-        try:
-            parsed = gin.config.ParsedBindingKey.parse(key.group(1))
-        except (ValueError, KeyError):
-            continue
-        if (parsed.complete_selector, parsed.arg_name) not in used:
-            unused.append(key.group(1))
-    return unused
+def unused_binding_notes() -> list[str]:
+    """One note for each command-line binding `F.x = v` (of the last `parse_gin_config`) that no
+    call so far has used, by Gin's record of the calls (config_types.unused_bindings)."""
+    return [f"--gin_param {key} was not used: what it binds was never called, or is always "
+            "given that argument by its caller"
+            for key in config_types.unused_bindings(gin.config._OPERATIVE_CONFIG, _GIVEN)]
 
 
 def _required_macros() -> list[str]:
@@ -183,7 +171,8 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
         message names the file (or the --gin_param) and the offending binding.
     """
     _register_configurables()
-    _GIVEN[:] = list(gin_params)
+    gin_params = list(gin_params)  # read more than once below
+    _GIVEN[:] = gin_params
     for path in gin_search_paths():
         gin.add_config_file_search_path(str(path))
     paths = [resolve_gin_file(f) for f in gin_files]
@@ -195,8 +184,8 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
         lg.setLevel(logging.CRITICAL)
     try:
         gin.parse_config_files_and_bindings(
-            paths, list(gin_params), skip_unknown=False, finalize_config=False)
-        unused = config_types.unused_macros(gin.config._CONFIG, list(gin_params))
+            paths, gin_params, skip_unknown=False, finalize_config=False)
+        unused = config_types.unused_macros(gin.config._CONFIG, gin_params)
         if unused:
             raise ConfigError("; ".join(unused))
         if defer_required:
@@ -214,7 +203,7 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
             raise ConfigError(
                 f"{name} is required ({where} set it to %gin.REQUIRED): give it with "
                 f"--gin_param=\"{name}='...'\"; the file's header comment says what it is") from e
-        raise ConfigError(f"invalid gin configuration ({where}, bindings {list(gin_params)}):\n"
+        raise ConfigError(f"invalid gin configuration ({where}, bindings {gin_params}):\n"
                           f"  {type(e).__name__}: {e}") from e
     finally:
         for lg, lvl in zip(loggers, levels):

@@ -12,18 +12,20 @@ checks (detr_tf/arg_checks.py).
 
 A macro, unlike a parameter, may be set without being declared, so `--gin_param=NUM_CLASES=3`
 parses and changes nothing: `unused_macros` names the macros a command line sets that no binding
-reads, with the used names they are close to.
+reads, with the used names they are close to; `unused_bindings` names, once a run has
+ended, the command-line bindings that nothing used.
 """
 import collections.abc
 import difflib
 import inspect
-import numbers
 import re
 import typing
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import gin
 import gin.config
+
+from detr_tf import arg_checks as ac
 
 _MACRO = "gin.macro"
 _SEQUENCES = (list, tuple, collections.abc.Sequence)
@@ -40,9 +42,9 @@ def _fits(value: Any, annotation: Any) -> Optional[bool]:
     if annotation is bool:
         return isinstance(value, bool)
     if annotation is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return ac.is_int(value)
     if annotation is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return ac.is_number(value)
     if annotation is str:
         return isinstance(value, str)
     if annotation in _SEQUENCES or origin in _SEQUENCES:
@@ -125,18 +127,41 @@ def _macros_read(value: Any) -> Iterator[str]:
             yield from _macros_read(item)
 
 
+def _binding_keys(params: Sequence[str]) -> List[str]:
+    """The keys that command-line bindings set, in order, once each: `train.num_steps`,
+    `train/TFRecordSource.file_pattern`, or a macro's bare name (a --gin_param may hold several
+    lines)."""
+    keys = [m.group(1) for p in params for line in p.splitlines()
+            for m in [re.match(r"\s*([\w./]+)\s*=", line)] if m]
+    return list(dict.fromkeys(keys))
+
+
 def unused_macros(config: Dict, params: Sequence[str]) -> List[str]:
     """The macros that `params` (command-line bindings) set and no binding of `config` reads,
     one line each, with the used macros they resemble."""
     read = {name for bindings in config.values() for value in bindings.values()
             for name in _macros_read(value)}
-    set_here = [m.group(1) for p in params for line in p.splitlines()
-                for m in [re.match(r"\s*([A-Za-z_]\w*)\s*=", line)] if m]
     bad = []
-    for name in dict.fromkeys(set_here):
+    for name in (key for key in _binding_keys(params) if "." not in key and "/" not in key):
         if name not in read:
             close = difflib.get_close_matches(name, sorted(read), n=3)
             hint = f": did you mean {' or '.join(close)}?" if close else ""
             bad.append(f"--gin_param sets the macro {name}, which nothing in the configuration "
                        f"reads{hint}")
     return bad
+
+
+def unused_bindings(operative: Dict, params: Sequence[str]) -> List[str]:
+    """The keys of the command-line bindings `F.x = v` in `params` that no call recorded in
+    `operative` (Gin's operative config: (scope, selector) -> {parameter: value}) has used: F
+    was never called, or its caller always passes x itself. Macros are `unused_macros`'."""
+    used = {(selector, name) for (_, selector), values in operative.items() for name in values}
+    unused = []
+    for key in (key for key in _binding_keys(params) if "." in key):
+        try:
+            parsed = gin.config.ParsedBindingKey.parse(key)
+        except (ValueError, KeyError):
+            continue
+        if (parsed.complete_selector, parsed.arg_name) not in used:
+            unused.append(key)
+    return unused

@@ -120,7 +120,15 @@ def test_command_line_bindings_that_nothing_used_are_named():
             "NUM_CLASSES = 4"], defer_required=True)
         # warmup_steps is used; learning_rate is passed by this caller itself.
         optimization.build_optimizers(steps_per_epoch=10, learning_rate=5e-4)
-        assert config.unused_bindings() == ["train/TFRecordSource.file_pattern",
-                                            "build_optimizers.learning_rate"]
+        unused = ["train/TFRecordSource.file_pattern", "build_optimizers.learning_rate"]
+        assert [note.split()[1] for note in config.unused_binding_notes()] == unused
+        # Bindings given as a generator are read once: parsed, and kept for the notes.
+        gin.clear_config()
+        config.parse_gin_config(["tiny.gin"], (b for b in ["train.num_steps = 7",
+                                                           unused[0] + " = 'x'"]),
+                                defer_required=True)
+        assert gin.query_parameter("train.num_steps") == 7
+        assert [note.split()[1] for note in config.unused_binding_notes()] == [
+            "train.num_steps", unused[0]]  # train was never called here
     finally:
         gin.clear_config()

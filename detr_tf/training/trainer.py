@@ -342,9 +342,8 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, t
             after_train_fn(model=state.model, model_dir=model_dir)
         timing["after-train"] = time.time() - t0
     if engine.is_chief:
-        for binding in config.unused_bindings():
-            print(f"detr_tf: note: --gin_param {binding} was not used by this run: what it binds "
-                  "was never called, or is always given that argument by its caller", flush=True)
+        for note in config.unused_binding_notes():
+            print(f"detr_tf: note: {note}", flush=True)
         print(f"detr_tf: machine: {machine.summary(machine.record(watch))}", flush=True)
         # The process's own start-up (imports) comes before train() and is not counted.
         print(f"detr_tf: done in {format_elapsed(sum(timing.values()))} ("
