@@ -173,9 +173,7 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
 
     from detr_tf.data import tfexample
 
-    coco = json_files.read_json(annotations_file)
-    if not isinstance(coco, dict) or not isinstance(coco.get("images"), list):
-        raise ValueError(f"{annotations_file}: field 'images' is missing or not a list.")
+    coco = json_files.read_coco(annotations_file)
     for img in coco["images"]:
         if "id" not in img or "file_name" not in img:
             raise ValueError(f"{annotations_file}: an entry of 'images' lacks 'id' or "

@@ -104,11 +104,7 @@ def fingerprint(layout: layouts.Layout) -> str:
 
 
 def _load_coco(split: layouts.SplitFiles) -> dict:
-    coco = json_files.read_json(split.annotations)
-    for field in ("images", "categories"):
-        if not isinstance(coco, dict) or not isinstance(coco.get(field), list):
-            raise ValueError(f"{split.annotations}: field {field!r} is missing or not a list.")
-    return coco
+    return json_files.read_coco(split.annotations, ("images", "categories"))
 
 
 def real_categories(cocos: List[dict]) -> List[dict]:
