@@ -75,22 +75,11 @@ def test_an_unknown_class_on_a_crowd_box_is_no_error():
 def test_train_py_reports_a_pipeline_check_in_one_line(monkeypatch, tmp_path):
     """The check fails inside tf.data, so it reaches the trainer as an InvalidArgumentError;
     tools/train.py prints its message alone, not TensorFlow's op trace."""
-    from detr_tf import cli
-    from detr_tf.training import trainer
-
     raw = _raw([[0.1, 0.1, 0.5, 0.5]], [99])
     with pytest.raises(tf.errors.InvalidArgumentError) as caught:
         next(iter(tf.data.Dataset.from_tensors(raw).map(
             lambda r: pipeline.raw_to_instance(r, LABEL_MAP))))
-
-    def failing_train(model_dir):
-        raise caught.value
-
-    monkeypatch.setattr(trainer, "train", failing_train)
-    monkeypatch.delenv("DETR_TF_TRACEBACK", raising=False)
-    with pytest.raises(SystemExit) as exit_:
-        cli.run_training(str(tmp_path))
-    message = str(exit_.value.code)
+    message = _one_line(monkeypatch, tmp_path, caught.value)
     assert message.startswith("train.py: bad input data:") and "category ids" in message
     assert "99" in message and "node" not in message and str(tmp_path) in message
 
@@ -110,6 +99,7 @@ def _jpeg() -> bytes:
 
 
 def _one_line(monkeypatch, tmp_path, error) -> str:
+    """What tools/train.py exits with when the trainer raises `error`."""
     from detr_tf import cli
     from detr_tf.training import trainer
 
