@@ -127,7 +127,7 @@ def _canvas_specs(preprocess_fn: PreprocessFn) -> Tuple[tf.TensorSpec, tf.Tensor
 
 
 class DetectionModule(tf.Module):
-    """A model plus pre- and post-processing, ready for `tf.saved_model.save`.
+    """A model plus pre- and post-processing, what `export_saved_model` saves and `predict` runs.
 
     Args:
       model: a tf_keras.Model called as `model(images, pixel_mask, training=False)` returning
@@ -252,8 +252,26 @@ def export_saved_model(model: tf.Module,
     module = DetectionModule(model, preprocess_fn, max_detections, score_threshold,
                              fixed_input_size=fixed_input_size)
     export_dir = os.fspath(export_dir)
-    tf.saved_model.save(module, export_dir, signatures=module.signatures())
+    signatures = module.signatures()  # traced first: a model may create its variables there
+    tf.saved_model.save(_Served(module), export_dir, signatures=signatures)
     return export_dir
+
+
+class _Served(tf.Module):
+    """What the SavedModel holds: a DetectionModule's serving functions and its model's variables.
+
+    Not the Keras model as an object: tf_keras would save each of its layers with call functions
+    of their own, traced once more for the purpose and used by no signature. That was most of an
+    export's time and half of its size (docs/EXPORT.md#what-the-savedmodel-holds).
+    """
+
+    def __init__(self, module: DetectionModule):
+        super().__init__()
+        self.model_variables = list(module.model.variables)
+        self.serve_encoded = module.serve_encoded
+        self.serve_images = module.serve_images
+        if module.serve_fixed is not None:
+            self.serve_fixed = module.serve_fixed
 
 
 def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None,
