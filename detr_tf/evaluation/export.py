@@ -262,7 +262,7 @@ class _Served(tf.Module):
 
     Not the Keras model as an object: tf_keras would save each of its layers with call functions
     of their own, traced once more for the purpose and used by no signature. That was most of an
-    export's time and half of its size (docs/EXPORT.md#what-the-savedmodel-holds).
+    export's time and two thirds of its saved_model.pb (docs/EXPORT.md#what-the-savedmodel-holds).
     """
 
     def __init__(self, module: DetectionModule):
