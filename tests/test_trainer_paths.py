@@ -78,7 +78,7 @@ def test_float16_overflow_skips_the_step_and_halves_the_loss_scale(paths_run):
 
 def test_evaluation_and_tools_use_the_ema_weights(paths_run):
     out, arrays = paths_run
-    ema_dir = out / "ema"
+    ema_dir = out / "loss"  # the jit='loss' run keeps an EMA and evaluates
     for step in (2, 4):
         ckpt = _ckpt(ema_dir / "checkpoints" / f"ckpt-{step}")
         shadows = _ema_shadows(ckpt)
@@ -95,7 +95,7 @@ def test_evaluation_and_tools_use_the_ema_weights(paths_run):
 
 def test_eval_every_evaluates_at_its_steps_and_logs_under_eval(paths_run):
     out, _ = paths_run
-    ema_dir = out / "ema"
+    ema_dir = out / "loss"  # the jit='loss' run keeps an EMA and evaluates
     records = [json.loads(line) for line in (ema_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["AP"]) for r in records if r["split"] == "eval"]
     assert evals == [(2, 0.02), (4, 0.04)]  # every 2 steps; the last one at the end

@@ -16,7 +16,8 @@
         into OUT_DIR/horovod_step, then jit='loss' into OUT_DIR/horovod_loss)
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
-        EMA and periodic evaluation; writes OUT_DIR/<run>/... and OUT_DIR/paths.npz)
+        EMA and periodic evaluation in the jit='loss' run; writes OUT_DIR/<run>/... and
+        OUT_DIR/paths.npz)
     TF_CONFIG=... python tests/trainer_prog.py multi_worker OUT_DIR SHAPES_CACHE_DIR  (x2 workers)
     [horovodrun -np 2 | TF_CONFIG=...] python tests/trainer_prog.py preempt OUT_DIR CACHE STEPS
         (one run of a 2-process job into OUT_DIR/run: writes OUT_DIR/pid_RANK, prints
@@ -318,13 +319,22 @@ elif MODE == "paths":
 
     import tf_keras
 
+    # EMA and evaluation every 2 steps, in the jit='loss' run: what eval_fn sees at each
+    # evaluation. Neither changes the weights being trained, which the other runs compare.
+    def eval_fn(model, model_dir, step):
+        np.savez(os.path.join(model_dir, f"eval_weights_{step}.npz"),
+                 *[v.numpy() for v in model.trainable_variables])
+        return {"AP": step / 100.0}
+
+    ema = dict(ema_decay=0.5, eval_every=2, eval_fn=eval_fn)
     arrays = {}
     for jit in ("none", "loss", "step", "matcher"):
         # Not deterministic: op determinism refuses XLA's max-pool gradient (jit='step'). The
         # same seed right before each run gives the same initial weights; the input is fixed.
         tf_keras.utils.set_random_seed(0)
-        arrays[f"{jit}/losses"] = run(os.path.join(OUT, jit), "default", num_steps=3, jit=jit,
-                                      deterministic=False)
+        arrays[f"{jit}/losses"] = run(os.path.join(OUT, jit), "default", num_steps=4, jit=jit,
+                                      deterministic=False, keep_checkpoints=5,
+                                      **(ema if jit == "loss" else {}))
         arrays.update({f"{jit}/{k}": v for k, v in np.load(
             os.path.join(OUT, jit, "result.npz")).items() if k != "losses"})
 
@@ -340,18 +350,9 @@ elif MODE == "paths":
     with gin.unlock_config():
         gin.bind_parameter("DynamicLossScale.initial_scale", 2.0 ** 15)
 
-    # EMA and evaluation every 2 steps: what eval_fn sees at each evaluation.
-    def eval_fn(model, model_dir, step):
-        np.savez(os.path.join(model_dir, f"eval_weights_{step}.npz"),
-                 *[v.numpy() for v in model.trainable_variables])
-        return {"AP": step / 100.0}
-
-    ema_dir = os.path.join(OUT, "ema")
-    run(ema_dir, "default", num_steps=4, jit="loss", ema_decay=0.5, eval_every=2,
-        eval_fn=eval_fn, keep_checkpoints=5)
     # What the tools (eval.py, predict.py, export.py) load from the run: EMA weights by default.
     for use_ema in (True, False):
-        model, path = restore.load_trained_model(ema_dir, use_ema=use_ema)
+        model, path = restore.load_trained_model(os.path.join(OUT, "loss"), use_ema=use_ema)
         arrays[f"tools_weights_ema_{use_ema}"] = np.array(
             [np.concatenate([v.numpy().ravel() for v in model.trainable_variables])])[0]
     np.savez(os.path.join(OUT, "paths.npz"), **arrays)
