@@ -93,9 +93,11 @@ def test_full_size_deformable_detr_exports_with_gather_sampling(tmp_path):
                                 finalize=False, defer_required=True)
         tf_keras.utils.set_random_seed(0)
         model = run_lib.assemble().build_model((320, 320))
-        runners = inference.export_forms(model, str(tmp_path), 320, ["float32"])
+        made_s = {}
+        runners = inference.export_forms(model, str(tmp_path), 320, ["float32"], made_s=made_s)
     finally:
         gin.clear_config()
+    assert set(made_s) == set(runners) and min(made_s.values()) > 0, made_s
     _assert_gather_sampling(str(tmp_path / "detector_float32.tflite"),
                             str(tmp_path / "detector.onnx"))
     interpreter = runners["TFLite float32"].interpreter

@@ -121,15 +121,16 @@ def main(argv):
         extra[f"transformers {FLAGS.hf} (torch eager)"] = _torch_call(hf, FLAGS.hf,
                                                                       FLAGS.image_size)
     model = _detr_tf_model(weights if hf is not None else None)
+    made_s = {}
     runners = inference.export_forms(model, work, FLAGS.image_size, FLAGS.tflite_modes,
-                                     threads=FLAGS.threads)
+                                     threads=FLAGS.threads, made_s=made_s)
     results = inference.time_forms(runners, extra, FLAGS.image_size, FLAGS.rounds)
     print(f"\nbatch 1, {FLAGS.image_size}x{FLAGS.image_size}, {FLAGS.threads} threads, "
           f"{FLAGS.rounds} interleaved rounds")
-    print(inference.table(results, "SavedModel"))
+    print(inference.table(results, "SavedModel", made_s))
     timing.write_json({"model": FLAGS.hf or FLAGS.gin_file, "image_size": FLAGS.image_size,
-                       "threads": FLAGS.threads, "rounds": FLAGS.rounds, "forms": results},
-                      FLAGS.json_out)
+                       "threads": FLAGS.threads, "rounds": FLAGS.rounds, "forms": results,
+                       "made_s": made_s}, FLAGS.json_out)
 
 
 if __name__ == "__main__":
