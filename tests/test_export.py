@@ -203,8 +203,8 @@ def dfine_tiny():
         gin.clear_config()
 
 
-# Slow: tracing D-FINE's two serving signatures takes minutes on a shared 2-core CPU
-# (`pytest -m slow -k dfine tests/test_export.py`).
+# Slow: D-FINE's export, 15 s on an idle 2-core CPU (AVX-512), is a budget the default suite
+# keeps for other contracts (`pytest -m slow -k dfine tests/test_export.py`).
 @pytest.mark.slow
 def test_dfine_saved_model_serves_the_keras_models_detections(dfine_tiny, tmp_path):
     preprocess = export.make_resize_pad_preprocess(shorter_side=128, max_size=128,

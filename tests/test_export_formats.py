@@ -1,5 +1,5 @@
-"""TFLite and ONNX exports of the quickstart model agree with its SavedModel (slow: the export
-takes about two minutes on a shared 2-core CPU; tests/test_export_standin.py is CI's fast form).
+"""TFLite and ONNX exports of the quickstart model agree with its SavedModel (slow: the three
+formats take about 50 s on an idle 2-core CPU; tests/test_export_standin.py is CI's fast form).
 
 One export per module (tools/export.py's path: a run directory -> SavedModel -> .tflite and
 .onnx) of quickstart.gin's model with seeded random weights, compared on the shapes val images.
