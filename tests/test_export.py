@@ -1,5 +1,6 @@
-"""Export: default preprocessing by hand, and SavedModel round trips with a stand-in model and
-with a tiny D-FINE (dfine_tiny.gin: its sigmoid top-k post-processing and its extra outputs)."""
+"""Export: default preprocessing by hand, SavedModel round trips with a stand-in model and
+with a tiny D-FINE (dfine_tiny.gin: its sigmoid top-k post-processing and its extra outputs),
+and what a SavedModel holds (the tiny DETR's)."""
 import io
 import os
 from collections import Counter
