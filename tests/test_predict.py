@@ -1,5 +1,6 @@
 """predict_images: JSON + PNGs per image, and the same detections from the SavedModel export."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -119,3 +120,21 @@ def test_predict_draws_from_the_runs_own_threshold_unless_given():
         assert predict.drawing_threshold(0.7) == 0.7
     finally:
         gin.clear_config()
+
+
+def test_the_eval_images_are_read_from_a_coco_file_whose_errors_name_it(tmp_path):
+    """predict_eval_images (and the export's accuracy check) resolve a COCO file's images next
+    to it; a file without an `images` list is named, not a KeyError."""
+    (tmp_path / "val").mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "val" / name)
+    coco = tmp_path / "instances_val.json"
+    coco.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.jpg"},
+                                           {"id": 2, "file_name": "b.jpg"}]}))
+    found = predict.annotated_image_paths(str(coco), 1)
+    assert [os.path.basename(p) for p in found] == ["a.jpg"]
+    for content in ({"annotations": []}, [1, 2]):
+        coco.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=r"instances_val\.json: field 'images' is missing "
+                                             r"or not a list"):
+            predict.annotated_image_paths(str(coco), 1)

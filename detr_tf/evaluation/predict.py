@@ -198,7 +198,7 @@ def predict_images(detector: Any,
 def annotated_image_paths(annotations_file: str, limit: int) -> List[str]:
     """Image files named by a COCO json, resolved next to it (as the shapes dataset lays out)."""
     config.check_given(annotations_file, "drawing the eval images (their annotations file)")
-    images = json_files.read_json(annotations_file)["images"][:limit]
+    images = json_files.read_coco(annotations_file)["images"][:limit]
     base = os.path.dirname(annotations_file)
     found = []
     for image in images:

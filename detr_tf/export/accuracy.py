@@ -23,7 +23,7 @@ def coco_ap(runner: Callable, annotations_file: str, input_size: Sequence[int],
       input_size: (H, W) the runner takes.
       category_ids: the dataset's category id of each class index (DatasetInfo.category_ids).
     """
-    images = json_files.read_json(annotations_file)["images"]
+    images = json_files.read_coco(annotations_file)["images"]
     images = images[:limit] if limit else images
     paths = predict.annotated_image_paths(annotations_file, len(images))
     if len(paths) != len(images):
