@@ -4,8 +4,9 @@
     python tools/eval.py --model_dir=DIR --checkpoint=DIR/checkpoints/ckpt-2000
 
 Restores the latest (or the given) checkpoint, with the EMA weights when the run kept them,
-prints the metrics table and writes DIR/eval/metrics.json (AP, AP50, AP75, APs, APm, APl as
-fractions) and DIR/eval/detections.json (COCO results format). Without --gin_file the run's own
+prints the metrics table and the AP of each class, and writes DIR/eval/metrics.json (AP, AP50,
+AP75, APs, APm, APl as fractions), DIR/eval/per_class.json (each class's AP and AP50) and
+DIR/eval/detections.json (COCO results format). Without --gin_file the run's own
 DIR/config.gin is used.
 """
 from absl import app, flags, logging

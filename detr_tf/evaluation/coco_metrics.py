@@ -34,7 +34,7 @@ import numpy as np
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from detr_tf.evaluation import coco_io
+from detr_tf.evaluation import coco_io, per_class
 
 METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 _METRIC_DESCRIPTIONS = {
@@ -100,6 +100,7 @@ class CocoEvaluator:
         self._image_sizes: Dict[int, tuple] = {}  # image_id -> (height, width)
         self.undefined_metrics: List[str] = []
         self.not_evaluated: List[int] = []
+        self.per_class: List[per_class.Row] = []  # the last `evaluate()`'s AP of each category
 
     @property
     def gt_from_targets(self) -> bool:
@@ -288,12 +289,13 @@ class CocoEvaluator:
         Only images that were passed to `update`/`add_detections` are evaluated (a partial pass
         over the split gives the AP of that subset, as in the reference DETR). Metrics that
         pycocotools leaves undefined (-1: e.g. no small ground-truth boxes for APs) are reported
-        as 0.0 and listed in `self.undefined_metrics`.
+        as 0.0 and listed in `self.undefined_metrics`. The AP of each category is left in
+        `self.per_class` (detr_tf/evaluation/per_class.py).
 
         Returns:
           {'AP', 'AP50', 'AP75', 'APs', 'APm', 'APl'}: floats in [0, 1].
         """
-        self.undefined_metrics = []
+        self.undefined_metrics, self.per_class = [], []
         coco_gt = self.ground_truth_coco()
         # Every image passed to update() has an entry here, possibly with zero detections.
         image_ids = sorted(self._detections)
@@ -319,6 +321,7 @@ class CocoEvaluator:
         if not results or not image_ids or not coco_gt.getCatIds():
             # pycocotools cannot load an empty result list (it indexes results[0]); no
             # detections (or nothing to detect) scores zero on every metric.
+            self.per_class = per_class.without_detections(coco_gt, image_ids)
             return {name: 0.0 for name in METRIC_NAMES}
 
         with coco_io.quiet(self._verbose):
@@ -328,6 +331,7 @@ class CocoEvaluator:
             coco_eval.evaluate()
             coco_eval.accumulate()
             coco_eval.summarize()
+        self.per_class = per_class.per_class_ap(coco_eval)
         metrics = {}
         for name, value in zip(METRIC_NAMES, coco_eval.stats[:6]):
             if value < 0:
@@ -339,6 +343,15 @@ class CocoEvaluator:
     def table(self, metrics: Mapping[str, float]) -> str:
         """The metrics table, marking what the last `evaluate()` left undefined as n/a."""
         return format_metrics_table(metrics, self.undefined_metrics)
+
+    def per_class_table(self) -> str:
+        """The last `evaluate()`'s AP of each category, one line each."""
+        return per_class.format_table(self.per_class)
+
+    def write_per_class(self, path: Union[str, os.PathLike]) -> None:
+        """Writes the last `evaluate()`'s AP of each category as a json list of rows
+        (category_id, name, AP, AP50 as fractions or null where undefined, boxes)."""
+        coco_io.write_json(path, self.per_class)
 
     # ---------------------------------------------------------------------------------- writing
     def write_detections(self, path: Union[str, os.PathLike]) -> None:

@@ -5,8 +5,9 @@
     evaluator = CocoEvaluator(annotations_json_or_None)
     metrics = evaluate_model(model, dataset, evaluator, output_dir=f"{model_dir}/eval")
 
-It writes output_dir/metrics.json (exactly AP, AP50, AP75, APs, APm, APl as fractions) and
-output_dir/detections.json (COCO results format) and prints the metrics table.
+It writes output_dir/metrics.json (exactly AP, AP50, AP75, APs, APm, APl as fractions),
+output_dir/per_class.json (the AP and AP50 of each category) and output_dir/detections.json (COCO
+results format) and prints the metrics table and the AP of each class.
 `coco_evaluate` (the trainer's `eval_fn`) and `evaluate_run` (tools/eval.py) run it on the run's
 own eval data (`train.dataset_fn`, see detr_tf/run.py).
 """
@@ -25,6 +26,7 @@ from detr_tf.evaluation import postprocess as pp
 EVAL_SUBDIR = "eval"
 
 METRICS_FILENAME = "metrics.json"
+PER_CLASS_FILENAME = "per_class.json"
 DETECTIONS_FILENAME = "detections.json"
 
 Batch = Tuple[tf.Tensor, tf.Tensor, Mapping[str, tf.Tensor]]
@@ -66,7 +68,7 @@ def evaluate_model(model: Any,
         with < 0 for padding images, orig_size [B, 2], plus labels/boxes/mask [B, T, ...] when
         the evaluator takes its ground truth from targets).
       evaluator: receives every batch; already holding other data is fine.
-      output_dir: if given, metrics.json and detections.json are written there.
+      output_dir: if given, metrics.json, per_class.json and detections.json are written there.
       unpack: dataset element -> (images, pixel_mask, targets).
       max_batches: stop after this many batches (a quick partial evaluation).
       jit_compile: XLA-compile the model + postprocess step.
@@ -103,12 +105,14 @@ def evaluate_model(model: Any,
               f"yield (undecodable images, or records missing): image ids {shown}; the metrics "
               "cover the images read", flush=True)
     print(evaluator.table(metrics), flush=True)
+    print(evaluator.per_class_table(), flush=True)
     if output_dir is not None:
         output_dir = os.fspath(output_dir)
         coco_metrics.write_metrics(os.path.join(output_dir, METRICS_FILENAME), metrics)
+        evaluator.write_per_class(os.path.join(output_dir, PER_CLASS_FILENAME))
         evaluator.write_detections(os.path.join(output_dir, DETECTIONS_FILENAME))
-        print(f"eval: wrote {os.path.join(output_dir, METRICS_FILENAME)} and "
-              f"{DETECTIONS_FILENAME}")
+        print(f"eval: wrote {os.path.join(output_dir, METRICS_FILENAME)}, "
+              f"{PER_CLASS_FILENAME} and {DETECTIONS_FILENAME}")
     return metrics
 
 
@@ -125,8 +129,9 @@ def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = N
                   jit_compile: bool = False) -> Dict[str, float]:
     """COCO box metrics of `model` on the run's eval split (`train.dataset_fn`).
 
-    Writes model_dir/eval/metrics.json (AP, AP50, AP75, APs, APm, APl as fractions) and
-    model_dir/eval/detections.json (COCO results format, category ids of the dataset).
+    Writes model_dir/eval/metrics.json (AP, AP50, AP75, APs, APm, APl as fractions),
+    model_dir/eval/per_class.json (each category's AP) and model_dir/eval/detections.json (COCO
+    results format, category ids of the dataset).
 
     Args:
       model: a built model holding the weights to evaluate.

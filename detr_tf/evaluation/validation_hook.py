@@ -27,7 +27,7 @@ def evaluate_source(model: tf_keras.Model, source: Any, output_dir: str, batch_s
     """COCO metrics of `model` on any source (its json and label map), read by the run's own
     data functions (`train.dataset_fn`, `train.dataset_info_fn`, which must take an
     `eval_source` argument as `build_dataset` and `dataset_info` do) with the eval transform
-    and buckets. Writes output_dir/metrics.json and detections.json."""
+    and buckets. Writes output_dir/metrics.json, per_class.json and detections.json."""
     run = run_lib.assemble()
     info = run.dataset_info_fn(is_training=False, eval_source=source)
     dataset = run.dataset_fn(is_training=False, global_batch_size=batch_size,
