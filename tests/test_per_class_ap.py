@@ -105,6 +105,10 @@ def test_no_detections_give_zero_where_there_are_boxes(tmp_path):
                     for a in gt_json["annotations"]) for c in (2, 5, 9, 11)}
     assert {r["category_id"]: (r["AP"], r["boxes"]) for r in evaluator.per_class} == {
         c: (0.0 if n else None, n) for c, n in boxes.items()}
+    # No image evaluated at all: no box counts, so no AP either.
+    empty = CocoEvaluator(str(path))
+    empty.evaluate()
+    assert [(r["AP"], r["boxes"]) for r in empty.per_class] == [(None, 0)] * len(CATEGORIES)
 
 
 def test_the_table_and_the_file(tmp_path, capsys):

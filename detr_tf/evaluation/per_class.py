@@ -25,6 +25,8 @@ def _mean_defined(values: np.ndarray) -> Optional[float]:
 
 
 def _box_count(coco_gt: COCO, image_ids: Sequence[int], category_id: int) -> int:
+    if not len(image_ids):  # pycocotools reads no image ids as every image
+        return 0
     return len(coco_gt.getAnnIds(imgIds=list(image_ids), catIds=[category_id], iscrowd=False))
 
 
