@@ -333,6 +333,10 @@ def test_denoising_hook():
 def test_model_outputs_and_build_size():
     model = h.tiny_model(num_queries=300)
     assert model.build_size == (128, 128)  # 16^2 + 8^2 + 4^2 = 336 cells >= 300
+    # Training selects the hybrid queries from the same cells: the size holds them too.
+    hybrid = h.tiny_model(num_hybrid_queries=300)
+    assert hybrid.build_size == (128, 128)
+    hybrid(tf.zeros([1, 128, 128, 3]), tf.ones([1, 128, 128], tf.bool), training=True)
     small = h.tiny_model()
     out = small(tf.zeros([2, 64, 96, 3]), tf.ones([2, 64, 96], tf.bool), training=False)
     assert out["pred_logits"].shape == [2, 10, 5] and out["pred_boxes"].shape == [2, 10, 4]

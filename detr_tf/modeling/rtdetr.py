@@ -135,16 +135,18 @@ class RTDETR(Detector):
 
     @property
     def build_size(self) -> Tuple[int, int]:
-        """The smallest square canvas (a multiple of 32) with at least num_queries memory cells
-        (levels at the backbone's finest stride, 8 unless it says otherwise (D-FINE-N: 16),
-        then doubling). Weights do not depend on the size."""
+        """The smallest square canvas (a multiple of 32) with at least as many memory cells as
+        either top-K selects (num_queries; in training, the hybrid queries too) (levels at the
+        backbone's finest stride, 8 unless it says otherwise (D-FINE-N: 16), then doubling).
+        Weights do not depend on the size."""
         first = min(getattr(self.backbone, "strides", None) or (8,))
+        selected = max(self.num_queries, self.decoder.num_hybrid_queries)
 
         def cells(side):
             return sum((-(-side // (first * 2 ** level))) ** 2
                        for level in range(self.decoder.num_levels))
 
-        return smallest_square_canvas(cells, self.num_queries, step=32)
+        return smallest_square_canvas(cells, selected, step=32)
 
     def call(self, images: tf.Tensor, pixel_mask: Optional[tf.Tensor] = None,
              training: Optional[bool] = None,
