@@ -29,11 +29,11 @@ FIXTURE = oracle.FIXTURE
 def numpy_anchors(shapes, grid_size=0.05, eps=0.01):
     """The published formula in float64: boxes [S, 4] cxcywh, valid [S]."""
     boxes = []
-    for level, (h, w) in enumerate(shapes):
-        for i in range(h):
-            for j in range(w):
+    for level, (rows, cols) in enumerate(shapes):
+        for i in range(rows):
+            for j in range(cols):
                 side = grid_size * 2.0 ** level
-                boxes.append([(j + 0.5) / w, (i + 0.5) / h, side, side])
+                boxes.append([(j + 0.5) / cols, (i + 0.5) / rows, side, side])
     boxes = np.array(boxes, np.float64)
     return boxes, np.all((boxes > eps) & (boxes < 1 - eps), -1)
 
