@@ -249,4 +249,6 @@ def test_ranking_decoder_compiles_under_xla():
     logits, boxes = step(content, reference_logits, memory, mask)
     eager = decoder.decode(content, reference_logits, memory, shapes, mask, training=True)
     np.testing.assert_allclose(logits.numpy(), eager[0].numpy(), atol=1e-4)
-    np.testing.assert_allclose(boxes.numpy(), eager[1].numpy(), atol=1e-5)
+    # float32 rounding of XLA's fusions through every layer: up to 1.2e-5 measured on an
+    # AVX-512 CPU (a wrong rank order or gather moves boxes by far more).
+    np.testing.assert_allclose(boxes.numpy(), eager[1].numpy(), atol=5e-5)
