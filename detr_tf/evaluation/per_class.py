@@ -7,6 +7,7 @@ category's slice alone. A category with no ground-truth box has no defined entry
 undefined (None), not 0. Every category of the ground truth has all its entries defined or none,
 so the overall AP is the mean of the defined per-category APs.
 """
+from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -24,10 +25,17 @@ def _mean_defined(values: np.ndarray) -> Optional[float]:
     return float(np.mean(defined)) if defined.size else None
 
 
-def _box_count(coco_gt: COCO, image_ids: Sequence[int], category_id: int) -> int:
-    if not len(image_ids):  # pycocotools reads no image ids as every image
-        return 0
-    return len(coco_gt.getAnnIds(imgIds=list(image_ids), catIds=[category_id], iscrowd=False))
+def _box_counts(coco_gt: COCO, image_ids: Sequence[int]) -> Counter:
+    """{category id: non-crowd boxes} over the images, in one pass over their annotations
+    (one `getAnnIds` per category rescans every image's list: about 1 s for COCO val)."""
+    return Counter(int(ann["category_id"]) for image_id in image_ids
+                   for ann in coco_gt.imgToAnns.get(image_id, ()) if not ann.get("iscrowd", 0))
+
+
+def _row(coco_gt: COCO, category_id: int, ap: Optional[float], ap50: Optional[float],
+         boxes: int) -> Row:
+    return {"category_id": category_id, "name": coco_gt.loadCats([category_id])[0]["name"],
+            "AP": ap, "AP50": ap50, "boxes": boxes}
 
 
 def per_class_ap(coco_eval: Any) -> List[Row]:
@@ -37,24 +45,22 @@ def per_class_ap(coco_eval: Any) -> List[Row]:
     precision = coco_eval.eval["precision"]  # [T, R, K, A, M]
     area = params.areaRngLbl.index("all")
     iou50 = int(np.argmin(np.abs(np.asarray(params.iouThrs) - 0.5)))
+    boxes = _box_counts(coco_eval.cocoGt, params.imgIds)
     rows = []
     for k, category_id in enumerate(int(c) for c in params.catIds):
         at_all = precision[:, :, k, area, -1]  # [T, R]
-        rows.append({"category_id": category_id,
-                     "name": coco_eval.cocoGt.loadCats([category_id])[0]["name"],
-                     "AP": _mean_defined(at_all), "AP50": _mean_defined(at_all[iou50]),
-                     "boxes": _box_count(coco_eval.cocoGt, params.imgIds, category_id)})
+        rows.append(_row(coco_eval.cocoGt, category_id, _mean_defined(at_all),
+                         _mean_defined(at_all[iou50]), boxes[category_id]))
     return rows
 
 
 def without_detections(coco_gt: COCO, image_ids: Sequence[int]) -> List[Row]:
     """The rows for no detections at all: AP 0 where a category has boxes, else undefined."""
+    boxes = _box_counts(coco_gt, image_ids)
     rows = []
-    for category in coco_gt.loadCats(coco_gt.getCatIds()):
-        boxes = _box_count(coco_gt, image_ids, category["id"])
-        ap = 0.0 if boxes else None
-        rows.append({"category_id": int(category["id"]), "name": category["name"], "AP": ap,
-                     "AP50": ap, "boxes": boxes})
+    for category_id in (int(c) for c in coco_gt.getCatIds()):
+        ap = 0.0 if boxes[category_id] else None
+        rows.append(_row(coco_gt, category_id, ap, ap, boxes[category_id]))
     return rows
 
 
