@@ -100,3 +100,16 @@ def pooled(figures: Sequence[Dict[str, float]]) -> Dict[str, float]:
     return {"score": max(f["score"] for f in figures), "box": max(f["box"] for f in figures),
             "ranks": sum(f["ranks"] for f in figures),
             "same_class": sum(f["same_class"] for f in figures)}
+
+
+def assert_stores_the_variables(export_dir: str, variables: Sequence[tf.Variable]) -> None:
+    """The SavedModel stores exactly `variables`, in their order (`model_variables`), each
+    with its value."""
+    prefix = os.path.join(export_dir, "variables", "variables")
+    names = [n for n, _ in tf.train.list_variables(prefix) if n.endswith("VARIABLE_VALUE")]
+    assert len(names) == len(variables), (len(names), len(variables))
+    stored = tf.train.load_checkpoint(prefix)
+    for i, var in enumerate(variables):
+        np.testing.assert_array_equal(
+            stored.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"), var.numpy(),
+            err_msg=var.name)

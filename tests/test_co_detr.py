@@ -7,7 +7,6 @@ gfocal_loss.py), `bbox_overlaps` (aligned IoU / GIoU), `weight_reduce_loss` (mea
 avg_factor), and Sense-X/Co-DETR `CoDINOHead.loss_single_aux` (projects/models/co_dino_head.py)
 with the config's QualityFocalLoss(beta 2, weight 1), L1Loss(5), GIoULoss(2).
 """
-import os
 
 import gin
 import numpy as np
@@ -548,14 +547,7 @@ def test_tools_export_writes_the_dino_model_alone(restored_co_dino, tmp_path):
     (about 15 s on a 2-core CPU: the serving signatures' traces)."""
     run_dir, _, twin = restored_co_dino
     out = export.export_run(run_dir, str(tmp_path / "export"))
-    stored = tf.train.load_checkpoint(os.path.join(out, "variables", "variables"))
-    names = [n for n, _ in tf.train.list_variables(os.path.join(out, "variables", "variables"))
-             if n.endswith("VARIABLE_VALUE")]
-    assert len(names) == len(twin.variables)
-    for i, var in enumerate(twin.variables):
-        np.testing.assert_array_equal(
-            stored.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"), var.numpy(),
-            err_msg=var.name)
+    export_helpers.assert_stores_the_variables(out, twin.variables)
 
 
 def test_bad_head_bindings_name_the_problem():

@@ -17,6 +17,7 @@ from detr_tf import config
 from detr_tf import run as run_lib
 from detr_tf.evaluation import export
 from detr_tf.evaluation import postprocess as pp
+from tests import export_helpers
 from tests.detr_standin import StandInDetr
 
 # Chosen between the seeded stand-in's scores (about 0.20 .. 0.29) so that some images keep
@@ -151,11 +152,7 @@ def test_the_saved_model_holds_the_serving_functions_and_the_weights_alone(tmp_p
     assert kinds["variable"] == len(model.variables) > 100
     # The root, the variables' list and the signatures' map: no layer.
     assert kinds["user_object"] == 3, kinds
-    stored = tf.train.load_checkpoint(os.path.join(export_dir, "variables", "variables"))
-    for i, var in enumerate(model.variables):
-        np.testing.assert_array_equal(
-            stored.get_tensor(f"model_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"), var.numpy(),
-            err_msg=var.name)
+    export_helpers.assert_stores_the_variables(export_dir, model.variables)
     loaded = tf.saved_model.load(export_dir)
     assert set(loaded.signatures) == {export.SERVING_DEFAULT, export.SERVING_IMAGES}
     image = np.random.default_rng(4).integers(0, 256, (48, 64, 3), np.uint8)
