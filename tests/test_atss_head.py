@@ -13,6 +13,7 @@ from detr_tf.losses import atss as atss_loss
 from detr_tf.modeling.atss_head import ATSSHead
 from detr_tf.ops import atss
 from detr_tf.training import distribution
+from tests.precision_helpers import skip_unless_bfloat16_runs
 from tests.test_atss import _batch, _shapes
 
 C = 4  # classes in the random cases
@@ -267,6 +268,7 @@ def test_head_init_and_variables():
 
 
 def test_head_mixed_precision_returns_float32():
+    skip_unless_bfloat16_runs()
     tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
         head, _, out = _head()

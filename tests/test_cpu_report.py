@@ -33,8 +33,15 @@ _CPUS = {"AVX2 only": _AVX2, "AVX-512": _AVX2 | {"avx512f"},
          "AMX": _AVX2 | {"avx512f", "avx512_bf16", "amx_bf16"}}
 
 
+def _onednn_unset(monkeypatch):
+    """The oneDNN settings the plan reads (`machine.onednn_environment`), as nobody set them."""
+    for name in ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize("kind", sorted(_CPUS))
-def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
+def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path, monkeypatch):
+    _onednn_unset(monkeypatch)
     steps = cpu_report.plan(str(tmp_path), _CPUS[kind])
     assert [s.name for s in steps][0] == "quickstart" and steps[-1].name == "suite"
     for step in steps:
@@ -68,8 +75,7 @@ def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path):
 def test_the_plan_follows_the_onednn_settings_its_tools_will_see(env, tmp_path, monkeypatch):
     """On a native-bfloat16 CPU with oneDNN off or held to AVX2, 'auto' picks float32, so the
     plan times no bfloat16 step (one would refuse to start, or time an emulation)."""
-    for name in ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
-        monkeypatch.delenv(name, raising=False)
+    _onednn_unset(monkeypatch)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     steps = cpu_report.plan(str(tmp_path), _CPUS["AMX"])

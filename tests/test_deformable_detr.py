@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from detr_tf import weights
 from tests import deformable_helpers as h
+from tests.precision_helpers import skip_unless_bfloat16_runs
 
 
 @pytest.mark.parametrize("variant", sorted(h.VARIANTS))
@@ -58,6 +59,7 @@ def test_build_size_leaves_two_stage_enough_cells():
 def test_mixed_bfloat16_stays_close_to_float32():
     """Under mixed_bfloat16 the outputs are float32 and near the float32 oracle's (refine: the
     two-stage selection may reorder near-tied proposals in bfloat16)."""
+    skip_unless_bfloat16_runs()
     import tf_keras
     tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:

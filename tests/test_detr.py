@@ -9,6 +9,7 @@ import tf_keras
 
 from detr_tf.losses import SetCriterion
 from detr_tf.modeling.detr import DETR, build_model
+from tests.precision_helpers import skip_unless_bfloat16_runs
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "gin_configs")
 MODEL_FILES = ["detr_r50.gin", "detr_r101.gin", "detr_r50_dc5.gin", "detr_r101_dc5.gin",
@@ -143,6 +144,7 @@ def test_dc5_parameter_counts_and_stride(name, trainable):
 @DECODERS
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 def test_finite_outputs_and_gradients_under_each_policy(policy, decoder):
+    skip_unless_bfloat16_runs(policy)
     tf_keras.mixed_precision.set_global_policy(policy)
     try:
         model, criterion = tiny(**decoder)

@@ -15,6 +15,7 @@ from detr_tf.modeling import focus_encoder
 from detr_tf.modeling.dino_encoder import DinoEncoder
 from detr_tf.modeling.focus_encoder import FocusSelector
 from tests import dino_helpers
+from tests.precision_helpers import skip_unless_bfloat16_runs
 from tests.test_focus_encoder import CASCADE, D, TINY, _features, _flat, _inputs
 
 NUM_CLASSES = 5
@@ -98,6 +99,7 @@ def test_the_oesm_step_equals_a_numpy_transcription_of_the_reference():
 
 
 def test_the_oesm_step_keeps_the_compute_dtype_under_mixed_precision():
+    skip_unless_bfloat16_runs()
     q, pos, fg = _step_inputs()
     expected = _selector(7).enhance(0, tf.constant(q), tf.constant(pos), tf.constant(fg))
     tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
