@@ -88,9 +88,10 @@ def unused_binding_notes() -> list[str]:
             for key in config_types.unused_bindings(gin.config._OPERATIVE_CONFIG, _GIVEN)]
 
 
-def _required_macros() -> list[str]:
-    """Macros still bound to %gin.REQUIRED, from the config's own text."""
-    return re.findall(r"^(\w+) = %gin\.REQUIRED$", gin.config_str(), flags=re.MULTILINE)
+def required_macros(text: str) -> list[str]:
+    """The macros a Gin config's text (`gin.config_str()`, a saved config.gin) binds to
+    %gin.REQUIRED."""
+    return re.findall(r"^(\w+) = %gin\.REQUIRED$", text, flags=re.MULTILINE)
 
 
 def config_text() -> str:
@@ -189,7 +190,7 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
         if unused:
             raise ConfigError("; ".join(unused))
         if defer_required:
-            for name in _required_macros():
+            for name in required_macros(gin.config_str()):
                 gin.bind_parameter(f"{name}/macro.value", UnsetMacro(name))
         if finalize:
             gin.finalize()

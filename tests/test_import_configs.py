@@ -6,7 +6,6 @@ through them with none given, build the same model as their model file
 (gin_configs/models/*.gin), and write a run directory whose config asks for those macros again.
 Evaluation then asks only for what it reads.
 """
-import re
 from pathlib import Path
 
 import gin
@@ -58,10 +57,6 @@ def _import(gin_file, weights, out, *params):
         f"--output_dir={out}", *[f"--gin_param={p}" for p in params], timeout=900)
 
 
-def _required_macros(config_text):
-    return set(re.findall(r"^(\w+) = %gin\.REQUIRED$", config_text, flags=re.MULTILINE))
-
-
 def _import_and_check(experiment, prefix, num_variables, must_ask, tmp_path):
     """The tool imports the checkpoint `prefix` through `experiment` into tmp_path/run: every
     variable, the same values, and the written run asks again for what the import did not
@@ -69,7 +64,7 @@ def _import_and_check(experiment, prefix, num_variables, must_ask, tmp_path):
     gin.clear_config()
     try:
         config.parse_gin_config([experiment], [], defer_required=True)
-        required = _required_macros(config.config_text())
+        required = set(config.required_macros(config.config_text()))
     finally:
         gin.clear_config()
     assert set(must_ask) <= required, required
@@ -77,7 +72,7 @@ def _import_and_check(experiment, prefix, num_variables, must_ask, tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "left at their initial values: none" in proc.stdout, proc.stdout[-3000:]
     saved = (tmp_path / "run" / "config.gin").read_text()
-    assert _required_macros(saved) == set(required), saved[-3000:]
+    assert set(config.required_macros(saved)) == required, saved[-3000:]
     reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "ckpt-0"))
     source_reader = tf.train.load_checkpoint(prefix)
     names = [n for n, _ in tf.train.list_variables(prefix) if n.startswith("model/")]
