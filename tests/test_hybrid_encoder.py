@@ -18,6 +18,7 @@ from detr_tf.modeling.hybrid_encoder import HybridEncoder
 from detr_tf.modeling.position_encoding import sincos_2d
 from detr_tf.weights.rtdetr.encoder import HF4_TO_HF5, hf_targets
 from detr_tf.weights.target import Target, batch_norm
+from tests.fixture_checks import assert_outputs_regenerate
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "rtdetr"
 
@@ -77,12 +78,7 @@ def assert_fixture_current(state: Dict[str, np.ndarray], arrays: Dict[str, np.nd
     assert set(state) == set(tensors)
     for key, value in state.items():
         np.testing.assert_array_equal(tensors[key], value, err_msg=key)
-    assert sorted(arrays) == sorted(data.files)
-    for key, value in arrays.items():
-        if value.dtype.kind in "US":
-            np.testing.assert_array_equal(data[key], value, err_msg=key)
-        else:
-            np.testing.assert_allclose(data[key], value, rtol=0, atol=1e-5, err_msg=key)
+    assert_outputs_regenerate(data, arrays)
 
 
 # --- float64 numpy transcriptions -------------------------------------------------------------

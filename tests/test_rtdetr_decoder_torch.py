@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from detr_tf.weights.rtdetr.decoder import PREFIX, hf_constants, hf_targets
 from tests import rtdetr_decoder_helpers as h
+from tests.fixture_checks import assert_outputs_regenerate
 
 # TensorFlow (imported first, by conftest) and triton's LLVM library crash the process when both
 # are loaded; triton only serves GPUs, so the torch oracles run without it.
@@ -117,9 +118,7 @@ def test_fixture_regenerates_identically():
     """The committed fixture is what the script writes with the installed transformers."""
     committed = np.load(oracle.FIXTURE)
     fresh = oracle.fixture_arrays()
-    assert sorted(committed.files) == sorted(fresh)
-    for key, array in fresh.items():
-        np.testing.assert_allclose(committed[key], array, atol=1e-6, err_msg=key)
+    assert_outputs_regenerate(committed, fresh)
 
 
 def test_whole_model_matches_transformers():

@@ -26,6 +26,7 @@ from detr_tf import run as run_lib
 from detr_tf.data.augment import IMAGENET_MEAN, IMAGENET_STD
 from detr_tf.training import checkpointing
 from tests import tool_helpers
+from tests.fixture_checks import assert_outputs_regenerate
 
 # TensorFlow (imported first, by conftest) and triton's LLVM library crash the process when both
 # are loaded; triton only serves GPUs, so the torch oracles run without it.
@@ -42,7 +43,8 @@ pytestmark = pytest.mark.torch
 
 def check_regenerated(fresh_files: dict, directory) -> None:
     """The committed files in `directory` are `fresh_files` (a fixture script's `fixtures()`):
-    npz arrays within 1e-6, gzip-compressed safetensors equal tensor by tensor."""
+    npz arrays within float32 rounding (tests/fixture_checks.py), gzip-compressed safetensors
+    equal tensor by tensor."""
     import gzip
 
     from safetensors.numpy import load
@@ -50,11 +52,7 @@ def check_regenerated(fresh_files: dict, directory) -> None:
     for name, fresh in fresh_files.items():
         path = os.path.join(directory, name)
         if isinstance(fresh, dict):
-            committed = np.load(path)
-            assert sorted(committed.files) == sorted(fresh), name
-            for key, array in fresh.items():
-                np.testing.assert_allclose(committed[key], array, atol=1e-6,
-                                           err_msg=f"{name}: {key}")
+            assert_outputs_regenerate(np.load(path), fresh, f"{name}: ")
         else:
             with gzip.open(path, "rb") as f:
                 committed, fresh = load(f.read()), load(fresh)

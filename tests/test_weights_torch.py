@@ -40,6 +40,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from detr_tf import config, weights  # noqa: E402
 from detr_tf.modeling import detr  # noqa: E402
+from tests.fixture_checks import OUTPUT_TOLERANCE  # noqa: E402
 from tests.test_weights import FIXTURES, narrow_detr  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,7 +86,7 @@ def test_fixtures_regenerate_identically(tmp_path, monkeypatch):
     fresh, committed = np.load(tmp_path / "detr_outputs.npz"), np.load(
         FIXTURES / "detr_outputs.npz")
     for key in committed.files:
-        np.testing.assert_allclose(fresh[key], committed[key], atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(fresh[key], committed[key], err_msg=key, **OUTPUT_TOLERANCE)
     major = transformers.__version__.split(".")[0]
     name = f"detr_hf{major}.safetensors"
     assert set(load_file(str(tmp_path / name))) == set(load_file(str(FIXTURES / name)))

@@ -1,0 +1,27 @@
+"""Whether a committed fixture is what its torch script writes now (the `torch` tests).
+
+A fixture's weights come from seeded generators and are compared bit for bit by the callers.
+Its outputs are float32 model outputs: another torch or transformers release, or another CPU
+kind, orders some sums differently, and after a few layers that moves them by a few float32
+ulps (up to 4.3e-6 on logits of magnitude 3, torch 2.14.1 against the fixtures' own run). So
+outputs are compared within float32 rounding, OUTPUT_TOLERANCE; a change to a script moves them
+by orders of magnitude more.
+"""
+from typing import Mapping
+
+import numpy as np
+
+OUTPUT_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def assert_outputs_regenerate(committed, fresh: Mapping[str, np.ndarray], label: str = "") -> None:
+    """`committed` (an npz file or a dict) holds exactly `fresh`'s arrays, within float32
+    rounding; string arrays (configs) exactly. `label` prefixes the failure message."""
+    names = committed.files if hasattr(committed, "files") else list(committed)
+    assert sorted(names) == sorted(fresh), label
+    for key, array in fresh.items():
+        if array.dtype.kind in "US":
+            np.testing.assert_array_equal(committed[key], array, err_msg=label + key)
+        else:
+            np.testing.assert_allclose(committed[key], array, err_msg=label + key,
+                                       **OUTPUT_TOLERANCE)
