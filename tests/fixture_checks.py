@@ -1,11 +1,11 @@
 """Whether a committed fixture is what its torch script writes now (the `torch` tests).
 
-A fixture's weights come from seeded generators and are compared bit for bit by the callers.
-Its outputs are float32 model outputs: another torch or transformers release, or another CPU
-kind, orders some sums differently, and after a few layers that moves them by a few float32
-ulps (up to 4.3e-6 on logits of magnitude 3, torch 2.14.1 against the fixtures' own run). So
-outputs are compared within float32 rounding, OUTPUT_TOLERANCE; a change to a script moves them
-by orders of magnitude more.
+Where a fixture keeps its weights in a file of their own (safetensors), the callers compare
+them bit for bit. Its arrays are compared here, and they are mostly float32 model outputs:
+another torch or transformers release, or another CPU kind, orders some sums differently,
+and after a few layers that moves them by a few float32 ulps (up to 4.3e-6 on logits of
+magnitude 3, torch 2.14.1 against the fixtures' own run). So they are compared within float32
+rounding, OUTPUT_TOLERANCE; a change to a script moves them by orders of magnitude more.
 """
 from typing import Mapping
 
