@@ -81,6 +81,38 @@ def assert_fixture_current(state: Dict[str, np.ndarray], arrays: Dict[str, np.nd
     assert_outputs_regenerate(data, arrays)
 
 
+def assert_fuse_keeps_every_level(enc: tf_keras.layers.Layer) -> None:
+    """With every norm's scale, shift and moving statistics random, enc.fuse() keeps the
+    output of every level (three levels of 8, 12 and 16 channels at strides 8, 16, 32)."""
+    rng = np.random.default_rng(1)
+    feats = [tf.constant(rng.normal(size=(2, 64 // s, 96 // s, c)), tf.float32)
+             for s, c in ((8, 8), (16, 12), (32, 16))]
+    enc(feats)
+    randomize_norms(enc, rng)
+    unfused = enc(feats)
+    enc.fuse()
+    assert rel_diff(enc(feats), [o.numpy() for o in unfused]) < 1e-5
+
+
+def encoder_on_fixture(build, fixtures: Path):
+    """(encoder, its input maps, the fixture's tensors, its arrays): the encoder that
+    build(**config) makes from the fixture's config, built on the fixture's inputs."""
+    tensors = load_file(str(fixtures / "encoder_hf5.safetensors"))
+    data = np.load(fixtures / "encoder_io.npz")
+    enc = build(**json.loads(str(data["config"])))
+    feats = [tf.constant(data[f"c{i}"]) for i in (3, 4, 5)]
+    enc(feats)
+    return enc, feats, tensors, data
+
+
+def assert_gives_fixture_outputs(enc, feats, data) -> None:
+    """The encoder's outputs within 1e-4 of each level's largest value in the fixture's,
+    in eval mode and in training mode (batch statistics, as torch's BatchNorm2d.train())."""
+    assert rel_diff(enc(feats), [data[f"p{i}"] for i in (3, 4, 5)]) < 1e-4
+    train = enc(feats, training=True)
+    assert rel_diff(train, [data[f"train_p{i}"] for i in (3, 4, 5)]) < 1e-4
+
+
 # --- float64 numpy transcriptions -------------------------------------------------------------
 
 def np_conv(x, weight, stride=1, bias=None):
@@ -196,38 +228,23 @@ def test_sincos_2d_matches_formula():
 
 
 def test_fused_encoder_matches_unfused():
-    """With every norm's scale, shift and moving statistics random, fuse() keeps every level."""
-    rng = np.random.default_rng(1)
-    enc = HybridEncoder(hidden_dim=16, num_heads=2, dim_feedforward=32, hidden_expansion=0.5)
-    feats = [tf.constant(rng.normal(size=(2, 64 // s, 96 // s, c)), tf.float32)
-             for s, c in ((8, 8), (16, 12), (32, 16))]
-    enc(feats)
-    randomize_norms(enc, rng)
-    unfused = enc(feats)
-    enc.fuse()
-    assert rel_diff(enc(feats), [o.numpy() for o in unfused]) < 1e-5
+    """fuse() keeps every level of RT-DETR's encoder."""
+    assert_fuse_keeps_every_level(
+        HybridEncoder(hidden_dim=16, num_heads=2, dim_feedforward=32, hidden_expansion=0.5))
 
 
 @pytest.fixture(scope="module")
 def hf_fixture():
-    """The fixture's tensors, arrays, and a HybridEncoder of its config built on its inputs."""
-    tensors = load_file(str(FIXTURES / "encoder_hf5.safetensors"))
-    data = np.load(FIXTURES / "encoder_io.npz")
-    enc = HybridEncoder(**json.loads(str(data["config"])))
-    feats = [tf.constant(data[f"c{i}"]) for i in (3, 4, 5)]
-    enc(feats)
-    return enc, feats, tensors, data
+    """A HybridEncoder of the fixture's config built on its inputs, the inputs, the fixture."""
+    return encoder_on_fixture(HybridEncoder, FIXTURES)
 
 
 def test_matches_transformers_fixture(hf_fixture):
     """transformers' encoder_input_proj + encoder outputs, eval and training mode, from the
-    weights loaded through the table (both within 1e-4 of each level's max)."""
+    weights loaded through the table."""
     enc, feats, tensors, data = hf_fixture
     load_hf(enc, tensors)
-    assert rel_diff(enc(feats), [data[f"p{i}"] for i in (3, 4, 5)]) < 1e-4
-    # Batch statistics: per-image-batch normalisation as torch's BatchNorm2d.train().
-    train = enc(feats, training=True)
-    assert rel_diff(train, [data[f"train_p{i}"] for i in (3, 4, 5)]) < 1e-4
+    assert_gives_fixture_outputs(enc, feats, data)
 
 
 def test_table_covers_every_key_and_variable_once(hf_fixture):
