@@ -65,7 +65,7 @@ def test_narrow_matches_transformers(name):
 def test_full_size_r50vd_matches_transformers():
     start = time.perf_counter()
     worst = _compare(dict(depth=50), seed=50, sizes=SIZES, batch=1)
-    print(f"\nR50vd: max |diff| / max |ref| of C3, C4, C5: "
+    print("\nR50vd: max |diff| / max |ref| of C3, C4, C5: "
           + ", ".join(f"{e:.2e}" for e in worst)
           + f" ({time.perf_counter() - start:.0f} s)")
 
