@@ -2,6 +2,7 @@
 import tensorflow as tf
 
 from detr_tf.benchmarks import step_profile, xla_launches
+from detr_tf.training import fused_adamw, optimization
 
 
 def test_profile_counts_each_op_once_under_its_category():
@@ -63,3 +64,40 @@ def test_overhead_share_counts_update_dropout_casts_transposes_and_matching():
     assert step_profile.categorize("transformer/enc/layer0/dropout1/Mul", "Mul") == "dropout"
     assert step_profile.categorize("gradient_tape/detr/dropout_3/GreaterEqual", "GreaterEqual") == (
         "dropout, backward")
+
+
+def test_the_gradient_clip_and_the_fused_updates_scope_count_as_the_update():
+    update = "optimizer update"
+    for name, kind in (("StatefulPartitionedCall/global_norm/L2Loss_41", "L2Loss"),
+                       ("StatefulPartitionedCall/clip_by_global_norm/mul_38", "Mul"),
+                       ("clip_by_global_norm/truediv", "RealDiv"),
+                       ("StatefulPartitionedCall/fused_adamw/cond/then/_0/sub", "Sub")):
+        assert step_profile.categorize(name, kind) == update, name
+    # A layer norm's ops, forward and backward, stay normalization.
+    assert step_profile.categorize("detr/transformer/decoder.norm/mul", "Mul") == "normalization"
+    assert step_profile.categorize("gradient_tape/detr/transformer/encoder.layers.0/norm1/Sum",
+                                   "Sum") == "normalization, backward"
+
+
+def test_a_fused_update_step_is_all_update():
+    # The kernel form (a CPU's) with the clip, an EMA and both groups' weight decay: the clip's
+    # norm and scaling, the finiteness guard, the decay and the EMA run in TensorFlow ops of
+    # their own, and each must land under the update, none under normalization or 'other'.
+    variables = [tf.Variable(tf.random.normal(s, seed=i)) for i, s in enumerate(
+        ([64, 32], [32], [16, 8]))]
+    split = [variables[:1], variables[1:]]
+    groups = [fused_adamw.AdamWGroup(1e-2, weight_decay=0.1, jit_compile=False, name=f"g{k}")
+              for k in range(2)]
+    for group, vars_ in zip(groups, split):
+        group.build(vars_)
+    update = fused_adamw.FusedUpdate(groups, split, clip_norm=0.1,
+                                     ema=optimization.ExponentialMovingAverage(variables, 0.9),
+                                     global_step=tf.Variable(0, dtype=tf.int64))
+    grads = [tf.random.normal(v.shape, seed=9) for v in variables]
+
+    @tf.function
+    def step():
+        return update(tf.distribute.get_strategy(), grads, tf.constant(True))
+
+    ms = step_profile.profile_steps(step, steps=2)["ms"]
+    assert set(ms) == {"optimizer update"}, ms

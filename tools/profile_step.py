@@ -35,7 +35,8 @@ def _profile(variant, model_fn, criterion, raw):
     print(f"{variant.name}: first call {first:.1f} s, step {wall * 1e3:.0f} ms", flush=True)
     return {"first_call_s": first, "step_ms": wall * 1e3,
             "outside_share": step_profile.outside_share(found["ms"]),
-            "overhead_share": step_profile.overhead_share(found["ms"]), **found}
+            "overhead_share": step_profile.overhead_share(found["ms"]),
+            "clip_in_update": True, **found}
 
 
 def table(rows) -> str:

@@ -18,8 +18,13 @@ from detr_tf.benchmarks import xla_launches
 # (category, test on (op name, op type)), first match wins. Op types are TensorFlow's, with
 # oneDNN's `_Mkl`/`_MklNative` rewrites.
 CATEGORIES: List[Tuple[str, Callable[[str, str], bool]]] = [
+    # The update: the optimizers' own scopes (tf_keras's, Model Garden's, our fused update's),
+    # and the global-norm clip, wherever it runs (ours clips in the step for tf_keras's
+    # optimizer). The clip's norm and scaling are two passes over every gradient; before they
+    # were claimed here, "norm" in their scopes' names put them under normalization.
     ("optimizer update", lambda name, kind: (kind.startswith("ResourceApply") or bool(
-        re.search(r"(^|/)((backbone_)?adamw|AdamWeightDecay)/", name)))),
+        re.search(r"(^|/)((backbone_|fused_)?adamw|AdamWeightDecay|(clip_by_)?global_norm)/",
+                  name)))),
     # Dropout's masks and their application, under the layers' name scopes (dropout, dropout1).
     ("dropout", lambda name, kind: bool(re.search(r"(^|/)dropout\w*/", name, re.IGNORECASE))),
     # Model Garden's matcher: a TensorFlow while-loop per decoder layer, not compiled.
@@ -44,8 +49,9 @@ def outside_share(ms: Dict[str, float]) -> float:
     return 1.0 - inside / total if total else 0.0
 
 
-# The work a train step does around the model: the update, dropout, casts, transposes, matching
-# (Model Garden's loops; ours and, under jit='loss', the losses in XLA programs).
+# The work a train step does around the model: the update (with the clip), dropout, casts,
+# transposes, matching (Model Garden's loops; ours and, under jit='loss', the losses in XLA
+# programs).
 OVERHEAD = ("optimizer update", "dropout", "casts", "transposes", "matcher loops", "XLA: ")
 
 

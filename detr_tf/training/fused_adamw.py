@@ -193,6 +193,11 @@ class FusedUpdate:
         position = {w.ref(): k for k, w in enumerate(w for ws in self.variables for w in ws)}
 
         def update(grads, loss_finite):
+            # One scope for everything here, so a step's profile counts it as the update.
+            with tf.name_scope("fused_adamw"):
+                return body(grads, loss_finite)
+
+        def body(grads, loss_finite):
             grads, norm, grads_finite = clip_and_check(grads, self.clip_norm)
             ok = tf.logical_and(grads_finite, loss_finite)
             per_group = _split_by_group(grads, groups)
