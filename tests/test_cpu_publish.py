@@ -63,7 +63,9 @@ def test_the_published_report_names_no_path_and_keeps_its_verdict(tmp_path):
     after = cpu_verdict.verdict(str(dest), cpu_report.plan(str(dest), AVX2))
     assert [r.met for r in after] == [r.met for r in before]
     assert [r.measured for r in after] == [r.measured for r in before]
-    assert sum(r.met is not None for r in after) >= 7  # every target that ran is judged
+    # Every target that ran is judged, but the overhead: the committed profile predates the
+    # gradient clip's count in the update.
+    assert sum(r.met is not None for r in after) >= 6
 
 
 def test_a_directory_without_a_run_is_refused(tmp_path):
@@ -98,10 +100,12 @@ def test_the_committed_report_gives_the_verdict_the_docs_state():
     assert t20.met is False and t20.measured.startswith("0.39-0.55x over 12 cases")
     t100 = rows["matcher at 384x100x100 full (N = 384) <= 1.0x scipy"]
     assert t100.met is True and t100.measured.startswith("0.42-0.77x over 6 cases")
+    # Its profiles counted the gradient clip as normalization: their shares decide nothing.
     overhead = "step overhead <= 10% of op time: detr_tf/"
-    assert [(measured[f"{m} {overhead}{p}/jit=matcher"]) for m in ("r50", "quickstart")
+    assert [(measured[f"{m} {overhead}{p}/jit=matcher"][0].split()[0],
+             measured[f"{m} {overhead}{p}/jit=matcher"][1]) for m in ("r50", "quickstart")
             for p in ("float32", "mixed_bfloat16")] == [
-        ("8.2%", True), ("16.6%", False), ("6.1%", True), ("10.4%", False)]
+        ("8.2%", None), ("16.6%", None), ("6.1%", None), ("10.4%", None)]
     assert measured["R50 step vs Model Garden, best against best >= 2.5x"] == ("2.37x", False)
     assert measured["R50 first call (fresh process) no slower than Model Garden's"] == (
         "18.5 s against 27.8 s (0.67x)", True)

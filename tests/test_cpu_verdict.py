@@ -36,10 +36,11 @@ def test_the_committed_avx2_runs_get_the_verdicts_the_docs_give_them(tmp_path):
     assert t20.met is False and "0.94x" in t20.measured and "uniform 384x100x20 " in t20.measured
     t100 = rows["matcher at 384x100x100 full (N = 384) <= 1.0x scipy"]
     assert t100.met is False and "1.62x" in t100.measured and "detr" in t100.measured
-    # R50's overhead 9% (met); Model Garden best against best 1.97x (missed), 1.77x at equal
-    # settings; first call 53.5 s against 65.0 s (met).
+    # R50's overhead 8.5%, from a profile that counted the gradient clip as normalization:
+    # undecided; Model Garden best against best 1.97x (missed), 1.77x at equal settings; first
+    # call 53.5 s against 65.0 s (met).
     overhead = rows["r50 step overhead <= 10% of op time: detr_tf/float32/jit=matcher"]
-    assert overhead.met is True and overhead.measured == "8.5%"
+    assert overhead.met is None and overhead.measured.startswith("8.5% without the gradient clip")
     best = rows["R50 step vs Model Garden, best against best >= 2.5x"]
     assert best.met is False and best.measured == "1.97x"
     assert rows["R50 step vs Model Garden, both float32 without XLA (reported, no target)"
@@ -52,7 +53,20 @@ def test_the_committed_avx2_runs_get_the_verdicts_the_docs_give_them(tmp_path):
                  "default test suite <= 20 min (pytest's time, clean clone)"):
         assert rows[name].met is None and "not measured" in rows[name].measured
     table = cpu_verdict.format_rows(list(rows.values()))
-    assert table.count("**missed**") == 3 and table.count("| met |") == 2
+    assert table.count("**missed**") == 3 and table.count("| met |") == 1
+
+
+def test_an_overhead_share_decides_only_with_the_clip_counted_in_the_update(tmp_path):
+    shutil.copy(PERF / "step_profile_r50_avx2_idle.json", tmp_path / "step_profile_r50_avx2.json")
+    target = "r50 step overhead <= 10% of op time: detr_tf/float32/jit=matcher"
+    assert _rows(tmp_path)[target].met is None  # the committed profile predates the split
+    report = json.loads((PERF / "step_profile_r50_avx2_idle.json").read_text())
+    variant = report["variants"]["detr_tf/float32/jit=matcher"]
+    for share, met in ((0.085, True), (0.112, False)):
+        variant.update(overhead_share=share, clip_in_update=True)
+        (tmp_path / "step_profile_r50_avx2.json").write_text(json.dumps(report))
+        row = _rows(tmp_path)[target]
+        assert (row.measured, row.met) == (f"{share:.1%}", met)
 
 
 def test_a_matcher_ratio_counts_only_at_scipys_optimum(tmp_path):
