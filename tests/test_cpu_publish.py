@@ -91,20 +91,15 @@ def test_the_committed_report_gives_the_verdict_the_docs_state():
     # Read with another kind's plan, it would find none of its files.
     elsewhere = cpu_verdict.verdict(str(report), cpu_report.plan(str(report), AVX2))
     assert [r.met for r in elsewhere if r.target.startswith("matcher")] == [None, None]
-    rows = {r.target: r for r in cpu_verdict.verdict(str(report),
-                                                     cpu_report.plan(str(report), flags))}
-    measured = {target: (r.measured, r.met) for target, r in rows.items()}
+    measured = _measured(report)
     assert measured["quickstart end to end <= 10 min at AP50 >= 65%"] == (
         "3 min 33 s at AP50 69.9% (precision mixed_bfloat16)", True)
-    t20 = rows["matcher at 384x100x20 (N = 384) <= 0.5x scipy"]
-    assert t20.met is False and t20.measured.startswith("0.39-0.55x over 12 cases")
-    t100 = rows["matcher at 384x100x100 full (N = 384) <= 1.0x scipy"]
-    assert t100.met is True and t100.measured.startswith("0.42-0.77x over 6 cases")
+    t20, met = measured["matcher at 384x100x20 (N = 384) <= 0.5x scipy"]
+    assert met is False and t20.startswith("0.39-0.55x over 12 cases")
+    t100, met = measured["matcher at 384x100x100 full (N = 384) <= 1.0x scipy"]
+    assert met is True and t100.startswith("0.42-0.77x over 6 cases")
     # Its profiles counted the gradient clip as normalization: their shares decide nothing.
-    overhead = "step overhead <= 10% of op time: detr_tf/"
-    assert [(measured[f"{m} {overhead}{p}/jit=matcher"][0].split()[0],
-             measured[f"{m} {overhead}{p}/jit=matcher"][1]) for m in ("r50", "quickstart")
-            for p in ("float32", "mixed_bfloat16")] == [
+    assert [(text.split()[0], met) for text, met in _overheads(measured)] == [
         ("8.2%", None), ("16.6%", None), ("6.1%", None), ("10.4%", None)]
     assert measured["R50 step vs Model Garden, best against best >= 2.5x"] == ("2.37x", False)
     assert measured["R50 first call (fresh process) no slower than Model Garden's"] == (
@@ -119,15 +114,24 @@ def test_a_report_without_machine_records_names_no_flags(tmp_path):
     assert cpu_verdict.report_cpu_flags(str(tmp_path)) is None
 
 
+def _measured(report) -> dict:
+    """{target: (measured, met)} of a committed report, read with its own CPU's plan."""
+    steps = cpu_report.plan(str(report), cpu_verdict.report_cpu_flags(str(report)))
+    return {r.target: (r.measured, r.met) for r in cpu_verdict.verdict(str(report), steps)}
+
+
+def _overheads(measured):
+    """The (measured, met) of the four overhead rows: R50 then the quickstart, each float32
+    then mixed_bfloat16."""
+    overhead = "step overhead <= 10% of op time: detr_tf/"
+    return [measured[f"{m} {overhead}{p}/jit=matcher"] for m in ("r50", "quickstart")
+            for p in ("float32", "mixed_bfloat16")]
+
+
 def test_the_third_report_decides_the_overhead_with_the_clip_in_the_update():
     # docs/PERFORMANCE.md's "report 3" column: the first whose profiles count the clip.
-    report = PERF / "cpu_report_avx512bf16_run3"
-    rows = cpu_verdict.verdict(str(report), cpu_report.plan(
-        str(report), cpu_verdict.report_cpu_flags(str(report))))
-    measured = {r.target: (r.measured, r.met) for r in rows}
-    overhead = "step overhead <= 10% of op time: detr_tf/"
-    assert [(measured[f"{m} {overhead}{p}/jit=matcher"]) for m in ("r50", "quickstart")
-            for p in ("float32", "mixed_bfloat16")] == [
+    measured = _measured(PERF / "cpu_report_avx512bf16_run3")
+    assert _overheads(measured) == [
         ("10.5%", False), ("19.2%", False), ("6.1%", True), ("12.3%", False)]
     assert measured["R50 step vs Model Garden, best against best >= 2.5x"] == ("2.55x", True)
     assert measured["quickstart end to end <= 10 min at AP50 >= 65%"] == (
