@@ -6,8 +6,8 @@ Each variant ('side/precision/jit', as tools/benchmark_vs_model_garden.py takes 
 on the same synthetic batch (R50, 256 px, batch 2 by default), run once to compile, timed over
 `--steps` calls, then profiled over `--steps` more; detr_tf/benchmarks/step_profile.py sums the
 trace by category (convolutions, matmuls, casts, transposes, normalization, the optimizer
-update with the gradient clip, each XLA program, the rest), forward and backward apart. Times are per step, summed
-over TensorFlow's compute threads.
+update with the gradient clip, each XLA program, the rest), forward and backward apart. Times
+are per step, summed over TensorFlow's compute threads.
 """
 import statistics
 import sys

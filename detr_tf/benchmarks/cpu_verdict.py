@@ -115,7 +115,7 @@ def _overhead(variant: Dict) -> Tuple[str, Optional[bool]]:
         return "no overhead share in this report", None
     if not variant.get("clip_in_update"):
         return (f"{share:.1%} without the gradient clip (an older profile counted it as "
-                "normalization): too low, undecided"), None
+                "normalization): understated, undecided"), None
     return f"{share:.1%}", share <= OVERHEAD_MAX_SHARE
 
 
