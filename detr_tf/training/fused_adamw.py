@@ -195,25 +195,22 @@ class FusedUpdate:
         def update(grads, loss_finite):
             # One scope for everything here, so a step's profile counts it as the update.
             with tf.name_scope("fused_adamw"):
-                return body(grads, loss_finite)
-
-        def body(grads, loss_finite):
-            grads, norm, grads_finite = clip_and_check(grads, self.clip_norm)
-            ok = tf.logical_and(grads_finite, loss_finite)
-            per_group = _split_by_group(grads, groups)
-            if self.compiled:
-                self._compiled_update(local, groups, position, per_group, ok)
-            else:
-                tf.cond(ok, lambda: self._kernel_update(local, groups, per_group),
-                        lambda: tf.constant(False))
-            if self.loss_scale is not None:
-                scale, good = local(self.loss_scale.scale), local(self.loss_scale.good_steps)
-                new_scale, new_good = self.loss_scale.next_values(scale, good, grads_finite)
-                scale.assign(new_scale)
-                good.assign(new_good)
-            if self.global_step is not None:
-                local(self.global_step).assign_add(1)
-            return ok, norm
+                grads, norm, grads_finite = clip_and_check(grads, self.clip_norm)
+                ok = tf.logical_and(grads_finite, loss_finite)
+                per_group = _split_by_group(grads, groups)
+                if self.compiled:
+                    self._compiled_update(local, groups, position, per_group, ok)
+                else:
+                    tf.cond(ok, lambda: self._kernel_update(local, groups, per_group),
+                            lambda: tf.constant(False))
+                if self.loss_scale is not None:
+                    scale, good = local(self.loss_scale.scale), local(self.loss_scale.good_steps)
+                    new_scale, new_good = self.loss_scale.next_values(scale, good, grads_finite)
+                    scale.assign(new_scale)
+                    good.assign(new_good)
+                if self.global_step is not None:
+                    local(self.global_step).assign_add(1)
+                return ok, norm
 
         return update
 
