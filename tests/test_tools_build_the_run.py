@@ -15,8 +15,8 @@ import pytest
 from absl import flags
 
 from detr_tf import machine
-from detr_tf.benchmarks import compare, model_garden, ours, step_benchmark, timing
-from detr_tf.benchmarks import xla_launches
+from detr_tf.benchmarks import compare, model_garden, optimizer, ours, step_benchmark
+from detr_tf.benchmarks import timing, xla_launches
 from detr_tf.training import state as state_lib
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,11 +85,27 @@ def test_count_xla_programs_counts_the_runs_model(received, tmp_path):
     assert [r["model"] for r in json.loads(out.read_text())["rows"]] == [MODEL]
 
 
-def test_benchmark_optimizer_updates_the_runs_model(received, tmp_path):
+def test_benchmark_optimizer_updates_the_runs_model(received, monkeypatch, tmp_path):
+    """Also: the update is given net of calling a function with the gradients, round by round
+    (each round's update less the same round's call, not one median less the other)."""
+    rounds = {optimizer.CALL: [1e-3, 15e-3, 2e-3]}
+
+    def interleaved(calls, n):
+        assert n == 3 and optimizer.CALL in calls
+        for call in calls.values():  # each runs, on the gradients it is given
+            call()
+        return {name: rounds.get(name, [10e-3, 20e-3, 30e-3]) for name in calls}
+
+    monkeypatch.setattr(timing, "interleaved", interleaved)
     out = tmp_path / "report.json"
-    _run_tool("benchmark_optimizer.py", GIN, "--variant=fused_kernels", "--rounds=1",
+    _run_tool("benchmark_optimizer.py", GIN, "--variant=fused_kernels", "--rounds=3",
               f"--json_out={out}")
-    assert json.loads(out.read_text())["model"] == MODEL
+    report = json.loads(out.read_text())
+    assert report["model"] == MODEL
+    assert report["call_ms"] == pytest.approx(2.0)
+    kernels = report["fused_kernels"]
+    assert kernels["apply_ms"] == pytest.approx(20.0)
+    assert kernels["apply_net_ms"] == pytest.approx(9.0)  # median of 9, 5 and 28 ms
 
 
 def test_model_garden_comparisons_take_the_runs_model(monkeypatch):

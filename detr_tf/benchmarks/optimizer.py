@@ -8,6 +8,13 @@ and the fused update in both its forms ('fused_xla': one XLA program, the defaul
 per-variable updates with XLA only when it finds a GPU; 'tf_keras_xla' forces that path here,
 to show what a GPU run pays. Measured: the first call (tracing + XLA compilation + one update)
 of each, then the update time in interleaved rounds.
+
+Each update is a `tf.function` called from Python with the gradients, and that call costs
+something of its own, a few milliseconds for DETR-R50's 307 gradients
+(docs/PERFORMANCE.md#the-optimizer-update-for-detr-r50). A train step makes no such call (its
+update is part of the step's graph), so a function that takes the gradients and does nothing is
+timed in the same rounds (`call_ms`), and each update is also given net of it, round by round
+(`apply_net_ms`): the figure to hold against the memory-traffic bound.
 """
 import time
 from typing import Callable, Dict, Sequence
@@ -49,6 +56,8 @@ def _fused_apply(optimizers, groups, clip_norm) -> Callable:
     return apply
 
 
+# The timed rounds' name for `_call_alone`.
+CALL = "call alone"
 # name: (build_optimizers.fused, its jit_compile, how the update is called)
 VARIANTS = {"tf_keras": (False, False, _tf_keras_apply),
             "tf_keras_xla": (False, True, _tf_keras_apply),
@@ -56,10 +65,18 @@ VARIANTS = {"tf_keras": (False, False, _tf_keras_apply),
             "fused_kernels": (True, False, _fused_apply)}
 
 
+@tf.function
+def _call_alone(grads):
+    """What calling an update costs before it updates anything: the gradients in, no work."""
+    del grads
+    return tf.constant(True)
+
+
 def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 10,
                          clip_norm: float = 0.1, variants: Sequence[str] = tuple(VARIANTS),
                          log: Callable[[str], None] = print) -> Dict[str, object]:
-    """{name: {first_call_s, apply_ms (median), apply_ms_all}, model (the class),
+    """{name: {first_call_s, apply_ms (median), apply_ms_all, apply_net_ms (median of each
+    round less that round's call)}, call_ms (median), call_ms_all, model (the class),
     num_variables, num_parameters} for each of `variants` (names in VARIANTS)."""
     model = state.create_model(model_fn)
     groups = step_lib.split_variables(model)
@@ -84,10 +101,16 @@ def benchmark_optimizers(model_fn: Callable[[], tf_keras.Model], rounds: int = 1
         first = timing.timed_call(apply, grads)
         log(f"{name}: first call {first:.1f} s")
         report[name] = {"first_call_s": first}
-    times = timing.interleaved({n: (lambda a=a: a(grads)) for n, a in applies.items()}, rounds)
+    _call_alone(grads)
+    calls = {n: (lambda a=a: a(grads)) for n, a in applies.items()}
+    times = timing.interleaved({**calls, CALL: lambda: _call_alone(grads)}, rounds)
+    call = np.array(times.pop(CALL))
+    report["call_ms"] = float(np.median(call) * 1e3)
+    report["call_ms_all"] = [float(c) * 1e3 for c in call]
     for name, seconds in times.items():
         report[name]["apply_ms"] = float(np.median(seconds) * 1e3)
         report[name]["apply_ms_all"] = [s * 1e3 for s in seconds]
+        report[name]["apply_net_ms"] = float(np.median(np.array(seconds) - call) * 1e3)
     return report
 
 
