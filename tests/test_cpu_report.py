@@ -57,7 +57,7 @@ def test_the_plan_uses_only_flags_its_tools_define(kind, tmp_path, monkeypatch):
     assert ("mixed_bfloat16" in text) == ("avx512_bf16" in _CPUS[kind]), kind
     slug = cpu_report.KIND_SLUGS[kind]
     reports = [s.output for s in steps if s.output.endswith(".json") and os.sep not in s.output]
-    assert len(reports) == 9 and all(slug in name for name in reports), reports
+    assert len(reports) == 10 and all(slug in name for name in reports), reports
     one_thread = [s for s in steps if "--intra_op_threads=1" in s.argv]
     assert [s.name for s in one_thread] == ["matcher_one_thread"]
     # The matcher steps ask only for variants the tool knows, the floor step for the floor.

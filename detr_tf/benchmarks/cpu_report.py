@@ -2,12 +2,13 @@
 
 `plan` lists them as commands of the repository's own tools (the README's quickstart from an empty
 data cache, the matcher over its cost distributions (twice, once more on one intra-op thread, and
-the floor of a single compiled call), the step profiles, Model Garden side by side, each side's
-first call alone, and the test suite from a clean clone); `run_plan` runs them one after the other,
-each with its log, and writes `summary.json`: per step its exit status, wall time and the share of
-the CPU that other processes took meanwhile (detr_tf/machine.py), so that every figure says whether
-the machine was idle. A step whose output already exists is skipped, so an interrupted report
-resumes where it stopped.
+the floor of a single compiled call), the step profiles, R50's optimizer update against its
+memory-traffic bound, Model Garden side by side, each side's first call alone, and the test suite
+from a clean clone); `run_plan` runs them one after the other, each with its log, and writes
+`summary.json`: per step its exit status, wall time and the share of the CPU that other
+processes took meanwhile (detr_tf/machine.py), so that every figure says whether the machine was
+idle. A step whose output already exists is skipped, so an interrupted report resumes where it
+stopped.
 
 Standard library only (and training/hardware.py's precision choice, which loads nothing): it
 starts the tools, it does not import TensorFlow.
@@ -96,6 +97,13 @@ def plan(out: str, cpu_flags: Optional[frozenset]) -> List[Step]:
              _tool("profile_step.py", *_QUICKSTART_SHAPES, *quick, "--json_out",
                    os.path.join(out, f"step_profile_quickstart_{slug}.json")),
              f"step_profile_quickstart_{slug}.json", 1.0),
+        # R50's update alone against its memory-traffic bound: tf_keras's AdamW and the fused
+        # kernels a CPU runs (docs/PERFORMANCE.md, "The optimizer update for DETR-R50").
+        Step("optimizer_r50", "R50's optimizer update against its memory-traffic bound",
+             _tool("benchmark_optimizer.py", "--gin_file", "models/detr_r50.gin", "--variant",
+                   "tf_keras", "--variant", "fused_kernels", "--rounds", "10", "--json_out",
+                   os.path.join(out, f"optimizer_r50_{slug}.json")),
+             f"optimizer_r50_{slug}.json", 2.0),
         Step("vs_model_garden", "R50's step beside Model Garden's, 7 interleaved rounds",
              _tool("benchmark_vs_model_garden.py", "--image_size", "256", "--batch_size", "2",
                    "--rounds", "7", "--variant", "detr_tf/float32/none", *variants,
