@@ -219,3 +219,17 @@ def test_a_split_without_usable_images_fails_and_leaves_no_cache(tmp_path, capsy
     assert "images_missing" in capsys.readouterr().out  # the converter's summary was shown
     leftovers = [p for p in cache.rglob("*") if p.is_file()]
     assert leftovers == []
+
+
+def test_a_duplicate_image_id_is_refused_naming_the_users_json_and_writes_nothing(tmp_path):
+    root = helpers.make_roboflow(str(tmp_path / "d"))
+    path = os.path.join(root, "valid", "_annotations.coco.json")
+    coco = json.load(open(path))
+    coco["images"][1]["id"] = coco["images"][0]["id"]
+    json.dump(coco, open(path, "w"))
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"valid/_annotations.coco.json: image id 100 is given "
+                                         r"twice, to images\[0\] \(.*img100.jpg\) and "
+                                         r"images\[1\] \(.*img101.jpg\)"):
+        custom.prepare_custom_dataset(root, str(cache))
+    assert [p for p in cache.rglob("*") if p.is_file()] == []

@@ -95,7 +95,26 @@ def test_every_bad_input_case_is_counted(tmp_path):
     # Wrong json size: the real 20x20 is used and the box clipped to it.
     assert records[7]["image"].shape == (20, 20, 3)
     np.testing.assert_allclose(records[7]["boxes"], [[0, 0, 0.5, 1]], rtol=1e-6)
-    print(stats.summary())
+    # Each bad item is named: its file or annotation, and the value at fault.
+    summary = stats.summary()
+    for kind, text in [
+            ("images_missing", "images/missing.jpg (image id 4, 2 annotations): no such file"),
+            ("images_corrupt", "images/corrupt.jpg (image id 5): image file is truncated"),
+            ("images_size_mismatch", "wrong_size.jpg (image id 7): the json gives 40 x 40 px, "
+                                     "the file is 20 x 20"),
+            ("annotations_orphan", "annotation 11: image_id 42 is not in 'images'"),
+            ("annotations_unknown_category", "annotation 5 of good.jpg: category_id 99 is not"),
+            ("boxes_clipped", "annotation 2 of good.jpg: bbox [50, 30, 20, 20] reaches outside "
+                              "the 60 x 40 px image"),
+            ("boxes_clipped", "annotation 13 of wrong_size.jpg: bbox [0, 0, 30, 10] reaches "
+                              "outside the 20 x 20 px image"),
+            ("boxes_dropped", "annotation 3 of good.jpg: bbox [70, 0, 5, 5] has no area"),
+            ("boxes_dropped", "annotation 4 of good.jpg: bbox [10, 10, 0, 5] has no area"),
+            ("boxes_dropped", "annotation 14 of good.jpg: bbox ['a', 0, 1, 1] is not four")]:
+        assert any(line.startswith(f"  {kind}: ") and text in line
+                   for line in summary.splitlines()), (kind, text, summary)
+    named = [line for line in summary.splitlines() if ": " in line]
+    assert len(named) == 10, summary  # nothing else is called bad (crowd, re-encoded, empty)
 
 
 def test_parallel_conversion_equals_serial(tmp_path):

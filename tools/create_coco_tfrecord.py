@@ -4,8 +4,10 @@
         --annotations_file coco/annotations/instances_train2017.json \
         --output_prefix data/coco/train --num_shards 128
 
-Writes PREFIX-00000-of-00128.tfrecord ... in the Model Garden / Object Detection API layout,
-prints a summary of every bad-input count, and exits non-zero only if no image was written.
+Writes PREFIX-00000-of-00128.tfrecord ... in the Model Garden / Object Detection API layout
+(at most one shard per image), prints a summary of every bad-input count with a line for each of
+the first bad items of each kind, and exits non-zero only if no image was written. The shards
+replace earlier ones of the same prefix only when the conversion wrote an image.
 """
 from absl import app, flags
 

@@ -141,6 +141,9 @@ def _convert(layout: layouts.Layout, work: str) -> dict:
     cocos = _split_dicts(layout)
     summary = {"kind": layout.kind, "data_dir": layout.data_dir, "splits": {},
                "categories": cocos["train"]["categories"]}
+    for name, coco in cocos.items():  # refused in the user's terms before anything is written
+        coco_converter.check_coco(coco, layout.splits[name].annotations or
+                                  f"{layout.data_dir} (Pascal VOC XML, {name} split)")
     for name, coco in cocos.items():
         ann_path = os.path.join(work, f"instances_{name}.json")
         with open(ann_path, "w") as f:

@@ -1,0 +1,133 @@
+"""One COCO image entry and its annotations -> the fields of one tf.Example, with what was wrong.
+
+Runs in the converter's worker processes, so it imports no TensorFlow (each worker would pay
+seconds and hundreds of MB for it). Each bad item is counted under a `coco_converter` counter
+and described in one line naming the file, the annotation and the value (`Note`).
+"""
+import collections
+import io
+import math
+import os
+from typing import Dict, List, Optional, Tuple
+
+from PIL import Image
+
+Note = Tuple[str, str]  # (counter, one line naming the file, the annotation and the value)
+
+
+def read_image(path: str) -> Tuple[Optional[bytes], str, int, int, str, str]:
+    """-> (bytes or None, format, height, width, status, reason) with status ok / missing /
+    corrupt / reencoded, and for corrupt the decoder's reason."""
+    if not os.path.exists(path):
+        return None, "", 0, 0, "missing", ""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()  # forces a full decode: a truncated file fails here
+            fmt, mode, (width, height) = img.format, img.mode, img.size
+            if fmt in ("JPEG", "PNG") and mode in ("RGB", "L"):
+                return data, fmt.lower(), height, width, "ok", ""
+            out = io.BytesIO()
+            img.convert("RGB").save(out, format="JPEG", quality=95)
+            return out.getvalue(), "jpeg", height, width, "reencoded", ""
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        return None, "", 0, 0, "corrupt", str(e) or type(e).__name__
+
+
+def _box(ann: dict, width: int, height: int) -> Tuple[Optional[tuple], str]:
+    """-> ((x0, y0, x1, y1) in pixels, clipped to the image, or None; the counter it falls
+    under when it is not kept as given: '', boxes_clipped or boxes_dropped), and why."""
+    try:
+        x, y, w, h = (float(v) for v in ann["bbox"])
+    except (KeyError, TypeError, ValueError):
+        return None, "is not four numbers [x, y, width, height]"
+    if not all(math.isfinite(v) for v in (x, y, w, h)):
+        return None, "is not four finite numbers"
+    x0, y0 = min(max(x, 0.0), width), min(max(y, 0.0), height)
+    x1, y1 = min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)
+    if x1 <= x0 or y1 <= y0:
+        return None, f"has no area inside the {width} x {height} px image"
+    if (x0, y0, x1, y1) != (x, y, x + w, y + h):
+        return (x0, y0, x1, y1), f"reaches outside the {width} x {height} px image: clipped"
+    return (x0, y0, x1, y1), ""
+
+
+def _annotation(ann: dict, file_name: str) -> str:
+    return f"annotation {ann.get('id', '(no id)')} of {file_name}"
+
+
+def convert_one(image: dict, annotations: List[dict], image_dir: str,
+                category_names: Dict[int, str]
+                ) -> Tuple[Optional[dict], Dict[str, int], List[Note]]:
+    """Converts one COCO image entry with its annotations.
+
+    Args:
+      image: COCO `images` entry ('id', 'file_name', 'height', 'width').
+      annotations: its COCO `annotations` entries.
+      image_dir: directory of the image files.
+      category_names: category id -> name (the known categories).
+
+    Returns:
+      (keyword arguments of `tfexample.build_tf_example`, or None when the image is
+      skipped; counts for this image; a note for each bad item).
+    """
+    counts, notes = collections.Counter(), []
+    name = image["file_name"]
+    path = os.path.join(image_dir, name)
+    data, fmt, height, width, status, reason = read_image(path)
+    if status == "missing":
+        counts["images_missing"] += 1
+        counts["annotations_of_missing_images"] += len(annotations)
+        notes.append(("images_missing", f"{path} (image id {image['id']}, "
+                                        f"{len(annotations)} annotations): no such file"))
+        return None, dict(counts), notes
+    if status == "corrupt":
+        counts["images_corrupt"] += 1
+        notes.append(("images_corrupt", f"{path} (image id {image['id']}): {reason}"))
+        return None, dict(counts), notes
+    if status == "reencoded":
+        counts["images_reencoded"] += 1
+    if (image.get("height"), image.get("width")) != (height, width):
+        counts["images_size_mismatch"] += 1
+        notes.append(("images_size_mismatch",
+                      f"{path} (image id {image['id']}): the json gives {image.get('width')} x "
+                      f"{image.get('height')} px, the file is {width} x {height}; its size is "
+                      "used"))
+    boxes, cats, crowd, areas, names = [], [], [], [], []
+    for ann in annotations:
+        cat = ann.get("category_id")
+        if cat not in category_names:
+            counts["annotations_unknown_category"] += 1
+            notes.append(("annotations_unknown_category", f"{_annotation(ann, name)}: "
+                                                          f"category_id {cat!r} is not in "
+                                                          "'categories'"))
+            continue
+        box, why = _box(ann, width, height)
+        if why:
+            kind = "boxes_clipped" if box else "boxes_dropped"
+            counts[kind] += 1
+            notes.append((kind, f"{_annotation(ann, name)}: bbox {ann.get('bbox')!r} {why}"))
+        if box is None:
+            continue
+        x0, y0, x1, y1 = box
+        is_crowd = int(bool(ann.get("iscrowd", 0)))
+        counts["crowd_boxes"] += is_crowd
+        boxes.append((x0 / width, y0 / height, x1 / width, y1 / height))
+        cats.append(int(cat))
+        crowd.append(is_crowd)
+        areas.append(float(ann.get("area", (x1 - x0) * (y1 - y0))))
+        names.append(category_names[cat])
+    if not boxes:
+        counts["images_without_annotations"] += 1
+    counts["annotations_written"] += len(boxes)
+    counts["images_written"] += 1
+    record = dict(encoded_image=data, image_format=fmt, height=height, width=width,
+                  image_id=image["id"], filename=name, boxes=boxes,
+                  category_ids=cats, is_crowd=crowd, areas=areas, category_names=names)
+    return record, dict(counts), notes
+
+
+def convert_star(args):
+    """`convert_one(*args)`, for a process pool's imap."""
+    return convert_one(*args)
