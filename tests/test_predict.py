@@ -138,3 +138,53 @@ def test_the_eval_images_are_read_from_a_coco_file_whose_errors_name_it(tmp_path
         with pytest.raises(ValueError, match=r"instances_val\.json: field 'images' is missing "
                                              r"or not a list"):
             predict.annotated_image_paths(str(coco), 1)
+
+
+def _standin_detector():
+    tf_keras.utils.set_random_seed(0)
+    return export.DetectionModule(
+        StandInDetr(), export.make_resize_pad_preprocess(shorter_side=32, max_size=48))
+
+
+def test_webp_and_tiff_are_drawn_as_the_same_pixels_in_png_are(images_dir, tmp_path):
+    """TIFF, which TensorFlow's decoders do not read, is served re-encoded; WebP as it is."""
+    pixels = Image.open(images_dir / "a.png").convert("RGB")
+    folder = tmp_path / "formats"
+    folder.mkdir()
+    pixels.save(folder / "a.tif")
+    pixels.save(folder / "b.webp", lossless=True)
+    pixels.save(folder / "c.png")
+    assert predict.list_images(folder) == [str(folder / n) for n in ("a.tif", "b.webp", "c.png")]
+    records = predict.predict_images(_standin_detector(), predict.list_images(folder),
+                                     tmp_path / "out", score_threshold=0.0)
+    assert [r["png"] for r in records] == ["a.png", "b.png", "c.png"]
+    assert records[0]["detections"] and all(
+        r["detections"] == records[2]["detections"] for r in records)
+
+
+def test_an_output_dir_that_would_overwrite_an_input_is_refused(images_dir, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for name in ("a.png", "b.jpg"):
+        (folder / name).write_bytes((images_dir / name).read_bytes())
+    before = (folder / "a.png").read_bytes()
+    with pytest.raises(ValueError, match=r"writing a.png there would overwrite the input image "
+                                         r".*photos/a.png"):
+        predict.predict_images(_standin_detector(), predict.list_images(folder), folder)
+    assert (folder / "a.png").read_bytes() == before
+    assert sorted(os.listdir(folder)) == ["a.png", "b.jpg"]
+    # JPEGs alone do not collide with their drawings: drawing beside them is allowed.
+    (folder / "a.png").unlink()
+    predict.predict_images(_standin_detector(), predict.list_images(folder), folder)
+    assert sorted(os.listdir(folder)) == ["b.jpg", "b.png", predict.DETECTIONS_FILENAME]
+
+
+def test_a_run_that_draws_nothing_keeps_the_earlier_detections(images_dir, tmp_path):
+    out = tmp_path / "out"
+    predict.predict_images(_standin_detector(), [images_dir / "b.jpg"], out)
+    earlier = (out / predict.DETECTIONS_FILENAME).read_text()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x.jpg").write_text("not an image")
+    assert predict.predict_images(_standin_detector(), [bad / "x.jpg"], out) == []
+    assert (out / predict.DETECTIONS_FILENAME).read_text() == earlier

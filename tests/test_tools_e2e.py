@@ -238,6 +238,16 @@ def test_errors_name_the_missing_thing(run, tmp_path):
         with pytest.raises(SystemExit, match="predict.py: FileNotFoundError: .*no_such_images"):
             cli.run_tool("predict.py", lambda: predict.predict_run(
                 str(run["model_dir"]), str(tmp_path / "no_such_images"), str(tmp_path / "out")))
+        # Drawing into the images' own folder, where a.png would be replaced: refused before
+        # the model is restored.
+        photos = tmp_path / "photos"
+        photos.mkdir()
+        (photos / "a.png").write_bytes(b"kept as it is")
+        with pytest.raises(SystemExit, match=r"predict.py: ValueError: .*writing a.png there "
+                                             r"would overwrite the input image"):
+            cli.run_tool("predict.py", lambda: predict.predict_run(
+                str(run["model_dir"]), str(photos), str(photos)))
+        assert (photos / "a.png").read_bytes() == b"kept as it is"
     finally:
         gin.clear_config()
     # No --gin_file and no config.gin to fall back on.

@@ -92,3 +92,11 @@ def test_padding_labels_and_float_images():
 def test_mismatched_lengths_are_named():
     with pytest.raises(ValueError, match="2 boxes, 1 scores"):
         visualize.draw_detections(np.zeros((5, 5, 3), np.uint8), np.zeros((2, 4)), [0.5], [1])
+
+
+def test_a_thin_strip_is_enlarged_only_as_far_as_its_long_side_allows():
+    assert visualize.upscale_factor(96, 128) == 6  # ceil(512 / 96)
+    assert visualize.upscale_factor(1600, 90) == 2  # 6 would make it 9600 px wide
+    assert visualize.upscale_factor(5000, 10) == 1
+    drawn = visualize.draw_detections(np.zeros((90, 1600, 3), np.uint8), np.zeros((0, 4)), [], [])
+    assert drawn.size == (3200, 180) and max(drawn.size) <= visualize.MAX_LONG_SIDE

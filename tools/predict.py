@@ -15,7 +15,7 @@ from detr_tf import cli
 cli.define_run_flags()
 flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_string("images", None, "An image file or a directory of images "
-                    "(.jpg, .jpeg, .png, .bmp, .gif).")
+                    "(.jpg, .jpeg, .png, .bmp, .gif, .webp, .tif, .tiff).")
 flags.DEFINE_string("output_dir", None, "Where the PNGs and detections.json go (created).")
 flags.DEFINE_float("score_threshold", None, "Detections scoring lower are not drawn or listed "
                    "(default: the run's own, predict_eval_images.score_threshold, else 0.5).")

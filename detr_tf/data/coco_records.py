@@ -12,6 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 from PIL import Image
 
+# The image files a dataset folder and tools/predict.py take: PIL reads them all.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 Note = Tuple[str, str]  # (counter, one line naming the file, the annotation and the value)
 
 

@@ -27,10 +27,9 @@ from typing import Dict, List, Optional, Tuple
 import gin
 
 from detr_tf import config
-from detr_tf.data import cache_dirs, custom_layouts as layouts
+from detr_tf.data import cache_dirs, coco_records, custom_layouts as layouts
 from detr_tf.data import json_files
 
-_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 _IMAGES_PER_SHARD = 1000
 
 
@@ -98,7 +97,7 @@ def fingerprint(layout: layouts.Layout) -> str:
                       for i in split.voc_ids]
         with os.scandir(split.image_dir) as it:
             parts += sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns] for e in it
-                            if e.name.lower().endswith(_IMAGE_EXTENSIONS))
+                            if e.name.lower().endswith(coco_records.IMAGE_EXTENSIONS))
         h.update(json.dumps(parts).encode())
     return h.hexdigest()[:16]
 

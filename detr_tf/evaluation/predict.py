@@ -27,11 +27,14 @@ import tf_keras
 from PIL import Image, UnidentifiedImageError
 
 from detr_tf import config, run as run_lib
-from detr_tf.data import json_files
+from detr_tf.data import coco_records, json_files
 from detr_tf.evaluation import export, preprocess, restore, visualize
 
 PREDICTIONS_SUBDIR = "predictions"
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
+IMAGE_EXTENSIONS = coco_records.IMAGE_EXTENSIONS
+# What the serving graph's decoder reads (tf.io.decode_image); other formats PIL reads (TIFF)
+# are given to it re-encoded as PNG.
+_SERVED_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP")
 DETECTIONS_FILENAME = "detections.json"
 # Detections scoring lower are not drawn or listed, unless a run binds its own threshold.
 DEFAULT_SCORE_THRESHOLD = 0.5
@@ -79,6 +82,22 @@ def _png_names(paths: Sequence[str]) -> List[str]:
     return names
 
 
+def check_outputs(image_paths: Sequence[str], output_dir: str) -> None:
+    """Refuses an output_dir where a drawing or detections.json would overwrite an input image
+    (the folder of the images, when one of them is a PNG or a previous run's drawing).
+
+    Raises:
+      ValueError: naming the output file and the input image it would replace.
+    """
+    paths = [os.path.abspath(os.fspath(p)) for p in image_paths]
+    inputs = {os.path.realpath(p) for p in paths}
+    for name in _png_names(paths) + [DETECTIONS_FILENAME]:
+        target = os.path.realpath(os.path.join(os.fspath(output_dir), name))
+        if target in inputs:
+            raise ValueError(f"output_dir {output_dir}: writing {name} there would overwrite the "
+                             f"input image {target}; give another --output_dir")
+
+
 def _class_name(index: int, class_names: Any) -> Optional[str]:
     if class_names is None:
         return None
@@ -92,7 +111,8 @@ class UnreadableImage(ValueError):
 
 
 def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
-    """(the file's bytes, the RGB image) of one image file, fully decoded.
+    """(the bytes to serve, the RGB image) of one image file, fully decoded: the file's own
+    bytes, or a PNG of it when TensorFlow's decoders do not read its format.
 
     Raises:
       UnreadableImage: the file cannot be read, or is not a complete image (a truncated JPEG
@@ -108,7 +128,12 @@ def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
     try:
         with Image.open(io.BytesIO(encoded)) as image:
             image.load()
-            return encoded, image.convert("RGB")
+            rgb = image.convert("RGB")
+            if image.format not in _SERVED_FORMATS:
+                png = io.BytesIO()
+                rgb.save(png, format="PNG")
+                encoded = png.getvalue()
+            return encoded, rgb
     except UnidentifiedImageError as e:  # its message names the in-memory copy, not the file
         raise UnreadableImage("not a decodable image (no image format recognised in "
                               f"{len(encoded)} bytes)") from e
@@ -156,7 +181,7 @@ def predict_images(detector: Any,
 
     Args:
       detector: a `DetectionModule` or a `tf.saved_model.load`-ed export.
-      image_paths: image files (JPEG, PNG, BMP or GIF).
+      image_paths: image files (JPEG, PNG, BMP, GIF, WebP or TIFF).
       output_dir: created if missing.
       class_names: {class index: name} or a list indexed by class index, for the JSON and PNGs.
       score_threshold: detections scoring lower are left out of the JSON and the PNGs (on top
@@ -167,11 +192,16 @@ def predict_images(detector: Any,
       skipped: when given, (path, reason) of each skipped file is appended to it.
 
     Returns:
-      The list written to detections.json (see the module docstring): the images done.
+      The list written to detections.json (see the module docstring): the images done. When
+      none is, nothing is written, and an earlier detections.json stays.
+
+    Raises:
+      ValueError: an output file would overwrite an input image (`check_outputs`).
     """
     output_dir = os.fspath(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
     paths = [os.path.abspath(os.fspath(p)) for p in image_paths]
+    check_outputs(paths, output_dir)
+    os.makedirs(output_dir, exist_ok=True)
     records = []
     for path, png_name in zip(paths, _png_names(paths)):
         try:
@@ -190,8 +220,9 @@ def predict_images(detector: Any,
             drawn = visualize.draw_detections(np.asarray(image), det["boxes"], det["scores"],
                                               det["classes"], class_names)
             visualize.save_png(drawn, os.path.join(output_dir, png_name))
-    with open(os.path.join(output_dir, DETECTIONS_FILENAME), "w") as f:
-        json.dump(records, f, indent=1)
+    if records:
+        with open(os.path.join(output_dir, DETECTIONS_FILENAME), "w") as f:
+            json.dump(records, f, indent=1)
     return records
 
 
@@ -266,6 +297,7 @@ def predict_run(model_dir: str, images: str, output_dir: str,
       ValueError: not one image could be drawn (the tool then exits with status 1).
     """
     paths = list_images(images)
+    check_outputs(paths, output_dir)
     score_threshold = drawing_threshold(score_threshold)
     skipped: List[Tuple[str, str]] = []
     for other in _other_files(images):
@@ -278,11 +310,12 @@ def predict_run(model_dir: str, images: str, output_dir: str,
                              class_names=list(info.class_names),
                              category_ids=list(info.category_ids),
                              score_threshold=score_threshold, skipped=skipped)
+    if not records:
+        raise ValueError(f"no image under {images} could be read and decoded "
+                         f"({len(skipped)} skipped, each named above); nothing was written to "
+                         f"{output_dir}")
     found = sum(len(r["detections"]) for r in records)
     print(f"predict: drawn {len(records)}, skipped {len(skipped)}; {found} detections "
           f"(score >= {score_threshold}); wrote {output_dir}/*.png and "
           f"{os.path.join(output_dir, DETECTIONS_FILENAME)}", flush=True)
-    if not records:
-        raise ValueError(f"no image under {images} could be read and decoded "
-                         f"({len(skipped)} skipped, each named above)")
     return records

@@ -2,7 +2,8 @@
 
 Drawings are meant to be read by a person: a small image (the quickstart's are 128 px) is first
 enlarged to a shorter side of at least `MIN_SHORT_SIDE` px, by an integer factor with
-nearest-neighbour sampling so its pixels stay sharp. Each label sits on a filled tag inside the
+nearest-neighbour sampling so its pixels stay sharp, unless that would take its longer side past
+`MAX_LONG_SIDE` (a thin strip is enlarged less, or not at all). Each label sits on a filled tag inside the
 image, placed by `labels.place_labels` so that no tag covers another's text.
 """
 import colorsys
@@ -17,8 +18,10 @@ from detr_tf.evaluation import labels as labels_lib
 
 ClassNames = Union[Mapping[int, str], Sequence[str], None]
 
-# Drawings are enlarged until their shorter side is at least this (pixels).
+# Drawings are enlarged until their shorter side is at least this (pixels)...
 MIN_SHORT_SIDE = 512
+# ... by a factor that keeps the longer side within this, when the image itself is.
+MAX_LONG_SIDE = 4096
 
 
 def class_color(label: int) -> tuple:
@@ -48,9 +51,12 @@ def _to_pil(image: Union[np.ndarray, Image.Image]) -> Image.Image:
     return Image.fromarray(array, "RGB")
 
 
-def upscale_factor(width: int, height: int, min_short_side: int = MIN_SHORT_SIDE) -> int:
-    """The integer factor that brings the shorter side to at least `min_short_side` (>= 1)."""
-    return max(1, math.ceil(min_short_side / max(1, min(width, height))))
+def upscale_factor(width: int, height: int, min_short_side: int = MIN_SHORT_SIDE,
+                   max_long_side: int = MAX_LONG_SIDE) -> int:
+    """The integer factor (>= 1) that brings the shorter side to at least `min_short_side`,
+    at most the one that keeps the longer side within `max_long_side`."""
+    wanted = math.ceil(min_short_side / max(1, min(width, height)))
+    return max(1, min(wanted, max_long_side // max(1, width, height)))
 
 
 def _font(canvas_size: Tuple[int, int]) -> ImageFont.ImageFont:
