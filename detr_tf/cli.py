@@ -9,9 +9,10 @@ quota before TensorFlow is imported (`quiet_tensorflow`, `enable_onednn`, `use_k
 (detr_tf/machine.py), so that a benchmark's report and a run's last lines can say whether other
 processes shared the CPU from the tool's very start.
 """
+import logging
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from absl import flags
 
@@ -166,6 +167,14 @@ def parse_tool_config(tool: str, gin_files: Sequence[str], gin_params: Sequence[
     parse_gin_or_exit(tool, gin_files, gin_params, defer_required=True)
 
 
+def fail(message: str) -> NoReturn:
+    """sys.exit(message), with TensorFlow's Python warnings off from here on: objects freed as
+    the process ends (a checkpoint restored in part) would log hundreds of lines after the one
+    that says what went wrong."""
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    sys.exit(message)
+
+
 def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
     """Calls `fn`, turning the errors a user can fix into one line and exit status 1.
 
@@ -184,7 +193,7 @@ def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
     except (OSError, ValueError) as e:  # config.ConfigError is a ValueError
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
-        sys.exit(f"{tool}: {type(e).__name__}: {e}")
+        fail(f"{tool}: {type(e).__name__}: {e}")
     except RuntimeError as e:
         if "Required bindings" not in str(e):
             raise
@@ -213,7 +222,7 @@ def run_training(model_dir: str) -> None:
     except (TrainingError, OSError, ValueError) as e:
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
-        sys.exit(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
+        fail(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
     except tf.errors.InvalidArgumentError as e:
         # The input pipeline's checks (data/pipeline.py, data/tfexample.py) fail inside tf.data;
         # their message, not TensorFlow's op trace, is what the user needs.

@@ -130,3 +130,25 @@ def test_every_tool_imports_cli_before_tensorflow(tool):
     assert "detr_tf.cli" in names, f"{tool} reaches {reaching[0]} but never imports detr_tf.cli"
     assert names.index("detr_tf.cli") < names.index(reaching[0]), (
         f"{tool} imports {reaching[0]} before detr_tf.cli")
+
+
+def test_a_failed_tool_silences_tensorflows_warnings_after_its_one_line():
+    """Objects freed as a failed tool exits (a checkpoint restored in part) would otherwise log
+    one warning per unrestored value after the error line."""
+    import logging
+
+    from detr_tf import cli
+
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+
+        def fails():
+            raise ValueError("the thing is wrong")
+
+        with pytest.raises(SystemExit, match="^some_tool.py: ValueError: the thing is wrong$"):
+            cli.run_tool("some_tool.py", fails)
+        assert logger.getEffectiveLevel() == logging.ERROR
+    finally:
+        logger.setLevel(level)

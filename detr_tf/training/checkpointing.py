@@ -6,6 +6,7 @@ leaves `latest_checkpoint` pointing at a complete checkpoint (tests/test_trainer
 check this).
 """
 import os
+import re
 import shutil
 import signal
 import threading
@@ -81,6 +82,36 @@ def has_ema(path: str) -> bool:
     return any(name.startswith("ema/") for name, _ in tf.train.list_variables(path))
 
 
+# TensorFlow's words for a checkpoint tensor whose shape is not its variable's.
+_INCOMPATIBLE = re.compile(r"incompatible tensor with shape (\(.*?\)) when attempting to restore "
+                           r"variable with shape (\(.*?\)) and name (\S+?)(?::\d+)?\.?$")
+
+
+def restore(checkpoint: tf.train.Checkpoint, path: str):
+    """`checkpoint.restore(path)`, with a variable whose shape differs from the checkpoint's
+    named in the run's terms (a class head: the class count changed).
+
+    Raises:
+      ValueError: naming the checkpoint, the variable and both shapes.
+    """
+    try:
+        return checkpoint.restore(path)
+    except ValueError as e:
+        match = _INCOMPATIBLE.search(str(e))
+        if not match:
+            raise
+        saved, built, name = match.groups()
+    why = ""
+    if "class" in name:
+        outputs = [re.findall(r"\d+", shape)[-1:] for shape in (saved, built)]
+        why = (f" It is a class head: {''.join(outputs[0])} outputs there and "
+               f"{''.join(outputs[1])} here, so the number of classes differs "
+               "(NUM_CLASSES, or the data's categories, changed since the run was trained).")
+    raise ValueError(f"checkpoint {path!r} does not fit the model this configuration builds: "
+                     f"{name} is {saved} there and {built} here.{why} Give the bindings it was "
+                     "trained with (the run's config.gin), or train into a new --model_dir.")
+
+
 def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
                      checkpoint: Optional[str] = None, use_ema: bool = True) -> str:
     """Loads trained weights into a built `model` for evaluation, prediction or export.
@@ -109,7 +140,7 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
     if restore_ema:
         ema = ExponentialMovingAverage(model.trainable_variables)
         items["ema"] = ema
-    tf.train.Checkpoint(**items).restore(path).expect_partial().assert_existing_objects_matched()
+    restore(tf.train.Checkpoint(**items), path).expect_partial().assert_existing_objects_matched()
     if restore_ema:
         ema.swap()
     return path

@@ -155,7 +155,7 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
             f"worker {engine.rank} cannot read the chief's checkpoint {path!r} (step {step}): "
             "every process of a run must see the same model_dir (a shared file system)")
     check_optimizer_kind(path, state.optimizers[1])
-    checkpoint.restore(path).assert_existing_objects_matched()
+    checkpointing.restore(checkpoint, path).assert_existing_objects_matched()
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
