@@ -117,3 +117,36 @@ def test_an_undecodable_image_is_skipped_and_named(tmp_path, capsys):
     evaluate.evaluate_model(OracleModel(), dataset, evaluator, log_every=0)
     assert evaluator.num_images == 2 and evaluator.not_evaluated == [2]
     assert "skipped 1 annotated image(s)" in capsys.readouterr().out
+
+
+class _CountingOracle(OracleModel):
+    """OracleModel with a variable its boxes are offset by, counting its traces."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = tf.Variable(0.0)
+        self.traces = 0
+
+    def call(self, images, pixel_mask, training=False):
+        self.traces += 1  # Python runs only while tracing
+        out = super().call(images, pixel_mask, training)
+        boxes = out["pred_boxes"]
+        return dict(out, pred_boxes=boxes + tf.cast(self.offset, boxes.dtype))
+
+
+def test_a_run_that_evaluates_again_traces_once_and_sees_the_new_weights():
+    import gc
+    import weakref
+
+    model = _CountingOracle()
+    first = evaluate.evaluate_model(model, _dataset(), CocoEvaluator(None), log_every=0)
+    traces = model.traces
+    assert traces >= 1 and first["AP"] == pytest.approx(1.0)
+    model.offset.assign(0.2)  # what an update between two evaluations does
+    second = evaluate.evaluate_model(model, _dataset(), CocoEvaluator(None), log_every=0)
+    assert model.traces == traces and second["AP"] < 0.5
+    # The cached step does not keep the model alive.
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

@@ -13,6 +13,7 @@ own eval data (`train.dataset_fn`, see detr_tf/run.py).
 """
 import os
 import time
+import weakref
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import gin
@@ -52,6 +53,29 @@ def unpack_batch(element: Any) -> Batch:
         f"evaluate_model for this pipeline's layout")
 
 
+# model -> {jit_compile: its traced eval step}: a run that evaluates every N steps traces once.
+_STEPS: "weakref.WeakKeyDictionary[Any, Dict[bool, Callable]]" = weakref.WeakKeyDictionary()
+
+
+def _eval_step(model: Any, jit_compile: bool) -> Callable:
+    """The model's eval step, made once per model: model + post-processing in one tf.function.
+    It holds the model weakly, so the cache does not keep a model alive."""
+    steps = _STEPS.setdefault(model, {})
+    if jit_compile not in steps:
+        ref = weakref.ref(model)
+
+        # Without XLA one trace serves every canvas (reduce_retracing leaves H and W unknown
+        # after the second one), and no AutoGraph: the model and post-processing have no Python
+        # control flow on tensors, and converting them made each trace slower.
+        @tf.function(jit_compile=jit_compile, autograph=False, reduce_retracing=not jit_compile)
+        def step(images, pixel_mask, orig_size):
+            outputs = ref()(images, pixel_mask, training=False)
+            return pp.postprocess_outputs(outputs, orig_size, box_format="xywh")
+
+        steps[jit_compile] = step
+    return steps[jit_compile]
+
+
 def evaluate_model(model: Any,
                    dataset: tf.data.Dataset,
                    evaluator: coco_metrics.CocoEvaluator,
@@ -77,14 +101,7 @@ def evaluate_model(model: Any,
     Returns:
       {'AP', 'AP50', 'AP75', 'APs', 'APm', 'APl'} as fractions in [0, 1].
     """
-    # Without XLA one trace serves every canvas (reduce_retracing leaves H and W unknown after
-    # the second one), and no AutoGraph: the model and post-processing have no Python control
-    # flow on tensors, and converting them made each trace slower.
-    @tf.function(jit_compile=jit_compile, autograph=False, reduce_retracing=not jit_compile)
-    def step(images, pixel_mask, orig_size):
-        outputs = model(images, pixel_mask, training=False)
-        return pp.postprocess_outputs(outputs, orig_size, box_format="xywh")
-
+    step = _eval_step(model, jit_compile)
     start = time.time()
     for n, element in enumerate(dataset):
         if max_batches is not None and n >= max_batches:
