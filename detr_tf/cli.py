@@ -209,7 +209,17 @@ def run_training(model_dir: str) -> None:
     """tools/train.py's call: runs the trainer (`train`, its Gin bindings parsed) and turns the
     failures a user can fix into one line and exit status 1 (set DETR_TF_TRACEBACK=1 for the
     traceback): a bad value or path (any OSError), an unwritable model_dir, an incomplete
-    configuration, and bad input data found by the pipeline's checks, named by image_id."""
+    configuration, and bad input data found by the pipeline's checks, named by image_id.
+    A model_dir the run created and left empty (it failed before writing) is removed."""
+    existed = os.path.exists(model_dir)
+    try:
+        _run_training(model_dir)
+    finally:
+        if not existed and os.path.isdir(model_dir) and not os.listdir(model_dir):
+            os.rmdir(model_dir)
+
+
+def _run_training(model_dir: str) -> None:
     import re
 
     import tensorflow as tf

@@ -7,6 +7,7 @@ refuses it instead of training on part of the data in silence. Checked eagerly a
 dropped quietly (they are valid data, just not targets).
 """
 import io
+import os
 
 import numpy as np
 import pytest
@@ -135,3 +136,25 @@ def test_a_truncated_jpeg_is_one_line_telling_to_reconvert(monkeypatch, tmp_path
     assert message.startswith("train.py: bad input data: an image of the training records "
                               "does not decode (jpeg::Uncompress failed."), message
     assert "create_coco_tfrecord.py" in message and "{{" not in message, message
+
+
+def test_a_run_that_fails_before_writing_leaves_no_model_dir(monkeypatch, tmp_path):
+    """The run's own empty model_dir goes; one that existed, or holds anything, stays."""
+    from detr_tf import cli
+    from detr_tf.training import trainer
+
+    def failing_train(model_dir):
+        os.makedirs(model_dir, exist_ok=True)  # as check_model_dir does
+        raise ValueError("NUM_CLASSES=5 but the dataset has 2 classes")
+
+    monkeypatch.setattr(trainer, "train", failing_train)
+    monkeypatch.delenv("DETR_TF_TRACEBACK", raising=False)
+    new = tmp_path / "new_run"
+    with pytest.raises(SystemExit, match="train.py: ValueError: NUM_CLASSES=5"):
+        cli.run_training(str(new))
+    assert not new.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(SystemExit):
+        cli.run_training(str(kept))
+    assert kept.is_dir()
