@@ -11,6 +11,7 @@ processes shared the CPU from the tool's very start.
 """
 import logging
 import os
+import re
 import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
@@ -175,6 +176,12 @@ def fail(message: str) -> NoReturn:
     sys.exit(message)
 
 
+def _said(error: BaseException) -> str:
+    """The error's message without the lines Gin adds to it ("In call to configurable 'train'
+    (<function train at 0x...>)"), which name no value a user can fix."""
+    return re.sub(r"\n\s*In call to configurable .*", "", str(error)).strip()
+
+
 def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
     """Calls `fn`, turning the errors a user can fix into one line and exit status 1.
 
@@ -193,7 +200,7 @@ def run_tool(tool: str, fn: Callable[[], Any]) -> Any:
     except (OSError, ValueError) as e:  # config.ConfigError is a ValueError
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
-        fail(f"{tool}: {type(e).__name__}: {e}")
+        fail(f"{tool}: {type(e).__name__}: {_said(e)}")
     except RuntimeError as e:
         if "Required bindings" not in str(e):
             raise
@@ -220,8 +227,6 @@ def run_training(model_dir: str) -> None:
 
 
 def _run_training(model_dir: str) -> None:
-    import re
-
     import tensorflow as tf
 
     from detr_tf.training import trainer
@@ -232,7 +237,8 @@ def _run_training(model_dir: str) -> None:
     except (TrainingError, OSError, ValueError) as e:
         if os.environ.get("DETR_TF_TRACEBACK"):
             raise
-        fail(f"train.py: {type(e).__name__}: {e}\n(set DETR_TF_TRACEBACK=1 for the traceback)")
+        fail(f"train.py: {type(e).__name__}: {_said(e)}\n(set DETR_TF_TRACEBACK=1 for the "
+             "traceback)")
     except tf.errors.InvalidArgumentError as e:
         # The input pipeline's checks (data/pipeline.py, data/tfexample.py) fail inside tf.data;
         # their message, not TensorFlow's op trace, is what the user needs.

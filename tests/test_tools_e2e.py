@@ -240,10 +240,11 @@ def test_errors_name_the_missing_thing(run, tmp_path):
                 str(run["model_dir"]), str(tmp_path / "no_such_images"), str(tmp_path / "out")))
         # A configuration whose class count is not the run's: the class head is named.
         gin.bind_parameter("%NUM_CLASSES", 5)
-        with pytest.raises(ValueError, match=r"checkpoint '.*ckpt-4' does not fit the model "
-                                             r"this configuration builds: .*class.* is "
-                                             r"\((\d+, )?5,?\) there and \((\d+, )?6,?\) here\. "
-                                             r"It is a class head: 5 outputs there and 6 here"):
+        with pytest.raises(ValueError, match=r"checkpoint '.*ckpt-4' does not fit what this "
+                                             r"configuration builds: .*class.* is "
+                                             r"\((\d+, )?5,?\) there and \((\d+, )?6,?\) here; "
+                                             r"it is a class head, of 5 outputs there and 6 "
+                                             r"here.* NUM_CLASSES: 4 -> 5"):
             restore.load_trained_model(str(run["model_dir"]))
         gin.bind_parameter("%NUM_CLASSES", 4)
         # Drawing into the images' own folder, where a.png would be replaced: refused before

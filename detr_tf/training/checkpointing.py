@@ -6,7 +6,6 @@ leaves `latest_checkpoint` pointing at a complete checkpoint (tests/test_trainer
 check this).
 """
 import os
-import re
 import shutil
 import signal
 import threading
@@ -14,6 +13,8 @@ from typing import Optional
 
 import tensorflow as tf
 import tf_keras
+
+from detr_tf.training import checkpoint_restore
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -50,8 +51,8 @@ class CheckpointSaver:
 
     @property
     def latest(self) -> Optional[str]:
-        """The chief's latest checkpoint (what a restarted run resumes from)."""
-        return tf.train.latest_checkpoint(self.directory)
+        """The chief's latest complete checkpoint (what a restarted run resumes from)."""
+        return checkpoint_restore.latest_intact(self.directory)
 
     def checkpoint_path(self, step: int) -> str:
         """The chief's checkpoint of `step`."""
@@ -75,41 +76,12 @@ def checkpoint_step(path: str) -> int:
 
 
 def latest_checkpoint(model_dir: str) -> Optional[str]:
-    return tf.train.latest_checkpoint(checkpoint_dir(model_dir))
+    """The run's latest complete checkpoint (`checkpoint_restore.latest_intact`)."""
+    return checkpoint_restore.latest_intact(checkpoint_dir(model_dir))
 
 
 def has_ema(path: str) -> bool:
     return any(name.startswith("ema/") for name, _ in tf.train.list_variables(path))
-
-
-# TensorFlow's words for a checkpoint tensor whose shape is not its variable's.
-_INCOMPATIBLE = re.compile(r"incompatible tensor with shape (\(.*?\)) when attempting to restore "
-                           r"variable with shape (\(.*?\)) and name (\S+?)(?::\d+)?\.?$")
-
-
-def restore(checkpoint: tf.train.Checkpoint, path: str):
-    """`checkpoint.restore(path)`, with a variable whose shape differs from the checkpoint's
-    named in the run's terms (a class head: the class count changed).
-
-    Raises:
-      ValueError: naming the checkpoint, the variable and both shapes.
-    """
-    try:
-        return checkpoint.restore(path)
-    except ValueError as e:
-        match = _INCOMPATIBLE.search(str(e))
-        if not match:
-            raise
-        saved, built, name = match.groups()
-    why = ""
-    if "class" in name:
-        outputs = [re.findall(r"\d+", shape)[-1:] for shape in (saved, built)]
-        why = (f" It is a class head: {''.join(outputs[0])} outputs there and "
-               f"{''.join(outputs[1])} here, so the number of classes differs "
-               "(NUM_CLASSES, or the data's categories, changed since the run was trained).")
-    raise ValueError(f"checkpoint {path!r} does not fit the model this configuration builds: "
-                     f"{name} is {saved} there and {built} here.{why} Give the bindings it was "
-                     "trained with (the run's config.gin), or train into a new --model_dir.")
 
 
 def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
@@ -140,7 +112,9 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
     if restore_ema:
         ema = ExponentialMovingAverage(model.trainable_variables)
         items["ema"] = ema
-    restore(tf.train.Checkpoint(**items), path).expect_partial().assert_existing_objects_matched()
+    status = checkpoint_restore.restore(tf.train.Checkpoint(**items), path, model_dir)
+    checkpoint_restore.assert_matched(status.expect_partial(), path, model_dir)
+    checkpoint_restore.assert_used(status, path, model_dir, roots=tuple(items))
     if restore_ema:
         ema.swap()
     return path

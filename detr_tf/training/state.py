@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpointing, fused_adamw, hardware, optimization
+from detr_tf.training import checkpoint_restore, checkpointing, fused_adamw, hardware, optimization
 from detr_tf.training.step import split_variables
 
 
@@ -155,7 +155,9 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
             f"worker {engine.rank} cannot read the chief's checkpoint {path!r} (step {step}): "
             "every process of a run must see the same model_dir (a shared file system)")
     check_optimizer_kind(path, state.optimizers[1])
-    checkpointing.restore(checkpoint, path).assert_existing_objects_matched()
+    model_dir = os.path.dirname(saver.directory)
+    status = checkpoint_restore.restore(checkpoint, path, model_dir)
+    checkpoint_restore.assert_matched(status, path, model_dir)
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")

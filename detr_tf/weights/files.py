@@ -13,6 +13,7 @@ from typing import Dict, Optional
 import numpy as np
 import tensorflow as tf
 
+from detr_tf.training import checkpoint_restore
 from detr_tf.weights import checkpoint_graph
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
@@ -134,7 +135,7 @@ def find_tf_checkpoint(path: str) -> Optional[str]:
     if tf.io.gfile.isdir(path):
         for directory in (os.path.join(path, "checkpoints"), path):
             if tf.io.gfile.isdir(directory):
-                latest = tf.train.latest_checkpoint(directory)
+                latest = checkpoint_restore.latest_intact(directory)
                 if latest:
                     return latest
     return None
