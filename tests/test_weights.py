@@ -224,6 +224,35 @@ def test_unknown_files_are_refused(tmp_path):
         weights.load_pretrained(narrow_detr(), str(tmp_path / "nothing.safetensors"))
     with pytest.raises(ValueError, match="build the model first"):
         weights.load_pretrained(narrow_detr(built=False), str(other))
+    good = (FIXTURES / "detr_reference.safetensors").read_bytes()
+    cut = tmp_path / "cut.safetensors"  # an interrupted download
+    cut.write_bytes(good[: len(good) // 2])
+    with pytest.raises(weights.WeightImportError, match=r"cut.safetensors' is not a readable "
+                                                        r"safetensors file .* truncated"):
+        weights.load_pretrained(narrow_detr(), str(cut))
+    empty = tmp_path / "empty.safetensors"
+    save_file({}, str(empty))
+    with pytest.raises(weights.WeightImportError, match="empty.safetensors' holds no tensors"):
+        weights.load_pretrained(narrow_detr(), str(empty))
+    with pytest.raises(weights.WeightImportError, match="is a directory with no complete "
+                                                        "detr_tf checkpoint"):
+        weights.load_pretrained(narrow_detr(), str(tmp_path))
+
+
+def test_nan_in_a_tensor_that_would_be_assigned_is_refused_and_nothing_assigned(tmp_path):
+    tensors = load_file(str(FIXTURES / "detr_reference.safetensors"))
+    tensors["transformer.decoder.layers.0.linear1.weight"][0, :3] = [np.nan, np.inf, 1.0]
+    path = tmp_path / "diverged.safetensors"
+    save_file(tensors, str(path))
+    model = narrow_detr()
+    before = values(model.variables)
+    with pytest.raises(weights.WeightImportError,
+                       match=r"diverged.safetensors': the tensor for "
+                             r"transformer.decoder.layers.0.linear1.weight holds 2 NaN or "
+                             r"infinite values of 2048; nothing was imported"):
+        weights.load_pretrained(model, str(path))
+    for a, b in zip(before, values(model.variables)):
+        np.testing.assert_array_equal(a, b)
 
 
 def _save_run(model, model_dir):

@@ -49,6 +49,10 @@ def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
     Raises:
       WeightImportError: the file is missing, of an unknown kind, or a torch file without torch.
     """
+    if os.path.isdir(path):
+        raise WeightImportError(f"{path!r} is a directory with no complete detr_tf checkpoint "
+                                "in it (nor in its checkpoints/); give a weight file, a run "
+                                "directory or a ckpt-N prefix")
     if not os.path.isfile(path):
         raise WeightImportError(f"weight file {path!r} does not exist")
     with open(path, "rb") as f:
@@ -56,13 +60,19 @@ def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
     if _is_safetensors(head):
         from safetensors.numpy import load_file
 
-        tensors = load_file(path)
+        try:
+            tensors = load_file(path)
+        except Exception as e:  # safetensors' own error type: a truncated or damaged file
+            raise WeightImportError(f"{path!r} is not a readable safetensors file ({e}); it "
+                                    "may be truncated (an interrupted download or copy)") from e
     elif head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC):
         tensors = _read_torch(path)
     else:
         raise WeightImportError(
             f"{path!r} is neither a safetensors file nor a torch checkpoint (first bytes "
             f"{head[:8]!r}); expected a .safetensors, a torch .pth or a detr_tf checkpoint")
+    if not tensors:
+        raise WeightImportError(f"{path!r} holds no tensors")
     return {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()
             if np.issubdtype(np.asarray(v).dtype, np.number)}
 

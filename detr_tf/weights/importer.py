@@ -179,6 +179,18 @@ def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[st
             "(--skip / load_pretrained.skip) for what is left out on purpose")
 
 
+def _check_finite(plan: Dict[str, np.ndarray], path: str) -> None:
+    """Refuses NaN or infinite values in what would be assigned (the file's other tensors, such
+    as buffers of invalid anchors, may hold them)."""
+    for name, value in sorted(plan.items()):
+        bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+        if bad:
+            raise WeightImportError(
+                f"{path!r}: the tensor for {name} holds {bad} NaN or infinite values of "
+                f"{np.size(value)}; nothing was imported (the file is damaged, or was saved from "
+                "a run that diverged)")
+
+
 @gin.configurable(denylist=["model", "path"])
 def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
                     allow_head_reinit: bool = True) -> ImportReport:
@@ -223,6 +235,7 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     if unexpected or missing:
         raise WeightImportError(_misfit_message(path, src.format, unexpected, missing,
                                                 src.ties))
+    _check_finite(plan, path)
     for name, value in plan.items():
         var = src.table[name].variable
         var.assign(np.asarray(value, dtype=var.dtype.as_numpy_dtype))
