@@ -334,8 +334,9 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, t
         shown = {k: result.last_train[k] for k in ("loss", "class_error")
                  if k in result.last_train}
         shown.update({k: eval_metrics[k] for k in ("AP", "AP50") if k in eval_metrics})
-        print(f"detr_tf: finished at step {result.step}: "
-              + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
+        said = ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or (
+            "no step to take (the run had already reached it)")
+        print(f"detr_tf: finished at step {result.step}: {said}", flush=True)
     if after_train_fn is not None and engine.is_chief:
         t0 = time.time()
         with ema_weights(state.ema):
