@@ -8,6 +8,7 @@ import copy
 import logging
 import os
 import re
+import tokenize
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -196,7 +197,8 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
             gin.finalize()
     except ConfigError:
         raise
-    except (ValueError, SyntaxError, OSError, TypeError) as e:
+    except (ValueError, SyntaxError, OSError, TypeError, tokenize.TokenError) as e:
+        # TokenError: a value whose brackets never close, e.g. "train.num_steps=(4".
         where = f"gin files {paths}" if paths else "gin bindings"
         missing = _REQUIRED_MACRO.search(str(e))
         if missing:

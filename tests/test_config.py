@@ -32,6 +32,12 @@ def test_unknown_parameter_names_it():
         config.parse_gin_config([], ["_probe.not_a_param = 3"], finalize=False)
 
 
+def test_a_bracket_left_open_is_a_config_error_naming_the_binding():
+    with pytest.raises(config.ConfigError, match=r"(?s)invalid gin configuration .*_probe.value = "
+                                                 r"\(4.*TokenError"):
+        config.parse_gin_config([], ["_probe.value = (4"], finalize=False)
+
+
 def test_binding_applies():
     config.parse_gin_config([], ["_probe.value = 7"], finalize=False)
     assert _probe() == 7
