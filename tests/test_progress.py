@@ -18,3 +18,18 @@ def test_eta_ignores_the_time_before_the_first_report(monkeypatch):
     assert first.endswith("ETA --:--:--")
     assert "step 101/1001" in second and "loss 2.5000" in second
     assert second.endswith("ETA 00:01:30")
+
+
+def test_metrics_jsonl_is_created_by_the_first_record_only(tmp_path):
+    """A run that fails while it is being built leaves no metrics.jsonl behind."""
+    import json
+
+    writer = metrics_writer.MetricsWriter(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    writer.write(3, {"loss": 1.5})
+    writer.write(4, {"loss": 1.25})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": 3, "split": "train", "loss": 1.5}, {"step": 4, "split": "train", "loss": 1.25}]
+    metrics_writer.MetricsWriter(str(tmp_path / "unused")).close()  # closing with no record

@@ -32,7 +32,7 @@ class MetricsWriter:
         if not enabled:
             return
         self._writers = {}
-        self._jsonl = open(os.path.join(model_dir, "metrics.jsonl"), "a", buffering=1)
+        self._jsonl = None  # opened at the first record: a run that fails before has none
 
     def _writer(self, split):
         if split not in self._writers:
@@ -49,11 +49,14 @@ class MetricsWriter:
         self._writers[split].flush()
         record = {"step": int(step), "split": split}
         record.update({k: _plain(v) for k, v in scalars.items()})
+        if self._jsonl is None:
+            self._jsonl = open(os.path.join(self.model_dir, "metrics.jsonl"), "a", buffering=1)
         self._jsonl.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
+            if self._jsonl is not None:
+                self._jsonl.close()
             for w in self._writers.values():
                 w.close()
 
