@@ -33,9 +33,12 @@ flags.DEFINE_integer("warmup", 2, "Untimed steps after the first call.")
 flags.DEFINE_integer("batch_size", 2, "Train batch size.")
 flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Infer batch sizes.")
 flags.DEFINE_integer("image_size", 256, "Synthetic / infer square image side (multiple of 32).")
+flags.register_validator("image_size", lambda v: v > 0 and v % 32 == 0,
+                         "--image_size must be a positive multiple of 32 (the backbone's stride)")
 flags.DEFINE_integer("num_boxes", 7, "Synthetic real boxes per image.")
 flags.DEFINE_integer("max_boxes", 100, "Synthetic padded target slots per image.")
-flags.DEFINE_string("jit", None, "'step', 'loss', 'none' or 'auto' (default: train.jit).")
+flags.DEFINE_string("jit", None, "'step', 'loss', 'matcher', 'none' or 'auto' (default: "
+                    "train.jit).")
 flags.DEFINE_string("precision", None, "Keras policy (default: train.precision).")
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of the device for MFU.")
 flags.DEFINE_bool("count_flops", True, "Count the step's FLOPs in XLA's HLO (train mode).")
