@@ -23,6 +23,7 @@ GIN_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "gin_configs"
 
 # Gin's words for a macro left at %gin.REQUIRED when the configuration is finalized.
 _REQUIRED_MACRO = re.compile(r"(\w+)/macro\.value set to `%gin\.REQUIRED` but not subsequently")
+_UNBOUND_MACRO = re.compile(r"No bindings specified for '(\w+)/gin\.macro'")
 # The command-line bindings of the last `parse_gin_config`, for `unused_binding_notes`.
 _GIVEN: list[str] = []
 
@@ -206,6 +207,14 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
             raise ConfigError(
                 f"{name} is required ({where} set it to %gin.REQUIRED): give it with "
                 f"--gin_param=\"{name}='...'\"; the file's header comment says what it is") from e
+        unbound = _UNBOUND_MACRO.search(str(e))
+        if unbound:
+            name = unbound.group(1)
+            raise ConfigError(
+                f"{name} is used but never set ({where}): a building block such as "
+                f"gin_configs/models/*.gin leaves it to the experiment file that includes it; "
+                f"train with an experiment file (gin_configs/*.gin) or give "
+                f"--gin_param=\"{name}=...\"") from e
         raise ConfigError(f"invalid gin configuration ({where}, bindings {gin_params}):\n"
                           f"  {type(e).__name__}: {e}") from e
     finally:

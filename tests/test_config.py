@@ -38,6 +38,17 @@ def test_a_bracket_left_open_is_a_config_error_naming_the_binding():
         config.parse_gin_config([], ["_probe.value = (4"], finalize=False)
 
 
+def test_a_macro_nothing_sets_is_named_with_the_way_to_set_it(tmp_path):
+    block = tmp_path / "block.gin"
+    block.write_text("_probe.value = %UNSET_SIZE\n")
+    with pytest.raises(config.ConfigError, match=r"UNSET_SIZE is used but never set \(gin files "
+                                                 r".*block.gin.*--gin_param=\"UNSET_SIZE=...\""):
+        config.parse_gin_config([str(block)], [], finalize=True)
+    gin.clear_config()
+    config.parse_gin_config([str(block)], ["UNSET_SIZE = 9"], finalize=True)
+    assert _probe() == 9
+
+
 def test_binding_applies():
     config.parse_gin_config([], ["_probe.value = 7"], finalize=False)
     assert _probe() == 7
