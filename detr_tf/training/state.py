@@ -158,6 +158,7 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
     model_dir = os.path.dirname(saver.directory)
     status = checkpoint_restore.restore(checkpoint, path, model_dir)
     checkpoint_restore.assert_matched(status, path, model_dir)
+    checkpoint_restore.assert_used(status, path, model_dir, roots=("model",))
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
