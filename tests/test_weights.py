@@ -253,6 +253,15 @@ def test_nan_in_a_tensor_that_would_be_assigned_is_refused_and_nothing_assigned(
         weights.load_pretrained(model, str(path))
     for a, b in zip(before, values(model.variables)):
         np.testing.assert_array_equal(a, b)
+    tensors = load_file(str(FIXTURES / "detr_reference.safetensors"))
+    key = "transformer.decoder.layers.0.linear1.weight"
+    tensors[key] = np.round(tensors[key] * 100).astype(np.int32)
+    save_file(tensors, str(path))
+    with pytest.raises(weights.WeightImportError, match=f"the tensor for {key} is int32 in the "
+                                                        "file, and the model's weight is floating"):
+        weights.load_pretrained(model, str(path))
+    for a, b in zip(before, values(model.variables)):
+        np.testing.assert_array_equal(a, b)
 
 
 def _save_run(model, model_dir):

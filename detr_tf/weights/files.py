@@ -40,7 +40,8 @@ def _is_safetensors(head: bytes) -> bool:
 
 
 def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
-    """Reads a safetensors file or a torch checkpoint into {key: float32 array}.
+    """Reads a safetensors file or a torch checkpoint into {key: array}: float32, or the file's
+    integer type.
 
     A torch file holding `{'ema': {'module': state_dict}}` (the original RT-DETR's releases),
     `{'model': state_dict}` (the reference DETR's) or `{'state_dict': ...}` is unwrapped, the
@@ -73,7 +74,10 @@ def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
             f"{head[:8]!r}); expected a .safetensors, a torch .pth or a detr_tf checkpoint")
     if not tensors:
         raise WeightImportError(f"{path!r} holds no tensors")
-    return {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()
+    # Floating point as float32; integers keep their type, so that the importer can refuse one
+    # bound for a floating-point weight (buffers such as num_batches_tracked are integers).
+    return {k: np.asarray(v, dtype=np.float32) if np.issubdtype(np.asarray(v).dtype, np.floating)
+            else np.asarray(v) for k, v in tensors.items()
             if np.issubdtype(np.asarray(v).dtype, np.number)}
 
 
@@ -115,7 +119,8 @@ def _read_torch(path: str) -> Dict[str, np.ndarray]:
     obj = _state_dict(obj)
     if not isinstance(obj, dict):
         raise WeightImportError(f"{path!r} holds a {type(obj).__name__}, expected a state dict")
-    return {k: v.detach().float().numpy() for k, v in obj.items() if torch.is_tensor(v)}
+    return {k: (v.detach().float() if v.is_floating_point() else v.detach()).numpy()
+            for k, v in obj.items() if torch.is_tensor(v)}
 
 
 def _state_dict(obj):

@@ -179,10 +179,16 @@ def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[st
             "(--skip / load_pretrained.skip) for what is left out on purpose")
 
 
-def _check_finite(plan: Dict[str, np.ndarray], path: str) -> None:
-    """Refuses NaN or infinite values in what would be assigned (the file's other tensors, such
-    as buffers of invalid anchors, may hold them)."""
+def _check_values(plan: Dict[str, np.ndarray], table, path: str) -> None:
+    """Refuses integers for a floating-point weight, and NaN or infinite values, in what would
+    be assigned (the file's other tensors, such as buffers of invalid anchors, may hold them)."""
     for name, value in sorted(plan.items()):
+        value = np.asarray(value)
+        if table[name].variable.dtype.is_floating and not np.issubdtype(value.dtype, np.floating):
+            raise WeightImportError(
+                f"{path!r}: the tensor for {name} is {value.dtype} in the file, and the model's "
+                "weight is floating point; nothing was imported (was the file saved with "
+                "converted or quantized types?)")
         bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
         if bad:
             raise WeightImportError(
@@ -235,7 +241,7 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     if unexpected or missing:
         raise WeightImportError(_misfit_message(path, src.format, unexpected, missing,
                                                 src.ties))
-    _check_finite(plan, path)
+    _check_values(plan, src.table, path)
     for name, value in plan.items():
         var = src.table[name].variable
         var.assign(np.asarray(value, dtype=var.dtype.as_numpy_dtype))
