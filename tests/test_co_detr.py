@@ -563,3 +563,24 @@ def test_bad_head_bindings_name_the_problem():
         rtdetr._co_branches(5, 32, 8, atss, rpn, Shared2FCBBoxHead(4), 20)
     co_atss, co_rcnn = rtdetr._co_branches(5, 32, 8, atss, rpn, roi, 20)
     assert co_rcnn.max_queries == co_atss.max_queries == 20 and co_rcnn.first_stride == 8
+
+
+def test_model_gardens_vision_ops_import_under_a_locked_gin_config():
+    """Co-DETR's heads import Model Garden's vision package at their first call, after the
+    tools have locked the Gin configuration; the package registers configurables as it loads,
+    which a locked configuration refused (co_dino_quickstart.gin failed its first step)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from detr_tf import config\n"
+            "config.parse_gin_config(['co_dino_quickstart.gin'], [], finalize=True)\n"
+            "assert not [m for m in sys.modules if m.startswith('official.vision')]\n"
+            "from detr_tf.ops import mg_vision\n"
+            "roi_generator, box_ops = mg_vision.vision_ops()\n"
+            "print('IMPORTED', roi_generator.MultilevelROIGenerator.__name__, "
+            "box_ops.encode_boxes.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "IMPORTED MultilevelROIGenerator encode_boxes" in proc.stdout

@@ -34,7 +34,7 @@ import tensorflow as tf
 from detr_tf.losses.atss import decode_deltas
 from detr_tf.losses.boxes import replica_mean
 from detr_tf.modeling import rcnn_sampling
-from detr_tf.ops import box_ops
+from detr_tf.ops import box_ops, mg_vision
 
 RPN_WEIGHTS = (12.0, 12.0)  # (loss_rpn_cls, loss_rpn_bbox)
 ROI_WEIGHTS = (12.0, 120.0)  # (loss_cls, loss_bbox)
@@ -44,7 +44,7 @@ ROI_STDS = (0.1, 0.1, 0.2, 0.2)
 def encode_deltas(anchors: tf.Tensor, boxes: tf.Tensor) -> tf.Tensor:
     """mmdet's bbox2delta (means 0, stds 1) by Model Garden's encoder: anchors, boxes
     [..., 4] xyxy (broadcastable) -> [..., 4] (dx, dy, dw, dh)."""
-    from official.vision.ops import box_ops as mg_box_ops  # here: see rcnn_head.propose
+    _, mg_box_ops = mg_vision.vision_ops()  # imported now: see mg_vision
 
     yxyx = [1, 0, 3, 2]  # Model Garden's order; the same permutation maps its deltas back
     deltas = mg_box_ops.encode_boxes(tf.gather(boxes, yxyx, axis=-1),

@@ -48,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.ops import mg_vision
 from detr_tf.ops.atss import level_anchors
 
 # Co-DETR's rpn_head anchor_generator.
@@ -135,11 +136,7 @@ def propose(logits: tf.Tensor, deltas: tf.Tensor, anchors: np.ndarray,
       valid [B, P'] bool, False for empty boxes (NMS padding or zero width or height).
     """
     logits, deltas = tf.stop_gradient(logits), tf.stop_gradient(_yxyx(deltas))
-    # Imported here, not with the module: importing any of Model Garden's vision modules
-    # imports its whole vision package first, a start-up cost that only Co-DETR's runs need
-    # (docs/PERFORMANCE.md#compiles-per-run).
-    from official.vision.modeling.layers import roi_generator
-    from official.vision.ops import box_ops as mg_box_ops
+    roi_generator, mg_box_ops = mg_vision.vision_ops()  # imported now: see mg_vision
 
     size = tf.cast(image_size, tf.float32)[:, None, :]  # [B, 1, 2]
     scores, boxes, priors, start = {}, {}, {}, 0
