@@ -199,3 +199,13 @@ def test_train_py_names_a_bad_binding_in_one_line_and_writes_nothing(tmp_path):
     assert ("train.num_steps = -5 (int) must be None or an int >= 0; "
             "train.log_every = 0 (int) must be an int >= 1") in proc.stderr, proc.stderr
     assert not run_dir.exists()
+
+
+def test_cpu_devices_without_mirrored_says_it_has_no_effect(capsys):
+    from detr_tf.training import distribution
+
+    distribution.make_engine("default", cpu_devices=2)
+    assert ("note: cpu_devices=2 has no effect with distribution='default': it sets the "
+            "logical CPUs that 'mirrored' mirrors over") in capsys.readouterr().out
+    distribution.make_engine("default", cpu_devices=0)
+    assert "cpu_devices" not in capsys.readouterr().out

@@ -280,6 +280,10 @@ def make_engine(distribution: str = "default", cpu_devices: int = 0) -> Engine:
         raise ValueError(f"distribution={distribution!r} is not one of {ENGINES}")
     if distribution == "default" and launched_by_horovodrun():
         distribution = "horovod"
+    if cpu_devices > 1 and distribution != "mirrored":
+        print(f"detr_tf: note: cpu_devices={cpu_devices} has no effect with distribution="
+              f"{distribution!r}: it sets the logical CPUs that 'mirrored' mirrors over",
+              flush=True)
     if distribution == "default":
         return DefaultEngine()
     if distribution == "mirrored":
