@@ -19,7 +19,7 @@ from detr_tf.losses import co_aux
 from detr_tf.modeling.layers import inverse_sigmoid
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
 from detr_tf.training import distribution
-from tests import dino_helpers, export_helpers
+from tests import dino_helpers, export_helpers, tool_helpers
 
 F32_EPS = float(np.finfo(np.float32).eps)  # mmdet's weight_reduce_loss adds it to avg_factor
 
@@ -569,9 +569,6 @@ def test_model_gardens_vision_ops_import_under_a_locked_gin_config():
     """Co-DETR's heads import Model Garden's vision package at their first call, after the
     tools have locked the Gin configuration; the package registers configurables as it loads,
     which a locked configuration refused (co_dino_quickstart.gin failed its first step)."""
-    import subprocess
-    import sys
-
     code = ("import sys\n"
             "from detr_tf import config\n"
             "config.parse_gin_config(['co_dino_quickstart.gin'], [], finalize=True)\n"
@@ -580,7 +577,5 @@ def test_model_gardens_vision_ops_import_under_a_locked_gin_config():
             "roi_generator, box_ops = mg_vision.vision_ops()\n"
             "print('IMPORTED', roi_generator.MultilevelROIGenerator.__name__, "
             "box_ops.encode_boxes.__name__)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = tool_helpers.run_python(code)
     assert "IMPORTED MultilevelROIGenerator encode_boxes" in proc.stdout

@@ -1,8 +1,6 @@
 """tf.Example codec: round trip, and interchange with TF Model Garden both ways."""
 import io
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,6 +9,7 @@ from PIL import Image
 
 from detr_tf.data import label_map as label_map_lib
 from detr_tf.data import pipeline, tfexample
+from tests import tool_helpers
 
 
 def _png(array):
@@ -134,9 +133,7 @@ def test_reading_data_imports_no_model_garden_vision_package():
             " [], [])\n"
             "tfexample.decode_example(tf.constant(ex.SerializeToString()))\n"
             "print(sorted(m for m in sys.modules if m.startswith('official.vision')))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = tool_helpers.run_python(code)
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:]
 
 

@@ -18,3 +18,12 @@ def run_tool(script: str, *args: str, timeout: int = 600) -> subprocess.Complete
     env.pop("DETR_TF_TRACEBACK", None)
     return subprocess.run([sys.executable, str(REPO / "tools" / script), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh interpreter (nothing imported yet), its output captured as
+    text; asserts that it exited 0, showing the end of its stderr if not."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
