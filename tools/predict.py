@@ -11,11 +11,12 @@ Without --gin_file the run's own MODEL_DIR/config.gin is used.
 from absl import app, flags, logging
 
 from detr_tf import cli
+from detr_tf.data import coco_records  # PIL only: the image files the tools read
 
 cli.define_run_flags()
 flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_string("images", None, "An image file or a directory of images "
-                    "(.jpg, .jpeg, .png, .bmp, .gif, .webp, .tif, .tiff).")
+                    f"({', '.join(coco_records.IMAGE_EXTENSIONS)}).")
 flags.DEFINE_string("output_dir", None, "Where the PNGs and detections.json go (created).")
 flags.DEFINE_float("score_threshold", None, "Detections scoring lower are not drawn or listed "
                    "(default: the run's own, predict_eval_images.score_threshold, else 0.5).")

@@ -38,8 +38,8 @@ def read_image(path: str) -> Tuple[Optional[bytes], str, int, int, str, str]:
 
 
 def _box(ann: dict, width: int, height: int) -> Tuple[Optional[tuple], str]:
-    """-> ((x0, y0, x1, y1) in pixels, clipped to the image, or None; the counter it falls
-    under when it is not kept as given: '', boxes_clipped or boxes_dropped), and why."""
+    """-> ((x0, y0, x1, y1) in pixels clipped to the image, or None when the box is dropped;
+    why it was clipped or dropped, '' when it is kept as given)."""
     try:
         x, y, w, h = (float(v) for v in ann["bbox"])
     except (KeyError, TypeError, ValueError):

@@ -3,8 +3,8 @@
 Drawings are meant to be read by a person: a small image (the quickstart's are 128 px) is first
 enlarged to a shorter side of at least `MIN_SHORT_SIDE` px, by an integer factor with
 nearest-neighbour sampling so its pixels stay sharp, unless that would take its longer side past
-`MAX_LONG_SIDE` (a thin strip is enlarged less, or not at all). Each label sits on a filled tag inside the
-image, placed by `labels.place_labels` so that no tag covers another's text.
+`MAX_LONG_SIDE` (a thin strip is enlarged less, or not at all). Each label sits on a filled tag
+inside the image, placed by `labels.place_labels` so that no tag covers another's text.
 """
 import colorsys
 import math

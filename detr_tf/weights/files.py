@@ -76,9 +76,9 @@ def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
         raise WeightImportError(f"{path!r} holds no tensors")
     # Floating point as float32; integers keep their type, so that the importer can refuse one
     # bound for a floating-point weight (buffers such as num_batches_tracked are integers).
-    return {k: np.asarray(v, dtype=np.float32) if np.issubdtype(np.asarray(v).dtype, np.floating)
-            else np.asarray(v) for k, v in tensors.items()
-            if np.issubdtype(np.asarray(v).dtype, np.number)}
+    arrays = {k: np.asarray(v) for k, v in tensors.items()}
+    return {k: a.astype(np.float32, copy=False) if np.issubdtype(a.dtype, np.floating) else a
+            for k, a in arrays.items() if np.issubdtype(a.dtype, np.number)}
 
 
 def read_aliases(path: str, keys) -> Dict[str, str]:
