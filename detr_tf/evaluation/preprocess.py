@@ -4,8 +4,10 @@ Served images and predicted files go through exactly what the eval pipeline does
 (`detr_eval_transform`, ImageNet normalization, padding onto a canvas), so their detections equal
 the evaluated ones.
 """
+import inspect
 from typing import Callable, Optional, Sequence, Tuple
 
+import gin
 import tensorflow as tf
 
 from detr_tf.data import augment, buckets as buckets_lib
@@ -18,7 +20,7 @@ def eval_preprocess_fn(buckets: Optional[Sequence[Tuple[int, int]]] = None,
 
     Args:
       buckets: the eval data's canvas buckets (DatasetInfo.buckets); the default canvas is a
-        square as large as the largest bucket side, so every aspect ratio fits unshrunk.
+        square of `default_canvas_side`.
       canvas: (height, width) of the canvas, instead of one derived from `buckets`.
 
     Returns:
@@ -27,7 +29,7 @@ def eval_preprocess_fn(buckets: Optional[Sequence[Tuple[int, int]]] = None,
     if canvas is None:
         if not buckets:
             raise ValueError("eval_preprocess_fn needs the data's buckets or a canvas")
-        side = max(max(b) for b in buckets)
+        side = default_canvas_side(buckets)
         canvas = (side, side)
     canvas = tuple(int(c) for c in canvas)
 
@@ -41,3 +43,26 @@ def eval_preprocess_fn(buckets: Optional[Sequence[Tuple[int, int]]] = None,
 
     preprocess.canvas_size = canvas
     return preprocess
+
+
+def default_canvas_side(buckets: Sequence[Tuple[int, int]]) -> int:
+    """The smallest bucket side that holds the eval resize's longer side (its `max_size`).
+
+    Every image the eval transform makes then fits a square of that side in either orientation
+    (but for the reference resize's rounding, which can put the longer side of an image more
+    than twice as long as wide a pixel or two past the cap: fit_and_pad shrinks it by that
+    much), and an image that evaluation puts on that square bucket is served on the same
+    canvas. Without a cap, or with one past every bucket, the largest bucket side.
+    """
+    sides = sorted({int(s) for bucket in buckets for s in bucket})
+    cap = _eval_max_size()
+    holding = [s for s in sides if cap and s >= cap]
+    return holding[0] if holding else sides[-1]
+
+
+def _eval_max_size() -> int:
+    """`detr_eval_transform.max_size` as the run binds it, else the function's default."""
+    bound = gin.get_bindings(augment.detr_eval_transform)
+    if "max_size" in bound:
+        return int(bound["max_size"])
+    return inspect.signature(augment.detr_eval_transform).parameters["max_size"].default
