@@ -51,6 +51,9 @@ def test_the_newest_complete_checkpoint_is_found_and_the_others_named(tmp_path, 
     assert cr.latest_intact(directory) == os.path.join(directory, "ckpt-8")
     assert "passing over " + os.path.join(directory, "ckpt-12") + ": ckpt-12.index is missing" \
         in capsys.readouterr().out
+    # Said once: eval, predict and export look for the latest checkpoint more than once.
+    assert cr.latest_intact(directory) == os.path.join(directory, "ckpt-8")
+    assert "passing over" not in capsys.readouterr().out
     os.remove(os.path.join(directory, "ckpt-8.data-00000-of-00001"))
     assert cr.latest_intact(directory) == os.path.join(directory, "ckpt-4")
     assert "ckpt-8: ckpt-8.data-00000-of-00001 is missing" in capsys.readouterr().out

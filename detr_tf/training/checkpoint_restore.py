@@ -37,6 +37,9 @@ def _missing_files(path: str) -> List[str]:
     return [f for f in wanted if not os.path.exists(f)]
 
 
+_PASSED_OVER = set()
+
+
 def latest_intact(directory: str) -> Optional[str]:
     """The newest checkpoint in `directory` with all its files, or None; prints a line for each
     newer one it passes over (files missing)."""
@@ -57,8 +60,10 @@ def latest_intact(directory: str) -> Optional[str]:
         missing = _missing_files(path)
         if not missing:
             return path
-        print(f"checkpoints: passing over {path}: {os.path.basename(missing[0])} is missing",
-              flush=True)
+        if path not in _PASSED_OVER:  # once per process: the tools look more than once
+            _PASSED_OVER.add(path)
+            print(f"checkpoints: passing over {path}: {os.path.basename(missing[0])} is "
+                  "missing", flush=True)
     if steps:
         raise FileNotFoundError(f"{directory} holds checkpoint files but no complete "
                                 "checkpoint; move them away to start afresh")
