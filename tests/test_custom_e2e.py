@@ -57,11 +57,14 @@ def test_custom_cpu_trains_keeps_best_and_evaluates(tmp_path):
     # The config the run saved names no class count: it comes from the data.
     assert "NUM_CLASSES = @custom_num_classes()" in (model_dir / "config.gin").read_text()
 
-    os.remove(model_dir / "eval" / "metrics.json")
+    run_result = (model_dir / "eval" / "metrics.json").read_text()
     ckpt = model_dir / "best" / "ckpt"
     result = _ok(_run("eval.py", f"--model_dir={model_dir}", f"--checkpoint={ckpt}"))
     assert f"restored {ckpt}" in result.stdout
-    assert set(json.loads((model_dir / "eval" / "metrics.json").read_text())) == METRIC_KEYS
-    detections = json.loads((model_dir / "eval" / "detections.json").read_text())
+    # The kept best weights are not the run's last: their figures go beside its own.
+    assert (model_dir / "eval" / "metrics.json").read_text() == run_result
+    best_eval = model_dir / "eval" / "best_ckpt"
+    assert set(json.loads((best_eval / "metrics.json").read_text())) == METRIC_KEYS
+    detections = json.loads((best_eval / "detections.json").read_text())
     # The dataset's own category ids (1..4; the placeholder 0 is not a class).
     assert detections and {d["category_id"] for d in detections} <= {1, 2, 3, 4}

@@ -6,8 +6,10 @@
 Restores the latest (or the given) checkpoint, with the EMA weights when the run kept them,
 prints the metrics table and the AP of each class, and writes DIR/eval/metrics.json (AP, AP50,
 AP75, APs, APm, APl as fractions), DIR/eval/per_class.json (each class's AP and AP50) and
-DIR/eval/detections.json (COCO results format). Without --gin_file the run's own
-DIR/config.gin is used.
+DIR/eval/detections.json (COCO results format). Another checkpoint than the latest, or the raw
+weights of a run with EMA ones (--nouse_ema), writes into a folder of its own instead
+(DIR/eval/ckpt-2000, DIR/eval/best_ckpt, DIR/eval/ckpt-3000_without_ema), so the run's own
+result stays. Without --gin_file the run's own DIR/config.gin is used.
 """
 from absl import app, flags, logging
 

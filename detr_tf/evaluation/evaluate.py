@@ -23,6 +23,7 @@ import tf_keras
 from detr_tf import config, run as run_lib
 from detr_tf.evaluation import coco_metrics, restore
 from detr_tf.evaluation import postprocess as pp
+from detr_tf.training import checkpointing
 
 EVAL_SUBDIR = "eval"
 
@@ -140,10 +141,10 @@ def _evaluator(info: Any) -> coco_metrics.CocoEvaluator:
                                         label_map=list(info.category_ids))
 
 
-@gin.configurable(denylist=["model", "model_dir", "step"])
+@gin.configurable(denylist=["model", "model_dir", "step", "subdir"])
 def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = None,
                   batch_size: int = 8, max_batches: Optional[int] = None,
-                  jit_compile: bool = False) -> Dict[str, float]:
+                  jit_compile: bool = False, subdir: str = EVAL_SUBDIR) -> Dict[str, float]:
     """COCO box metrics of `model` on the run's eval split (`train.dataset_fn`).
 
     Writes model_dir/eval/metrics.json (AP, AP50, AP75, APs, APm, APl as fractions),
@@ -157,6 +158,7 @@ def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = N
       batch_size: eval batch size (the last batch is filled with masked images, not dropped).
       max_batches: evaluate only this many batches (a quick look during training).
       jit_compile: XLA-compile the forward pass and post-processing.
+      subdir: where in model_dir the files go.
     """
     run = run_lib.assemble()
     info = run.dataset_info_fn(is_training=False)
@@ -165,7 +167,7 @@ def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = N
     if step is not None:
         print(f"eval: step {step}", flush=True)
     return evaluate_model(model, dataset, _evaluator(info),
-                          output_dir=os.path.join(model_dir, EVAL_SUBDIR),
+                          output_dir=os.path.join(model_dir, subdir),
                           max_batches=max_batches, jit_compile=jit_compile)
 
 
@@ -174,4 +176,26 @@ def evaluate_run(model_dir: str, checkpoint: Optional[str] = None,
     """tools/eval.py: COCO metrics of a run's checkpoint on its eval split (`coco_evaluate`)."""
     model, path = restore.load_trained_model(model_dir, checkpoint, use_ema)
     print(f"eval: restored {path}", flush=True)
-    return coco_evaluate(model, model_dir, step=restore.checkpoint_step(path))
+    return coco_evaluate(model, model_dir, step=restore.checkpoint_step(path),
+                         subdir=eval_subdir(model_dir, path, use_ema))
+
+
+def eval_subdir(model_dir: str, path: str, use_ema: bool = True) -> str:
+    """Where tools/eval.py writes, so that evaluating an older checkpoint or the raw weights
+    does not replace the run's result.
+
+    eval/ for the run's latest checkpoint with the weights the trainer evaluates (the EMA ones
+    when it kept them), as the trainer's own evaluation writes it. Any other checkpoint: eval/
+    and its path in the run, `checkpoints` left out (eval/ckpt-2000, eval/best_ckpt), or its
+    file name for one outside the run; `_without_ema` appended for raw weights beside EMA ones.
+    """
+    latest = checkpointing.latest_checkpoint(model_dir)
+    raw = not use_ema and checkpointing.has_ema(path)
+    if not raw and latest and os.path.abspath(latest) == os.path.abspath(path):
+        return EVAL_SUBDIR
+    parts = os.path.relpath(os.path.abspath(path), os.path.abspath(model_dir)).split(os.sep)
+    if parts[0] == os.pardir:
+        parts = [os.path.basename(path)]
+    elif parts[0] == checkpointing.CHECKPOINT_SUBDIR and len(parts) > 1:
+        parts = parts[1:]
+    return os.path.join(EVAL_SUBDIR, "_".join(parts) + ("_without_ema" if raw else ""))

@@ -1,0 +1,46 @@
+"""Where tools/eval.py writes: the run's eval/ only for what the trainer itself evaluates (its
+latest checkpoint, with the EMA weights when it kept them), a folder of its own otherwise."""
+import os
+
+import tensorflow as tf
+
+from detr_tf.evaluation import evaluate
+
+
+def _save_run(run_dir, steps, ema):
+    values = {"w": tf.Variable(1.0)}
+    if ema:
+        values["ema"] = tf.Variable(2.0)
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(**values),
+                                         os.path.join(run_dir, "checkpoints"), max_to_keep=None)
+    return [manager.save(checkpoint_number=step) for step in steps]
+
+
+def test_the_latest_checkpoint_writes_the_runs_eval_and_older_ones_their_own(tmp_path):
+    run = str(tmp_path / "run")
+    older, latest = _save_run(run, (10, 20), ema=False)
+    assert evaluate.eval_subdir(run, latest) == "eval"
+    # Without EMA weights, asking for raw ones changes nothing.
+    assert evaluate.eval_subdir(run, latest, use_ema=False) == "eval"
+    assert evaluate.eval_subdir(run, older) == os.path.join("eval", "ckpt-10")
+
+
+def test_raw_weights_beside_ema_ones_get_their_own_folder(tmp_path):
+    run = str(tmp_path / "run")
+    latest, = _save_run(run, (5,), ema=True)
+    assert evaluate.eval_subdir(run, latest) == "eval"
+    assert evaluate.eval_subdir(run, latest, use_ema=False) == os.path.join(
+        "eval", "ckpt-5_without_ema")
+
+
+def test_checkpoints_elsewhere_in_or_outside_the_run_are_named_by_their_path(tmp_path):
+    run = str(tmp_path / "run")
+    _save_run(run, (3,), ema=False)
+    best = tf.train.Checkpoint(w=tf.Variable(0.0)).write(os.path.join(run, "best", "ckpt"))
+    assert evaluate.eval_subdir(run, best) == os.path.join("eval", "best_ckpt")
+    other, = _save_run(str(tmp_path / "other"), (3,), ema=False)
+    assert evaluate.eval_subdir(run, other) == os.path.join("eval", "ckpt-3")
+    # A run with no checkpoint of its own: nothing given is its result.
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert evaluate.eval_subdir(empty, other) == os.path.join("eval", "ckpt-3")
