@@ -74,7 +74,8 @@ def test_every_bad_input_case_is_counted(tmp_path):
                                         num_shards=3, num_processes=1, progress=False)
     assert stats.counts == {
         "images_written": 5, "images_missing": 1, "images_corrupt": 1,
-        "images_size_mismatch": 1, "images_reencoded": 1, "images_without_annotations": 1,
+        "images_size_mismatch": 1, "images_reencoded": 1, "images_reoriented": 0,
+        "images_orientation_unapplied": 0, "images_without_annotations": 1,
         "annotations_written": 6, "annotations_of_missing_images": 2, "annotations_orphan": 1,
         "annotations_unknown_category": 1, "boxes_clipped": 2, "boxes_dropped": 3,
         "crowd_boxes": 1,

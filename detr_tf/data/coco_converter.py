@@ -23,6 +23,11 @@ twice, no `categories`; so is an `image_dir` that is not a directory.
 Images that are neither JPEG nor PNG, or not RGB / grayscale (e.g. CMYK), are re-encoded as RGB
 JPEG (`images_reencoded`) so every TF decoder reads them.
 
+A camera's EXIF orientation is not applied (boxes are read on the stored pixels, as pycocotools
+and the reference DETR read them; `images_orientation_unapplied` names each such image), except
+where it turns the image by 90 degrees and the json gives the turned size: those boxes were drawn
+on the image as displayed, and its pixels are turned upright to match (`images_reoriented`).
+
 Shards are written under temporary names and renamed into place only when at least one image
 was written, so a failed or empty conversion leaves earlier shards of the same prefix as they
 were.
@@ -40,7 +45,8 @@ from detr_tf.data import coco_records, json_files
 # and importing TF there would cost each worker seconds and hundreds of MB.
 
 _COUNTERS = ("images_written", "images_missing", "images_corrupt", "images_size_mismatch",
-             "images_reencoded", "images_without_annotations", "annotations_written",
+             "images_reencoded", "images_reoriented", "images_orientation_unapplied",
+             "images_without_annotations", "annotations_written",
              "annotations_of_missing_images", "annotations_orphan",
              "annotations_unknown_category", "boxes_clipped", "boxes_dropped", "crowd_boxes")
 NOTES_PER_KIND = 10  # bad items named in the summary, per counter; the rest are counted

@@ -10,16 +10,29 @@ import math
 import os
 from typing import Dict, List, Optional, Tuple
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 # The image files a dataset folder and tools/predict.py take: PIL reads them all.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 Note = Tuple[str, str]  # (counter, one line naming the file, the annotation and the value)
 
 
-def read_image(path: str) -> Tuple[Optional[bytes], str, int, int, str, str]:
+# The EXIF tag a camera records how the stored pixels are to be turned for display; values 5-8
+# turn them by 90 degrees, swapping width and height.
+EXIF_ORIENTATION = 0x0112
+_TURNED = (5, 6, 7, 8)
+
+
+def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
+               ) -> Tuple[Optional[bytes], str, int, int, str, str]:
     """-> (bytes or None, format, height, width, status, reason) with status ok / missing /
-    corrupt / reencoded, and for corrupt the decoder's reason."""
+    corrupt / reencoded / reoriented, and for corrupt the decoder's reason.
+
+    The stored pixels are kept, as pycocotools and the reference DETR read them, except when
+    the file's EXIF orientation turns it by 90 degrees and `json_size` (height, width) is the
+    turned size: its boxes were drawn on the image as displayed, so the pixels are turned to
+    match (`reoriented`). An orientation left unapplied is the reason of an `ok`.
+    """
     if not os.path.exists(path):
         return None, "", 0, 0, "missing", ""
     try:
@@ -28,13 +41,23 @@ def read_image(path: str) -> Tuple[Optional[bytes], str, int, int, str, str]:
         with Image.open(io.BytesIO(data)) as img:
             img.load()  # forces a full decode: a truncated file fails here
             fmt, mode, (width, height) = img.format, img.mode, img.size
+            orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+            if orientation in _TURNED and width != height and json_size == (width, height):
+                upright = ImageOps.exif_transpose(img)
+                return (_jpeg(upright), "jpeg", width, height, "reoriented",
+                        f"EXIF orientation {orientation}")
+            unapplied = f"EXIF orientation {orientation}" if orientation in range(2, 9) else ""
             if fmt in ("JPEG", "PNG") and mode in ("RGB", "L"):
-                return data, fmt.lower(), height, width, "ok", ""
-            out = io.BytesIO()
-            img.convert("RGB").save(out, format="JPEG", quality=95)
-            return out.getvalue(), "jpeg", height, width, "reencoded", ""
+                return data, fmt.lower(), height, width, "ok", unapplied
+            return _jpeg(img), "jpeg", height, width, "reencoded", unapplied
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         return None, "", 0, 0, "corrupt", str(e) or type(e).__name__
+
+
+def _jpeg(img: Image.Image) -> bytes:
+    out = io.BytesIO()
+    img.convert("RGB").save(out, format="JPEG", quality=95)
+    return out.getvalue()
 
 
 def _box(ann: dict, width: int, height: int) -> Tuple[Optional[tuple], str]:
@@ -77,7 +100,8 @@ def convert_one(image: dict, annotations: List[dict], image_dir: str,
     counts, notes = collections.Counter(), []
     name = image["file_name"]
     path = os.path.join(image_dir, name)
-    data, fmt, height, width, status, reason = read_image(path)
+    data, fmt, height, width, status, reason = read_image(
+        path, (image.get("height"), image.get("width")))
     if status == "missing":
         counts["images_missing"] += 1
         counts["annotations_of_missing_images"] += len(annotations)
@@ -90,6 +114,17 @@ def convert_one(image: dict, annotations: List[dict], image_dir: str,
         return None, dict(counts), notes
     if status == "reencoded":
         counts["images_reencoded"] += 1
+    if status == "reoriented":
+        counts["images_reoriented"] += 1
+        notes.append(("images_reoriented",
+                      f"{path} (image id {image['id']}): turned upright by its {reason}, as the "
+                      f"json's {width} x {height} px says its boxes were drawn"))
+    elif reason:
+        counts["images_orientation_unapplied"] += 1
+        notes.append(("images_orientation_unapplied",
+                      f"{path} (image id {image['id']}): its {reason} is not applied; its boxes "
+                      "are read on the stored pixels. If they were drawn on the image as a "
+                      "viewer shows it, store it upright"))
     if (image.get("height"), image.get("width")) != (height, width):
         counts["images_size_mismatch"] += 1
         notes.append(("images_size_mismatch",

@@ -11,6 +11,8 @@ detections.json holds a list with one entry per image, in input order:
                      "class_name": n}]}
 
 with boxes in original-image pixels, sorted by decreasing score, above the score threshold.
+An image with an EXIF orientation is turned upright first, as a photo viewer shows it: its
+height, width and boxes are the upright image's.
 `class` is the model's class index (0..C-1); `category_id` is the dataset's id for it (the
 label map's, as in COCO results and eval/detections.json) when the caller gives the
 category ids, else the class index.
@@ -24,7 +26,7 @@ import gin
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from detr_tf import config, run as run_lib
 from detr_tf.data import coco_records, json_files
@@ -111,8 +113,9 @@ class UnreadableImage(ValueError):
 
 
 def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
-    """(the bytes to serve, the RGB image) of one image file, fully decoded: the file's own
-    bytes, or a PNG of it when TensorFlow's decoders do not read its format.
+    """(the bytes to serve, the RGB image) of one image file, fully decoded and turned upright
+    by its EXIF orientation: the file's own bytes, or a PNG of the image when it was turned or
+    TensorFlow's decoders do not read its format.
 
     Raises:
       UnreadableImage: the file cannot be read, or is not a complete image (a truncated JPEG
@@ -128,8 +131,10 @@ def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
     try:
         with Image.open(io.BytesIO(encoded)) as image:
             image.load()
-            rgb = image.convert("RGB")
-            if image.format not in _SERVED_FORMATS:
+            # Upright, as a photo viewer shows it (and transformers' load_image reads it).
+            turned = image.getexif().get(coco_records.EXIF_ORIENTATION, 1) in range(2, 9)
+            rgb = (ImageOps.exif_transpose(image) if turned else image).convert("RGB")
+            if turned or image.format not in _SERVED_FORMATS:
                 png = io.BytesIO()
                 rgb.save(png, format="PNG")
                 encoded = png.getvalue()
