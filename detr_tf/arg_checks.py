@@ -6,9 +6,19 @@ traceback that names no binding, or not fail at all. `check` names every bad one
 with its value, its type and what it must be. A rule is (what the value must be, its test).
 """
 import numbers
+import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
 Rule = Tuple[str, Callable[[Any], bool]]
+
+
+def nearest_existing(path: str) -> str:
+    """The absolute path, or its nearest ancestor that exists: what decides whether a directory
+    can be made there (is it a file? is it writable?)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return existing
 
 
 def is_int(v: Any) -> bool:

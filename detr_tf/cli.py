@@ -17,7 +17,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from absl import flags
 
-from detr_tf import cpu_quota, machine
+from detr_tf import arg_checks, cpu_quota, machine
 
 VERBOSE_ENV = "DETR_TF_VERBOSE"
 
@@ -118,9 +118,7 @@ def check_output_dir(tool: str, flag: str, path: str) -> None:
     """Exits with one line when `path` cannot become the directory a tool writes into: it, or
     the nearest part of it that exists, is a file, or that part is not writable. Creates
     nothing, so a run that fails later leaves no empty directory behind."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = arg_checks.nearest_existing(path)
     if not os.path.isdir(existing):
         why = ("is a file" if existing == os.path.abspath(path)
                else f"cannot be a directory ({existing!r} is a file)")

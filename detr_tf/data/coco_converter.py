@@ -39,6 +39,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+from detr_tf import arg_checks
 from detr_tf.data import coco_records, json_files
 
 # No TensorFlow import at module level: worker processes import `coco_records` to read images,
@@ -121,9 +122,7 @@ def _check_paths(image_dir: str, annotations_file: str, output_prefix: str) -> N
                                 f"(the images named in {annotations_file} are read from it).")
     if "://" in output_prefix:
         return
-    parent = os.path.dirname(os.path.abspath(output_prefix))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    parent = arg_checks.nearest_existing(os.path.dirname(os.path.abspath(output_prefix)))
     if not os.path.isdir(parent):
         raise NotADirectoryError(f"output_prefix '{output_prefix}': '{parent}' is a file, not "
                                  "a directory.")
