@@ -233,3 +233,42 @@ def test_a_duplicate_image_id_is_refused_naming_the_users_json_and_writes_nothin
                                          r"images\[1\] \(.*img101.jpg\)"):
         custom.prepare_custom_dataset(root, str(cache))
     assert [p for p in cache.rglob("*") if p.is_file()] == []
+
+
+def test_the_eval_ground_truth_holds_the_boxes_the_records_hold(tmp_path):
+    """Boxes the conversion drops or clips are dropped or clipped in the ground truth too:
+    detections equal to every kept box score AP 1 in pycocotools (0.9 with the json as given)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    root = helpers.make_roboflow(str(tmp_path / "d"))
+    path = os.path.join(root, "valid", "_annotations.coco.json")
+    with open(path) as f:
+        coco = json.load(f)
+    extra = [[500, 500, 10, 10], [30, 30, -10, 20], [10, 10, 20], [-20, -20, 30, 30]]
+    for n, bbox in enumerate(extra):
+        coco["annotations"].append({"id": 90 + n, "image_id": 100, "category_id": 1,
+                                    "bbox": bbox, "iscrowd": 0})
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    split = ds.splits["eval"]
+    with open(split.annotations_file) as f:
+        truth = json.load(f)["annotations"]
+    assert len(truth) == 5 + 1  # the dataset's own five, and the clipped one of the four
+    assert [a["bbox"] for a in truth if a["id"] == 93] == [[0.0, 0.0, 10.0, 10.0]]
+
+    detections = []
+    for record in _records(split.pattern):
+        h, w = record["image"].shape[:2]
+        for (y0, x0, y1, x1), label in zip(record["boxes"].numpy(), record["classes"].numpy()):
+            detections.append({"image_id": int(record["image_id"]), "score": 1.0,
+                               "category_id": int(label), "bbox": [
+                                   float(x0 * w), float(y0 * h), float((x1 - x0) * w),
+                                   float((y1 - y0) * h)]})
+    gt = COCO(split.annotations_file)
+    evaluation = COCOeval(gt, gt.loadRes(detections), "bbox")
+    evaluation.evaluate()
+    evaluation.accumulate()
+    evaluation.summarize()
+    assert evaluation.stats[0] == pytest.approx(1.0)

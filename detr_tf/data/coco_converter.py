@@ -56,13 +56,15 @@ NOTES_PER_KIND = 10  # bad items named in the summary, per counter; the rest are
 @dataclasses.dataclass
 class ConversionStats:
     """Counts of one conversion (see the module docstring for each field), the first
-    NOTES_PER_KIND bad items of each kind, and the shards written."""
+    NOTES_PER_KIND bad items of each kind, the shards written, and when asked for
+    (`convert_coco(keep_annotations=True)`) the annotations they hold, boxes clipped."""
 
     counts: Dict[str, int] = dataclasses.field(
         default_factory=lambda: {k: 0 for k in _COUNTERS})
     notes: Dict[str, List[str]] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(list))
     files: List[str] = dataclasses.field(default_factory=list)
+    annotations: Optional[List[dict]] = None
 
     def add(self, counts: Dict[str, int], notes: List[coco_records.Note] = ()) -> None:
         for k, v in counts.items():
@@ -154,8 +156,10 @@ def _write(results, paths: List[str], stats: ConversionStats) -> int:
     writers = [tf.io.TFRecordWriter(p) for p in staged]
     written = 0
     try:
-        for record, counts, notes in results:
+        for record, counts, notes, kept in results:
             stats.add(counts, notes)
+            if stats.annotations is not None:
+                stats.annotations += kept
             if record is not None:
                 example = tfexample.build_tf_example(**record)
                 writers[written % len(writers)].write(example.SerializeToString())
@@ -173,7 +177,7 @@ def _write(results, paths: List[str], stats: ConversionStats) -> int:
 
 def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
                  num_shards: int = 8, num_processes: Optional[int] = None,
-                 progress: bool = True) -> ConversionStats:
+                 progress: bool = True, keep_annotations: bool = False) -> ConversionStats:
     """Converts a COCO-format dataset to TFRecord shards.
 
     Args:
@@ -183,6 +187,8 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
       num_shards: number of output files (images go round-robin); at most one per image.
       num_processes: worker processes (default: all CPUs); 1 converts in this process.
       progress: show a tqdm progress bar.
+      keep_annotations: also return the annotations the shards hold (ConversionStats'
+        `annotations`), for an evaluation ground truth that agrees with them.
 
     Returns:
       ConversionStats with the counts, the bad items and the written shard paths (none when
@@ -196,7 +202,7 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
     coco = json_files.read_coco(annotations_file)
     category_names = check_coco(coco, annotations_file)
     _check_paths(image_dir, annotations_file, output_prefix)
-    stats = ConversionStats()
+    stats = ConversionStats(annotations=[] if keep_annotations else None)
     by_image = _group(coco, stats)
     jobs = [(img, by_image[img["id"]], image_dir, category_names) for img in coco["images"]]
     tf.io.gfile.makedirs(os.path.dirname(os.path.abspath(output_prefix)))

@@ -84,7 +84,7 @@ def _annotation(ann: dict, file_name: str) -> str:
 
 def convert_one(image: dict, annotations: List[dict], image_dir: str,
                 category_names: Dict[int, str]
-                ) -> Tuple[Optional[dict], Dict[str, int], List[Note]]:
+                ) -> Tuple[Optional[dict], Dict[str, int], List[Note], List[dict]]:
     """Converts one COCO image entry with its annotations.
 
     Args:
@@ -95,43 +95,74 @@ def convert_one(image: dict, annotations: List[dict], image_dir: str,
 
     Returns:
       (keyword arguments of `tfexample.build_tf_example`, or None when the image is
-      skipped; counts for this image; a note for each bad item).
+      skipped; counts for this image; a note for each bad item; the annotations the record
+      holds, as COCO entries with their boxes clipped, for a ground truth that agrees with it).
     """
     counts, notes = collections.Counter(), []
     name = image["file_name"]
-    path = os.path.join(image_dir, name)
+    read = _read(image, os.path.join(image_dir, name), len(annotations), counts, notes)
+    if read is None:
+        return None, dict(counts), notes, []
+    data, fmt, height, width = read
+    kept = _kept(annotations, name, width, height, category_names, counts, notes)
+    if not kept:
+        counts["images_without_annotations"] += 1
+    counts["annotations_written"] += len(kept)
+    counts["images_written"] += 1
+    record = dict(encoded_image=data, image_format=fmt, height=height, width=width,
+                  image_id=image["id"], filename=name,
+                  boxes=[(x0 / width, y0 / height, x1 / width, y1 / height)
+                         for _, (x0, y0, x1, y1) in kept],
+                  category_ids=[int(a["category_id"]) for a, _ in kept],
+                  is_crowd=[a["iscrowd"] for a, _ in kept], areas=[a["area"] for a, _ in kept],
+                  category_names=[category_names[a["category_id"]] for a, _ in kept])
+    return record, dict(counts), notes, [a for a, _ in kept]
+
+
+def _read(image: dict, path: str, num_annotations: int, counts: collections.Counter,
+          notes: List[Note]) -> Optional[Tuple[bytes, str, int, int]]:
+    """(bytes, format, height, width) of the image, or None when it is skipped; counts and
+    names what was wrong with it."""
     data, fmt, height, width, status, reason = read_image(
         path, (image.get("height"), image.get("width")))
+    where = f"{path} (image id {image['id']}"
     if status == "missing":
         counts["images_missing"] += 1
-        counts["annotations_of_missing_images"] += len(annotations)
-        notes.append(("images_missing", f"{path} (image id {image['id']}, "
-                                        f"{len(annotations)} annotations): no such file"))
-        return None, dict(counts), notes
+        counts["annotations_of_missing_images"] += num_annotations
+        notes.append(("images_missing", f"{where}, {num_annotations} annotations): no such file"))
+        return None
     if status == "corrupt":
         counts["images_corrupt"] += 1
-        notes.append(("images_corrupt", f"{path} (image id {image['id']}): {reason}"))
-        return None, dict(counts), notes
+        notes.append(("images_corrupt", f"{where}): {reason}"))
+        return None
     if status == "reencoded":
         counts["images_reencoded"] += 1
     if status == "reoriented":
         counts["images_reoriented"] += 1
-        notes.append(("images_reoriented",
-                      f"{path} (image id {image['id']}): turned upright by its {reason}, as the "
-                      f"json's {width} x {height} px says its boxes were drawn"))
+        notes.append(("images_reoriented", f"{where}): turned upright by its {reason}, as the "
+                                           f"json's {width} x {height} px says its boxes were "
+                                           "drawn"))
     elif reason:
         counts["images_orientation_unapplied"] += 1
         notes.append(("images_orientation_unapplied",
-                      f"{path} (image id {image['id']}): its {reason} is not applied; its boxes "
-                      "are read on the stored pixels. If they were drawn on the image as a "
-                      "viewer shows it, store it upright"))
+                      f"{where}): its {reason} is not applied; its boxes are read on the stored "
+                      "pixels. If they were drawn on the image as a viewer shows it, store it "
+                      "upright"))
     if (image.get("height"), image.get("width")) != (height, width):
         counts["images_size_mismatch"] += 1
         notes.append(("images_size_mismatch",
-                      f"{path} (image id {image['id']}): the json gives {image.get('width')} x "
-                      f"{image.get('height')} px, the file is {width} x {height}; its size is "
-                      "used"))
-    boxes, cats, crowd, areas, names = [], [], [], [], []
+                      f"{where}): the json gives {image.get('width')} x {image.get('height')} "
+                      f"px, the file is {width} x {height}; its size is used"))
+    return data, fmt, height, width
+
+
+def _kept(annotations: List[dict], name: str, width: int, height: int,
+          category_names: Dict[int, str], counts: collections.Counter,
+          notes: List[Note]) -> List[Tuple[dict, tuple]]:
+    """(COCO entry as kept, (x0, y0, x1, y1) in pixels) of each annotation the record holds:
+    known category, a box with area inside the image (clipped to it); counts and names the
+    others."""
+    kept = []
     for ann in annotations:
         cat = ann.get("category_id")
         if cat not in category_names:
@@ -150,19 +181,11 @@ def convert_one(image: dict, annotations: List[dict], image_dir: str,
         x0, y0, x1, y1 = box
         is_crowd = int(bool(ann.get("iscrowd", 0)))
         counts["crowd_boxes"] += is_crowd
-        boxes.append((x0 / width, y0 / height, x1 / width, y1 / height))
-        cats.append(int(cat))
-        crowd.append(is_crowd)
-        areas.append(float(ann.get("area", (x1 - x0) * (y1 - y0))))
-        names.append(category_names[cat])
-    if not boxes:
-        counts["images_without_annotations"] += 1
-    counts["annotations_written"] += len(boxes)
-    counts["images_written"] += 1
-    record = dict(encoded_image=data, image_format=fmt, height=height, width=width,
-                  image_id=image["id"], filename=name, boxes=boxes,
-                  category_ids=cats, is_crowd=crowd, areas=areas, category_names=names)
-    return record, dict(counts), notes
+        entry = dict(ann, iscrowd=is_crowd, area=float(ann.get("area", (x1 - x0) * (y1 - y0))))
+        if why:  # clipped
+            entry["bbox"] = [x0, y0, x1 - x0, y1 - y0]
+        kept.append((entry, box))
+    return kept
 
 
 def convert_star(args):

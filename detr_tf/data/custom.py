@@ -2,7 +2,8 @@
 
 `prepare_custom_dataset(data_dir, cache_dir)` finds the layout (`custom_layouts`), writes each
 split as one COCO json (file names made absolute, the train split's categories everywhere) and
-as TFRecords (`coco_converter`, whose bad-input summary is printed), and returns a
+as TFRecords (`coco_converter`, whose bad-input summary is printed; the json then holds the
+annotations as the records do, so evaluation scores against the same boxes), and returns a
 `CustomDataset`: the splits' record patterns, annotation files and sizes, the class names and
 category ids, and the train images' sizes. Everything the configs need (NUM_CLASSES, the split
 sizes, the image sizes in `custom_plan`) is read from it; the user counts nothing.
@@ -83,9 +84,16 @@ def _file_stamp(path: str, content: bool) -> list:
     return stamp
 
 
+# Raised when the conversion's output changes, so a cache written by an older one is rebuilt:
+# 2 writes the annotations as converted (boxes clipped, dropped ones left out) and applies a
+# confirmed EXIF orientation.
+CONVERSION_FORMAT = 2
+
+
 def fingerprint(layout: layouts.Layout) -> str:
-    """Hash of what the conversion reads (annotation files, image listings); 16 hex digits."""
-    h = hashlib.sha256(layout.kind.encode())
+    """Hash of what the conversion reads (annotation files, image listings) and of
+    CONVERSION_FORMAT; 16 hex digits."""
+    h = hashlib.sha256(f"{layout.kind}/{CONVERSION_FORMAT}".encode())
     for name in sorted(layout.splits):
         split = layout.splits[name]
         parts = [name]
@@ -152,8 +160,12 @@ def _convert(layout: layouts.Layout, work: str) -> dict:
         stats = coco_converter.convert_coco(
             "", ann_path, os.path.join(work, "tfrecords", name),
             num_shards=max(1, min(64, -(-n // _IMAGES_PER_SHARD))),
-            num_processes=1 if n < 500 else None, progress=n >= 500)
+            num_processes=1 if n < 500 else None, progress=n >= 500, keep_annotations=True)
         print(stats.summary(), flush=True)
+        # The evaluation's ground truth is what the records hold: no dropped box, clipped ones.
+        coco["annotations"] = stats.annotations
+        with open(ann_path, "w") as f:
+            json.dump(coco, f)
         if stats.counts["images_written"] == 0:
             raise ValueError(f"{layout.data_dir}: no usable image in the {name} split "
                              f"(annotations {layout.splits[name].annotations or 'VOC XML'}); "
