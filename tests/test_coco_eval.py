@@ -150,3 +150,36 @@ def test_a_run_that_evaluates_again_traces_once_and_sees_the_new_weights():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_ground_truth_without_a_usable_bbox_is_left_out_and_named(tmp_path, capsys):
+    """A hand-made annotations file whose bbox is short, missing or not finite: those entries are
+    left out (as the converter leaves them out of the records), named in one line, and the rest
+    scores as pycocotools scores the file without them."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    from detr_tf.evaluation import coco_io
+
+    good = [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 20]},
+            {"id": 2, "image_id": 1, "category_id": 1, "bbox": [40, 40, 10, 10]}]
+    bad = [{"id": 7, "image_id": 1, "category_id": 1, "bbox": [10, 10, 20]},
+           {"id": 8, "image_id": 1, "category_id": 1},
+           {"id": 9, "image_id": 1, "category_id": 1, "bbox": [1, 1, float("nan"), 2]}]
+    dataset = {"images": [{"id": 1, "width": 64, "height": 64}],
+               "categories": [{"id": 1, "name": "a"}]}
+    (tmp_path / "bad.json").write_text(json.dumps(dict(dataset, annotations=good + bad)))
+    (tmp_path / "good.json").write_text(json.dumps(dict(dataset, annotations=[
+        dict(a, area=a["bbox"][2] * a["bbox"][3], iscrowd=0) for a in good])))
+    loaded = coco_io.load_annotations(str(tmp_path / "bad.json"), verbose=False)
+    assert "3 annotation(s) left out of the ground truth" in capsys.readouterr().out
+    assert len(loaded.dataset["annotations"]) == 2
+    detections = [{"image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 20], "score": 0.9}]
+
+    def ap(gt):
+        e = COCOeval(gt, gt.loadRes(detections), "bbox")
+        e.evaluate()
+        e.accumulate()
+        e.summarize()
+        return e.stats[0]
+    assert ap(loaded) == pytest.approx(ap(COCO(str(tmp_path / "good.json"))))

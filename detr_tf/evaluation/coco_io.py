@@ -4,6 +4,8 @@ file lacks what COCOeval reads) or built in memory, and results written.
 import contextlib
 import io
 import json
+import math
+import numbers
 import os
 from typing import Any, Dict, Union
 
@@ -35,6 +37,12 @@ def make_coco(dataset: Dict[str, Any], verbose: bool) -> COCO:
     return coco
 
 
+def _is_box(bbox: Any) -> bool:
+    return (isinstance(bbox, (list, tuple)) and len(bbox) == 4 and
+            all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                for v in bbox))
+
+
 def load_annotations(annotations: Union[str, os.PathLike, COCO], verbose: bool) -> COCO:
     """Loads a COCO ground truth and fills the fields COCOeval needs but some files lack."""
     if isinstance(annotations, COCO):
@@ -49,18 +57,22 @@ def load_annotations(annotations: Union[str, os.PathLike, COCO], verbose: bool) 
         if not isinstance(dataset, dict) or key not in dataset:
             raise ValueError(f"CocoEvaluator: annotations from {source} have no {key!r} list; "
                              f"expected a COCO instances json")
-    annotations_out = []
-    for n, ann in enumerate(dataset["annotations"]):
+    annotations_out, malformed = [], []
+    for ann in dataset["annotations"]:
         ann = dict(ann)  # never mutate the caller's COCO object
-        if "bbox" not in ann:
-            raise ValueError(f"CocoEvaluator: annotation #{n} (id {ann.get('id')}) in {source} "
-                             f"has no 'bbox'")
+        if not _is_box(ann.get("bbox")):
+            malformed.append(f"id {ann.get('id')} ({ann.get('bbox', 'no bbox')!r})")
+            continue
         # COCOeval reads 'iscrowd' and 'area' unconditionally; a hand-made file may lack them.
         ann.setdefault("iscrowd", 0)
         ann.setdefault("area", float(ann["bbox"][2]) * float(ann["bbox"][3]))
         # Renumber from 1: COCOeval marks a match by storing the GT id and tests it with > 0.
-        ann["id"] = n + 1
+        ann["id"] = len(annotations_out) + 1
         annotations_out.append(ann)
+    if malformed:  # as the converter drops them from the records
+        print(f"CocoEvaluator: {source}: {len(malformed)} annotation(s) left out of the ground "
+              "truth, their bbox not four finite numbers: " + ", ".join(malformed[:10]) +
+              (", ..." if len(malformed) > 10 else ""), flush=True)
     copied = dict(dataset)
     copied["annotations"] = annotations_out
     return make_coco(copied, verbose)
