@@ -33,3 +33,30 @@ def test_metrics_jsonl_is_created_by_the_first_record_only(tmp_path):
     assert [json.loads(line) for line in lines] == [
         {"step": 3, "split": "train", "loss": 1.5}, {"step": 4, "split": "train", "loss": 1.25}]
     metrics_writer.MetricsWriter(str(tmp_path / "unused")).close()  # closing with no record
+
+
+def test_a_resumed_run_leaves_out_the_rows_of_the_steps_it_takes_again(tmp_path, capsys):
+    """Killed at step 5 with its last checkpoint at 3: the rows of steps 4 and 5 (and a line
+    the kill cut short) go, so each step has one row when the resumed run logs them again."""
+    import json
+
+    writer = metrics_writer.MetricsWriter(str(tmp_path))
+    for step in range(1, 6):
+        writer.write(step, {"loss": 1.0 / step})
+    writer.write(3, {"AP": 0.5}, split="eval")
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "spl')  # the kill
+    resumed = metrics_writer.MetricsWriter(str(tmp_path))
+    resumed.resume_at(3)
+    assert "left out 3 row(s) past step 3" in capsys.readouterr().out
+    for step in (4, 5):
+        resumed.write(step, {"loss": 2.0})
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in rows] == [
+        (1, "train"), (2, "train"), (3, "train"), (3, "eval"), (4, "train"), (5, "train")]
+    assert rows[-1]["loss"] == 2.0
+    # Nothing past the step: the file is left as it is, and nothing is said.
+    metrics_writer.MetricsWriter(str(tmp_path)).resume_at(5)
+    assert capsys.readouterr().out == ""

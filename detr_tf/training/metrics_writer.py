@@ -20,6 +20,14 @@ def _plain(value):
     return value if math.isfinite(value) else str(value)
 
 
+def _step(line: str) -> Optional[int]:
+    """A metrics.jsonl row's step; None for a line that is not a whole row."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class MetricsWriter:
     """Writes scalars to TensorBoard (model_dir/train, model_dir/eval) and model_dir/metrics.jsonl.
 
@@ -52,6 +60,26 @@ class MetricsWriter:
         if self._jsonl is None:
             self._jsonl = open(os.path.join(self.model_dir, "metrics.jsonl"), "a", buffering=1)
         self._jsonl.write(json.dumps(record) + "\n")
+
+    def resume_at(self, step: int) -> None:
+        """Leaves out metrics.jsonl's rows past `step`, where the run resumes (0: a new run):
+        they are of steps a run took and lost, ending without a checkpoint after them, and the
+        resumed run takes those steps again. A line cut short by the kill goes too. Says how
+        many rows went."""
+        path = os.path.join(self.model_dir, "metrics.jsonl")
+        if not self.enabled or not os.path.exists(path):
+            return
+        with open(path) as f:
+            lines = f.read().splitlines()
+        kept = [line for line in lines if _step(line) is not None and _step(line) <= step]
+        if len(kept) == len(lines):
+            return
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(line + "\n" for line in kept)
+        os.replace(tmp, path)
+        print(f"detr_tf: metrics.jsonl: left out {len(lines) - len(kept)} row(s) past step "
+              f"{step}, where the run resumes (their steps are taken again)", flush=True)
 
     def close(self) -> None:
         if self.enabled:
