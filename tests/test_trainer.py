@@ -442,6 +442,13 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     assert "build_optimizers.warmup_steps = -1 (int) must be an int >= 0" in log, log[-4000:]
     assert (full / "config.gin").read_text() == config_gin
     assert sorted(os.listdir(full / "checkpoints")) == saved
+    # Resumed with another batch size: refused before anything is built (the input position
+    # and the epoch schedule count steps of the recorded size).
+    proc, log = train_cli(full, shapes_cache, *common[:3], "train.num_steps = 6",
+                          "GLOBAL_BATCH_SIZE = 2")
+    assert proc.returncode == 1 and "Traceback" not in log, log[-4000:]
+    assert "trained to step 4 at 4 images per step" in log and "gives 2" in log, log[-4000:]
+    assert sorted(os.listdir(full / "checkpoints")) == saved
 
 
 def test_nan_loss_stops_naming_step_and_terms_or_skips(shapes_cache, tmp_path):

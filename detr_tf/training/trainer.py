@@ -32,7 +32,7 @@ import tf_keras
 
 from detr_tf import arg_checks as ac, config, machine
 from detr_tf.durations import format_elapsed
-from detr_tf.training import checkpointing, hardware, state as state_lib
+from detr_tf.training import checkpointing, hardware, resume_checks, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
 from detr_tf.training.host_loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
@@ -206,6 +206,8 @@ def train(model_dir: str,
                          f"{engine.num_replicas} replicas of distribution={engine.name!r}")
     num_steps, steps_per_epoch = _count_steps(num_steps, num_epochs, train_examples,
                                               global_batch_size * grad_accum_steps)
+    resume_checks.check_images_per_step(model_dir, global_batch_size * grad_accum_steps,
+                                        engine.is_chief)
     if deterministic:
         tf_keras.utils.set_random_seed(seed)
         tf.config.experimental.enable_op_determinism()
