@@ -106,7 +106,8 @@ def test_the_weighting_function_must_match_the_files(files, model, tmp_path):
     tensors = load_file(str(files / "model_original.safetensors"))
     tensors["decoder.reg_scale"] = np.array([8.0], np.float32)
     _refused(model, tensors, tmp_path / "x.safetensors",
-             r"x.safetensors' is another configuration of the architecture: "
+             r"x.safetensors' \(original D-FINE .*\) into the configured DFINE: another "
+             r"configuration of the architecture: "
              r"decoder[.]reg_scale is \[8\] in the file but \[4\] in the model "
              r"\(the weighting function's scale; the model's is 4.0 \(REG_SCALE")
 

@@ -213,6 +213,19 @@ def test_a_file_with_other_constants_is_refused(files, model, tmp_path):
         weights.load_pretrained(model, str(tmp_path / "other.safetensors"))
 
 
+def test_a_file_of_another_family_is_named_with_the_configured_model(model, tmp_path):
+    """D-FINE's file into RT-DETR: many shapes differ, and the message names both."""
+    with gzip.open(REPO / "tests" / "fixtures" / "dfine" / "model_save_pretrained.safetensors.gz",
+                   "rb") as f:
+        (tmp_path / "dfine.safetensors").write_bytes(f.read())
+    before = _values(model)
+    with pytest.raises(weights.WeightImportError,
+                       match=r"dfine.safetensors' \(Hugging Face DFineForObjectDetection .*\) into "
+                             r"the configured RTDETR: \d+ shape mismatch"):
+        weights.load_pretrained(model, str(tmp_path / "dfine.safetensors"))
+    assert all(np.array_equal(before[v.ref()], v.numpy()) for v in model.variables)
+
+
 def _tool(*args: str, tool: str = "import_weights.py") -> subprocess.CompletedProcess:
     return tool_helpers.run_tool(tool, *args)
 

@@ -170,7 +170,7 @@ def test_a_shape_mismatch_names_the_key_the_shapes_and_the_file():
     with pytest.raises(weights.WeightImportError) as e:
         weights.load_pretrained(model, path)
     msg = str(e.value)
-    assert path in msg and "shape mismatch" in msg
+    assert path in msg and "shape mismatch" in msg and "into the configured DETR" in msg
     assert ("transformer.encoder.layers.0.linear1.weight has shape (64, 32) in the file but "
             "the model's transformer.encoder.layers.0.linear1.weight needs (128, 32)") in msg
     for a, b in zip(before, values(model.variables)):  # nothing was assigned

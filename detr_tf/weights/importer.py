@@ -101,7 +101,7 @@ def _check_constants(source, constants, skip, path) -> List[str]:
         checked.append(key)
     if errors:
         more = f"; ... ({len(errors) - 3} more)" if len(errors) > 3 else ""
-        raise WeightImportError(f"{path!r} is another configuration of the architecture: "
+        raise WeightImportError(f"{path}: another configuration of the architecture: "
                                 + "; ".join(errors[:3]) + more)
     return checked
 
@@ -134,7 +134,7 @@ def _plan(source, table, groups, skip, allow_head_reinit, path, constants=()):
             plan[name] = target.from_torch(value)
     if errors:
         more = f"; ... ({len(errors) - 10} more)" if len(errors) > 10 else ""
-        raise WeightImportError(f"{path!r}: {len(errors)} shape mismatch(es): "
+        raise WeightImportError(f"{path}: {len(errors)} shape mismatch(es): "
                                 + "; ".join(errors[:10]) + more)
     for group in reinit:  # a re-initialised group is left whole at its initial values
         refs = {v.ref() for v in groups[group]}
@@ -230,9 +230,12 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     skip = list(skip) + [p for p in src.default_skip if p not in skip]
     groups = targets_lib.head_groups(model)
     constants = src.constants or {}
-    checked = _check_constants(src.tensors, constants, skip, path)
+    # Shape errors name the file's format and the model the bindings build: a file of another
+    # family or size differs in many shapes, and the two names say why.
+    named = f"{path!r} ({src.format}) into the configured {type(model).__name__}"
+    checked = _check_constants(src.tensors, constants, skip, named)
     plan, unused, skipped, reinit = _plan(src.tensors, src.table, groups, skip,
-                                          allow_head_reinit, path, constants)
+                                          allow_head_reinit, named, constants)
     reinit_refs = {v.ref() for g in reinit for v in groups[g]}
     not_loaded, absent = _left_at_init(model, src.table, plan, reinit_refs)
     unexpected = [k for k in unused if k not in skipped and not _matches([k], skip)]
