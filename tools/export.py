@@ -9,7 +9,9 @@ The SavedModel has `serving_default(encoded: string [N])` and `serving_images(im
 num_detections (docs/EVALUATION.md). Its preprocessing is the eval pipeline's, so it gives the
 detections tools/predict.py gives. With tflite or onnx it also has `serving_fixed` (one uint8
 image of --input_size and its size), which the TFLite and ONNX files are converted from
-(docs/EXPORT.md). Without --gin_file the run's MODEL_DIR/config.gin is used.
+(docs/EXPORT.md). A previous export's TFLite and ONNX files in EXPORT_DIR are removed first,
+and each file is written under a temporary name, so the directory holds one export and no
+partial file. Without --gin_file the run's MODEL_DIR/config.gin is used.
 """
 from absl import app, flags, logging
 
@@ -21,12 +23,13 @@ flags.DEFINE_string("export_dir", None, "Where the SavedModel is written (create
                     "and ONNX files go inside it.")
 flags.DEFINE_list("format", ["saved_model"], "Formats to write, any of saved_model, tflite, "
                   "onnx (comma-separated); the SavedModel is always written.")
-flags.DEFINE_list("tflite_modes", ["float32"], "TFLite modes, any of float32, float16, "
+flags.DEFINE_list("tflite_modes", ["float32"], "With --format=tflite: TFLite modes, any of "
+                  "float32, float16, "
                   "dynamic_int8, int8 (int8 is full-integer, calibrated on the run's validation "
                   "images; it loses nearly all of a DETR's accuracy, docs/EXPORT.md: prefer "
                   "dynamic_int8).")
-flags.DEFINE_string("input_size", None, "H,W of the image the TFLite and ONNX models take; "
-                    "default: the eval canvas.")
+flags.DEFINE_string("input_size", None, "With --format=tflite or onnx: H,W of the image "
+                    "the TFLite and ONNX models take; default: the eval canvas.")
 flags.mark_flag_as_required("export_dir")
 FLAGS = flags.FLAGS
 
@@ -39,7 +42,8 @@ def main(argv):
     cli.check_output_dir("export.py", "export_dir", FLAGS.export_dir)
     cli.parse_tool_config("export.py", FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir)
     cli.run_tool("export.py", lambda: formats.export_formats(
-        FLAGS.model_dir, FLAGS.export_dir, FLAGS.format, FLAGS.tflite_modes,
+        FLAGS.model_dir, FLAGS.export_dir, FLAGS.format,
+        FLAGS.tflite_modes if FLAGS["tflite_modes"].present else None,
         formats.parse_input_size(FLAGS.input_size), FLAGS.checkpoint))
 
 

@@ -5,7 +5,9 @@
     EXPORT_DIR/detector_<mode>.tflite    one per TFLite mode (tflite.MODES)
     EXPORT_DIR/detector.onnx
 """
+import contextlib
 import os
+import re
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -72,39 +74,81 @@ def parse_input_size(text: Optional[str]) -> Optional[Tuple[int, int]]:
 
 
 def export_formats(model_dir: str, export_dir: str, formats: Sequence[str],
-                   tflite_modes: Sequence[str] = ("float32",),
+                   tflite_modes: Optional[Sequence[str]] = None,
                    input_size: Optional[Sequence[int]] = None,
                    checkpoint: Optional[str] = None) -> List[str]:
     """Writes the run's SavedModel and the other formats asked for; returns the paths written.
 
+    A previous export's TFLite and ONNX files in export_dir are removed first (each named), so
+    the directory never mixes two exports; each file is written under a temporary name and
+    renamed into place, so an interrupted export leaves no partial file.
+
     Args:
       formats: any of FORMATS; the SavedModel is always written (the others come from it).
-      tflite_modes: the TFLite modes (tflite.MODES) written with 'tflite'.
+      tflite_modes: the TFLite modes (tflite.MODES) written with 'tflite'; None: float32.
       input_size: (H, W) the TFLite and ONNX models take; None: the eval canvas's size.
     """
     from detr_tf.evaluation import export
     from detr_tf.export import onnx_export, saved_model, tflite
 
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown or not formats:
-        raise ValueError(f"--format={','.join(formats)}: expected one or more of {FORMATS}")
-    bad_modes = sorted(set(tflite_modes) - set(tflite.MODES))
-    if bad_modes:
-        raise ValueError(f"--tflite_modes: {bad_modes} not among {tflite.MODES}")
-    edge = bool(set(formats) & {"tflite", "onnx"})
+    edge = _check_request(formats, tflite_modes, input_size, tflite.MODES)
+    _remove_previous(export_dir)
     saved = export.export_run(model_dir, export_dir, checkpoint,
                               fixed_input_size=(input_size or "canvas") if edge else None)
     written = [saved]
     if "tflite" in formats:
         size = saved_model.fixed_input_size(saved)
-        for mode in tflite_modes:
+        for mode in tflite_modes or ("float32",):
             calibration = (lambda: validation_inputs(size)) if mode == "int8" else None
-            with open(tflite_path(export_dir, mode), "wb") as f:
-                f.write(tflite.convert(saved, mode, calibration))
+            with _in_place(tflite_path(export_dir, mode)) as partial:
+                with open(partial, "wb") as f:
+                    f.write(tflite.convert(saved, mode, calibration))
             written.append(tflite_path(export_dir, mode))
             print(f"export: wrote {written[-1]}", flush=True)
     if "onnx" in formats:
-        written.append(onnx_export.convert(saved, onnx_path(export_dir)))
+        with _in_place(onnx_path(export_dir)) as partial:
+            onnx_export.convert(saved, partial)
+        written.append(onnx_path(export_dir))
         print(f"export: wrote {written[-1]}", flush=True)
     return written
 
+
+def _check_request(formats, tflite_modes, input_size, modes) -> bool:
+    """Refuses unknown formats or modes, and TFLite or ONNX settings without those formats;
+    returns whether a TFLite or ONNX file is asked for."""
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown or not formats:
+        raise ValueError(f"--format={','.join(formats)}: expected one or more of {FORMATS}")
+    bad_modes = sorted(set(tflite_modes or ()) - set(modes))
+    if bad_modes:
+        raise ValueError(f"--tflite_modes: {bad_modes} not among {modes}")
+    edge = bool(set(formats) & {"tflite", "onnx"})
+    if tflite_modes is not None and "tflite" not in formats:
+        raise ValueError(f"--tflite_modes={','.join(tflite_modes)} is for TFLite files: add "
+                         "tflite to --format")
+    if input_size is not None and not edge:
+        raise ValueError(f"--input_size={input_size[0]},{input_size[1]} is for the TFLite and "
+                         "ONNX files: add tflite or onnx to --format")
+    return edge
+
+
+def _remove_previous(export_dir: str) -> None:
+    """Removes the TFLite and ONNX files an earlier export left in export_dir."""
+    if not os.path.isdir(export_dir):
+        return
+    for name in sorted(os.listdir(export_dir)):
+        if re.fullmatch(r"detector(_\w+\.tflite|\.onnx)(\.partial)?", name):
+            os.remove(os.path.join(export_dir, name))
+            print(f"export: removed {name}, of an earlier export", flush=True)
+
+
+@contextlib.contextmanager
+def _in_place(path: str) -> Iterator[str]:
+    """A temporary name to write `path` under, renamed to it when the writing succeeded."""
+    partial = path + ".partial"
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)

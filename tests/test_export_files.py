@@ -1,0 +1,79 @@
+"""tools/export.py's files: one export per directory (an earlier export's TFLite and ONNX files
+are removed first), no partial file after an interrupted conversion, and settings for formats
+not asked for refused before the model is restored. The conversions themselves are faked here;
+tests/test_export_standin.py and tests/test_export_formats.py run them."""
+import pytest
+
+from detr_tf.evaluation import export
+from detr_tf.export import formats, onnx_export, saved_model, tflite
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """export_run writes a stand-in SavedModel file; the TFLite conversion returns the mode's
+    name, or raises KeyboardInterrupt for 'float16' (Ctrl-C in the middle)."""
+    calls = []
+
+    def export_run(model_dir, export_dir, checkpoint, fixed_input_size):
+        calls.append(fixed_input_size)
+        (tmp_path / "out").mkdir(exist_ok=True)
+        (tmp_path / "out" / "saved_model.pb").write_text("new")
+        return export_dir
+
+    def convert(saved, mode, calibration):
+        if mode == "float16":
+            raise KeyboardInterrupt
+        return mode.encode()
+
+    def to_onnx(saved, path):
+        with open(path, "w") as f:
+            f.write("onnx")
+        return path
+
+    monkeypatch.setattr(export, "export_run", export_run)
+    monkeypatch.setattr(saved_model, "fixed_input_size", lambda saved: (8, 8))
+    monkeypatch.setattr(tflite, "convert", convert)
+    monkeypatch.setattr(onnx_export, "convert", to_onnx)
+    return calls
+
+
+def test_an_earlier_exports_files_are_removed_and_named(fake, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("detector_int8.tflite", "detector.onnx", "detector_float32.tflite.partial",
+                 "notes.txt"):
+        (out / name).write_text("old")
+    written = formats.export_formats("run", str(out), ["saved_model", "tflite"], ["float32"])
+    assert written == [str(out), str(out / "detector_float32.tflite")]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "detector_float32.tflite", "notes.txt", "saved_model.pb"]
+    assert (out / "detector_float32.tflite").read_bytes() == b"float32"
+    said = capsys.readouterr().out
+    for name in ("detector_int8.tflite", "detector.onnx"):
+        assert f"export: removed {name}, of an earlier export" in said
+
+
+def test_an_interrupted_conversion_leaves_no_partial_file(fake, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        formats.export_formats("run", str(out), ["tflite", "onnx"], ["float32", "float16"])
+    assert sorted(p.name for p in out.iterdir()) == ["detector_float32.tflite", "saved_model.pb"]
+    # The rerun writes the rest, in place.
+    formats.export_formats("run", str(out), ["onnx"])
+    assert sorted(p.name for p in out.iterdir()) == ["detector.onnx", "saved_model.pb"]
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    ({"formats": ["saved_model"], "tflite_modes": ["int8"]},
+     "--tflite_modes=int8 is for TFLite files: add tflite to --format"),
+    ({"formats": ["saved_model", "onnx"], "tflite_modes": ["float16"]},
+     "--tflite_modes=float16 is for TFLite files"),
+    ({"formats": ["saved_model"], "input_size": (100, 150)},
+     "--input_size=100,150 is for the TFLite and ONNX files: add tflite or onnx"),
+    ({"formats": ["tflite"], "tflite_modes": ["int4"]}, "--tflite_modes: ['int4'] not among"),
+    ({"formats": ["savedmodel"]}, "--format=savedmodel: expected one or more of"),
+])
+def test_settings_for_formats_not_asked_for_are_refused_first(fake, tmp_path, kwargs, said):
+    with pytest.raises(ValueError, match=said.replace("[", r"\[").replace("]", r"\]")):
+        formats.export_formats("run", str(tmp_path / "out"), **kwargs)
+    assert fake == [] and not (tmp_path / "out").exists()  # nothing restored or written
