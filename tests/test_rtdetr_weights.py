@@ -182,7 +182,7 @@ def test_a_missing_decoder_head_names_the_tie_rule_tried(files, model, tmp_path)
                        match=r"2 model variable\(s\) are not in the file: "
                              r"model[.]decoder[.]class_embed[.]1[.]weight, class_embed[.]1[.]"
                              r"weight; the tie rule 'model.decoder.class_embed.N is "
-                             r"class_embed.N \(RT-DETRv2's alias\)' found no name"):
+                             r"class_embed.N \(the top-level alias\)' found no name"):
         weights.load_pretrained(model, str(tmp_path / "cut.safetensors"))
 
 

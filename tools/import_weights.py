@@ -6,16 +6,16 @@
         --gin_file=gin_configs/models/detr_r50.gin --gin_param="NUM_CLASSES = 3" \
         --output_dir=/tmp/detr_r50_3classes
 
-Reads a reference DETR checkpoint, a Hugging Face DETR model.safetensors (transformers 4.x or
-5.x), an original RT-DETR / RT-DETRv2 .pth, an ImageNet ResNet (backbone only) or another
-detr_tf run; the format comes from the
-file's keys (docs/WEIGHTS.md). The model is the config's `train.model_fn` (an experiment file)
-or `build_model` (a model file), in float32. Prints the import report (tensors loaded, file
-tensors not used, model variables left at their initial values, heads re-initialised) and
-writes OUTPUT_DIR/config.gin and OUTPUT_DIR/checkpoints/ckpt-0, which tools/eval.py,
-predict.py and export.py read with --model_dir=OUTPUT_DIR (given an experiment file; the last
-lines say what to run). Anything unexpected fails with the key, the shapes and the file, and
-nothing is written; --skip says what is left out on purpose.
+Reads a reference DETR checkpoint; a Hugging Face DETR, Deformable DETR, RT-DETR / RT-DETRv2 or
+D-FINE model.safetensors (transformers 4.x or 5.x names); an original RT-DETR / RT-DETRv2 or
+D-FINE .pth; an ImageNet ResNet (backbone only); or another detr_tf run. The format comes from
+the file's keys (docs/WEIGHTS.md). The model is the config's `train.model_fn` (an experiment
+file) or `build_model` (a model file), in float32. Prints the import report (tensors loaded,
+file tensors not used, model variables left at their initial values, heads re-initialised) and
+writes OUTPUT_DIR/config.gin and OUTPUT_DIR/checkpoints/ckpt-0, which tools/eval.py, predict.py
+and export.py read with --model_dir=OUTPUT_DIR (given an experiment file; the last lines say
+what to run). Anything unexpected fails with the key, the shapes and the file, and nothing is
+written; --skip says what is left out on purpose.
 """
 import sys
 
@@ -26,7 +26,7 @@ from detr_tf import cli
 cli.define_gin_flags(example="NUM_CLASSES = 3")
 flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_string("weights", None, "A .safetensors, a torch .pth (needs torch) or a detr_tf "
-                    "model_dir / checkpoint prefix.")
+                    "model_dir / checkpoint prefix (formats: this tool's docstring).")
 flags.DEFINE_string("output_dir", None, "The run directory to write (must hold no checkpoint).")
 flags.DEFINE_multi_string("skip", [], "Glob of file keys or model variables deliberately not "
                           "imported, e.g. --skip='class_embed.*' (repeatable).")

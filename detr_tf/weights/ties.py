@@ -68,8 +68,8 @@ TIE_RULES: Dict[str, Dict[str, Tuple[TieRule, ...]]] = {
     # `bbox_embed.N` at the top level are `model.decoder.class_embed.N` / `.bbox_embed.N`
     # (v1 files hold only the decoder's names; the rules then fill in the top-level ones).
     "RT-DETR": {
-        "v1 and v2": (_decoder_head_is_models("class_embed", "RT-DETRv2's alias"),
-                      _decoder_head_is_models("bbox_embed", "RT-DETRv2's alias")),
+        "v1 and v2": (_decoder_head_is_models("class_embed", "the top-level alias"),
+                      _decoder_head_is_models("bbox_embed", "the top-level alias")),
     },
     # D-FINE in transformers 5.x: the top-level `class_embed.N` / `bbox_embed.N` are
     # `model.decoder.class_embed.N` / `.bbox_embed.N` (the Hub's files hold the decoder's
