@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from detr_tf import config, losses
+from detr_tf import config, losses, run as run_lib
 from detr_tf.data import custom, custom_layouts, custom_plan, pipeline, tfexample
 from tests import custom_data_helpers as helpers
 
@@ -165,6 +165,33 @@ def test_gin_takes_classes_and_sizes_from_the_data(tmp_path, gin_file):
         assert losses.SetCriterion().num_classes == 2
         batch = next(iter(pipeline.build_dataset(is_training=False, global_batch_size=2)))
         assert batch[0]["images"].shape[1:3] in set(info.buckets)
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("experiment, data, weights, canvas", [
+    # The experiment's own 640 px sizes, the data's sources and classes.
+    ("dfine_s.gin", "data/custom_data.gin", "INIT_WEIGHTS", (640, 640)),
+    ("rtdetr_r18vd.gin", "data/custom_data.gin", "INIT_WEIGHTS", (640, 640)),
+    # The sizes planned from the data: the 64 px images on their smallest canvas.
+    ("detr_r50.gin", "data/custom.gin", "BACKBONE_WEIGHTS", (64, 64)),
+])
+def test_an_experiment_file_for_coco_trains_on_your_own_data(tmp_path, experiment, data,
+                                                              weights, canvas):
+    """The COCO experiment file, then the custom data block: no COCO path is asked for, and
+    the run reads the data's classes and images at the experiment's sizes or the planned ones."""
+    root = helpers.make_roboflow(str(tmp_path / "d"))
+    gin.clear_config()
+    try:
+        config.parse_gin_config(  # as train.py parses: finalized, every required macro given
+            [f"gin_configs/{experiment}", f"gin_configs/{data}"],
+            [f"DATA_DIR = '{root}'", f"CACHE_DIR = '{tmp_path / 'cache'}'",
+             f"{weights} = '/weights.safetensors'"])
+        run = run_lib.assemble()
+        info = run.eval_info()
+        assert info.class_names == ["cat", "dog"] and info.category_ids == [1, 2]
+        assert min(info.buckets) == canvas
+        assert run.dataset_info_fn(is_training=True).num_examples == 3
     finally:
         gin.clear_config()
 
