@@ -209,3 +209,24 @@ def test_cpu_devices_without_mirrored_says_it_has_no_effect(capsys):
             "logical CPUs that 'mirrored' mirrors over") in capsys.readouterr().out
     distribution.make_engine("default", cpu_devices=0)
     assert "cpu_devices" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("engine", ["mirrored", "default"])
+def test_under_horovodrun_default_is_horovod_and_another_engine_is_refused(monkeypatch,
+                                                                         engine):
+    """horovodrun -np 2 with train.distribution='mirrored' ran two lone chiefs into one
+    model_dir; it is refused before anything is built. One process under horovodrun is one
+    run, and is left alone."""
+    from detr_tf.training import distribution
+
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    monkeypatch.setenv("HOROVOD_SIZE", "2")
+    if engine == "default":  # 'default' becomes Horovod (not built here: it may be absent)
+        monkeypatch.setattr(distribution, "HorovodEngine", lambda: "horovod")
+        assert distribution.make_engine(engine) == "horovod"
+        return
+    with pytest.raises(ValueError, match=rf"train.distribution='{engine}' under horovodrun "
+                                         r"\(2 processes\): each process would train alone"):
+        distribution.make_engine(engine)
+    monkeypatch.setenv("HOROVOD_SIZE", "1")
+    assert distribution.make_engine(engine).name == engine

@@ -280,6 +280,12 @@ def make_engine(distribution: str = "default", cpu_devices: int = 0) -> Engine:
         raise ValueError(f"distribution={distribution!r} is not one of {ENGINES}")
     if distribution == "default" and launched_by_horovodrun():
         distribution = "horovod"
+    processes = os.environ.get("HOROVOD_SIZE", "?")
+    if distribution != "horovod" and launched_by_horovodrun() and processes != "1":
+        raise ValueError(
+            f"train.distribution={distribution!r} under horovodrun ({processes} processes): "
+            "each process would train alone, into the same model_dir. Under horovodrun leave "
+            "train.distribution at 'default' (Horovod is then used) or set 'horovod'")
     if cpu_devices > 1 and distribution != "mirrored":
         print(f"detr_tf: note: cpu_devices={cpu_devices} has no effect with distribution="
               f"{distribution!r}: it sets the logical CPUs that 'mirrored' mirrors over",
