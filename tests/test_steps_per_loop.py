@@ -203,9 +203,32 @@ def test_nan_mid_loop_skipped_is_reported_and_the_run_goes_on(tmp_path, capsys):
     result, _ = train(tmp_path, 8, steps_per_loop=4, nan_at_step=6, log_every=100,
                       eval_every=None, nan_policy="skip")
     assert result["step"] == 8 and checkpoints(tmp_path) == [4, 8]
-    assert ("steps 5-8: 1 non-finite loss(es), those steps skipped (the first at step 6; "
+    assert ("steps 5-8: 1 with a non-finite loss or gradients, skipped (the first at step 6; "
             "1 so far)") in capsys.readouterr().out
     assert all(np.all(np.isfinite(v)) for v in weights(tmp_path, 8).values())
+
+
+class NaNGradientCriterion(ToyCriterion):
+    """ToyCriterion plus sqrt(0 x error): a term whose value is 0 and whose gradient is NaN."""
+
+    def __call__(self, outputs, targets, num_boxes):
+        losses = super().__call__(outputs, targets, num_boxes)
+        blow_up = tf.reduce_sum(tf.sqrt(0.0 * tf.abs(outputs["pred"] - targets["y"])))
+        return {**losses, "loss": losses["loss"] + blow_up}
+
+
+def test_non_finite_gradients_of_a_finite_loss_stop_the_run_or_are_skipped(tmp_path, capsys):
+    """Their update is skipped, as a NaN loss's is: without the check a run trained nothing and
+    ended as if it had."""
+    with pytest.raises(trainer.TrainingError, match=r"^non-finite gradients \(the loss is "
+                                                    r"finite\) at step 1: .*grad_norm=nan"):
+        train(tmp_path / "stop", 4, steps_per_loop=1, criterion=NaNGradientCriterion(),
+              eval_every=None)
+    result, _ = train(tmp_path / "skip", 4, steps_per_loop=2, criterion=NaNGradientCriterion(),
+                      eval_every=None, nan_policy="skip")
+    said = capsys.readouterr().out
+    assert result["step"] == 4 and "non-finite loss or gradients" in said
+    assert "4 so far)" in said, said  # every step was skipped, and counted
 
 
 def test_loops_of_any_length_share_one_trace_and_stop_at_the_first_non_finite_step():

@@ -56,7 +56,7 @@ class LoopOutcome:
 
     Attributes:
       steps: steps run (fewer than asked when nan_policy='stop' ended the loop early).
-      non_finite: steps whose loss was not finite (their update was skipped).
+      non_finite: steps whose loss or gradients were not finite (their update was skipped).
       first_non_finite: 0-based index, within this loop, of the first such step; -1 if none.
       stats: the last step's logging values (loss terms, grad_norm, ...).
     """
@@ -71,9 +71,11 @@ class DeviceLoop:
 
     Args:
       step_fn: fn(iterator) -> dict of scalar stats (possibly per replica) holding a boolean
-        'loss_finite'; e.g. StepBuilder.make_step_fn().
+        'finite' (the step's loss and gradients) or 'loss_finite'; e.g.
+        StepBuilder.make_step_fn().
       engine: the distribution engine (to read the first replica's copy of the stats).
-      stop_at_non_finite: end the loop after the first step with a non-finite loss.
+      stop_at_non_finite: end the loop after the first step with a non-finite loss or
+        gradients.
     """
 
     def __init__(self, step_fn: Callable[[Any], Dict[str, Any]], engine,
@@ -103,6 +105,8 @@ class DeviceLoop:
     def _step(self, iterator) -> Dict[str, tf.Tensor]:
         stats = {k: self._engine.local_results(v)[0] for k, v in self._step_fn(iterator).items()}
         self._names = sorted(stats)
+        # The train step's 'finite' also covers its gradients; a step_fn may give the loss's alone.
+        stats["_ok"] = stats["finite"] if "finite" in stats else stats["loss_finite"]
         return stats
 
     def _pack(self, steps, non_finite, first, stats) -> tf.Tensor:
@@ -111,7 +115,7 @@ class DeviceLoop:
 
     def _single(self, iterator) -> tf.Tensor:
         stats = self._step(iterator)
-        bad = tf.cast(tf.logical_not(stats["loss_finite"]), tf.int32)
+        bad = tf.cast(tf.logical_not(stats["_ok"]), tf.int32)
         return self._pack(tf.constant(1), bad, bad - 1, stats)  # first: 0 if bad, else -1
 
     def _loop(self, iterator, num_steps: tf.Tensor) -> tf.Tensor:
@@ -122,7 +126,7 @@ class DeviceLoop:
 
         def body(i, non_finite, first, last):
             stats = self._step(iterator)
-            bad = tf.logical_not(stats["loss_finite"])
+            bad = tf.logical_not(stats["_ok"])
             first = tf.where(tf.logical_and(bad, first < 0), i, first)
             non_finite += tf.cast(bad, tf.int32)
             last = tf.stack([tf.cast(stats[k], tf.float64) for k in self._names])  # [S]

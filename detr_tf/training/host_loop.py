@@ -80,6 +80,10 @@ def evaluate(eval_fn: Callable[..., Dict[str, float]], state: TrainState, model_
     return metrics
 
 
+# The step's booleans, reported but not logged as numbers.
+_FLAGS = ("applied", "loss_finite", "finite")
+
+
 def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
                       saver: checkpointing.CheckpointSaver, writer: MetricsWriter,
                       skipped: int) -> int:
@@ -95,27 +99,30 @@ def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
     span = (f" (the first non-finite of steps {first_step}-{last}, run in one device loop; "
             f"train.steps_per_loop={cfg.steps_per_loop})" if outcome.steps > 1 else "")
     if cfg.nan_policy == "stop":
-        terms = {k: v for k, v in outcome.stats.items() if k not in ("applied", "loss_finite")}
+        terms = {k: v for k, v in outcome.stats.items() if k not in _FLAGS}
+        what = ("non-finite gradients (the loss is finite)" if outcome.stats.get("loss_finite")
+                else "non-finite loss")
         writer.close()
         raise TrainingError(
-            f"non-finite loss at step {bad}{span}: "
+            f"{what} at step {bad}{span}: "
             + ", ".join(f"{k}={v:.4g}" for k, v in sorted(terms.items()))
             + f". The weights were not updated by this step; the last checkpoint "
             f"({saver.latest or 'none yet'}) is untouched. Set "
             "train.nan_policy='skip' to skip such steps instead.")
     skipped += outcome.non_finite
     if outcome.steps == 1:
-        print(f"detr_tf: step {bad}: non-finite loss, step skipped ({skipped} so far)",
-              flush=True)
+        print(f"detr_tf: step {bad}: non-finite loss or gradients, step skipped ({skipped} so "
+              "far)", flush=True)
     else:
-        print(f"detr_tf: steps {first_step}-{last}: {outcome.non_finite} non-finite loss(es), "
-              f"those steps skipped (the first at step {bad}; {skipped} so far)", flush=True)
+        print(f"detr_tf: steps {first_step}-{last}: {outcome.non_finite} with a non-finite "
+              f"loss or gradients, skipped (the first at step {bad}; {skipped} so far)",
+              flush=True)
     return skipped
 
 
 def _scalars(stats: Dict[str, float], state: TrainState, images_per_sec: float,
              step_time: float) -> Dict[str, float]:
-    scalars = {k: float(v) for k, v in stats.items() if k not in ("applied", "loss_finite")}
+    scalars = {k: float(v) for k, v in stats.items() if k not in _FLAGS}
     scalars["learning_rate"] = float(state.optimizers[1].learning_rate.numpy())
     scalars["backbone_learning_rate"] = float(state.optimizers[0].learning_rate.numpy())
     scalars["images_per_sec"] = images_per_sec

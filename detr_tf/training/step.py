@@ -234,10 +234,15 @@ class StepBuilder:
         if self.fused is not None:
             stats["applied"], stats["grad_norm"] = engine.merge_call(
                 self.fused, (grads, loss_finite))
-            return stats
-        grads, grad_norm, grads_finite = fused_adamw.clip_and_check(grads, self.clip_norm or 0.0)
-        stats["applied"] = engine.merge_call(self._apply, (grads, grads_finite, loss_finite))
-        stats["grad_norm"] = grad_norm
+        else:
+            grads, grad_norm, grads_finite = fused_adamw.clip_and_check(
+                grads, self.clip_norm or 0.0)
+            stats["applied"] = engine.merge_call(self._apply, (grads, grads_finite, loss_finite))
+            stats["grad_norm"] = grad_norm
+        # What the NaN policy judges: the loss, and without loss scaling (whose overflowing steps
+        # are its own business) the gradients too, whose non-finite norm skips the update.
+        stats["finite"] = loss_finite if self.loss_scale is not None else tf.logical_and(
+            loss_finite, tf.math.is_finite(stats["grad_norm"]))
         return stats
 
     def _apply(self, strategy, grads, grads_finite, loss_finite):

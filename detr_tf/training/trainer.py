@@ -185,7 +185,9 @@ def train(model_dir: str,
       deterministic: seeded, deterministic ops and input, for tests and exact resumption
         (not with jit='step': XLA has no deterministic max-pool gradient; 'auto' gives 'loss').
       seed: the seed for weights, dropout and input order.
-      nan_policy: 'stop' (raise, naming the step and the loss terms) or 'skip' the step.
+      nan_policy: at a step whose loss or gradients are not finite (its update is skipped):
+        'stop' (raise, naming the step and the loss terms) or 'skip' it (counted). With loss
+        scaling (mixed_float16) overflowing gradients are the scale's to handle, not counted.
       after_train_fn: fn(model, model_dir) called on the chief after training (e.g. to write
         prediction images).
 
