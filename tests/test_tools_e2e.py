@@ -195,8 +195,14 @@ def _assert_export_matches_predict(export_dir, predicted, images, tmp_path):
                                          draw=False)
     from_tool = json.loads((predicted / "detections.json").read_text())
     assert len(from_export) == len(from_tool) == len(files)
+    # labels.json beside the export maps its class indices as predict.py does.
+    labels = json.loads((Path(export_dir) / "labels.json").read_text())
+    assert [label["class"] for label in labels] == list(range(len(labels)))
     for a, b in zip(from_export, from_tool):
         assert [d["class"] for d in a["detections"]] == [d["class"] for d in b["detections"]]
+        assert [(labels[d["class"]]["category_id"], labels[d["class"]]["name"])
+                for d in a["detections"]] == [(d["category_id"], d["class_name"])
+                                              for d in b["detections"]]
         np.testing.assert_allclose([d["score"] for d in a["detections"]],
                                    [d["score"] for d in b["detections"]], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose([d["box"] for d in a["detections"]],

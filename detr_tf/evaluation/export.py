@@ -15,7 +15,8 @@ and, when built with a `fixed_input_size`, a third for runtimes that need static
 All return
     boxes:          [N, K, 4] float32 x0, y0, x1, y1 in original-image pixels, clipped to the image
     scores:         [N, K] float32, sorted decreasing
-    classes:        [N, K] int32 category ids
+    classes:        [N, K] int32 class indices (DatasetInfo.category_ids maps them to the
+                    dataset's category ids)
     num_detections: [N] int32; entries at index >= num_detections are padding
                     (score 0, box 0, class -1)
 with K = max_detections. The same module is what `predict.py` runs, so predictions and the
@@ -26,8 +27,9 @@ Preprocessing is injected: `preprocess_fn` maps ONE uint8 image [H, W, 3] to
 pipeline's own resize/normalize/pad. Boxes come back in original pixels because the model
 predicts them relative to the unpadded resized image, which is the original up to scale.
 """
+import json
 import os
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import gin
 import tensorflow as tf
@@ -299,4 +301,18 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     names = [SERVING_DEFAULT, SERVING_IMAGES] + (
         [fixed_input.SERVING_FIXED] if fixed_input_size is not None else [])
     print(f"export: wrote SavedModel to {out} (signatures: {', '.join(names)})", flush=True)
+    write_labels(os.path.join(export_dir, LABELS_FILENAME), info)
     return out
+
+
+LABELS_FILENAME = "labels.json"
+
+
+def write_labels(path: str, info: Any) -> None:
+    """The exported `classes` output's meaning: [{"class": index, "category_id": the dataset's
+    id, "name": ...}] in index order, from the run's DatasetInfo."""
+    labels = [{"class": i, "category_id": int(cid), "name": str(name)}
+              for i, (cid, name) in enumerate(zip(info.category_ids, info.class_names))]
+    with open(path, "w") as f:
+        json.dump(labels, f, indent=1)
+    print(f"export: wrote {path} (class index -> category id and name)", flush=True)

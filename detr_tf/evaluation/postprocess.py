@@ -6,8 +6,9 @@ score, and the normalized cx, cy, w, h boxes are scaled to the original image si
 stays a detection; `select_top_detections` then keeps the best `k` above a score threshold with
 static shapes, so everything here runs batched inside `tf.function(jit_compile=True)`.
 
-Class indices are category ids: the data pipeline labels boxes with the dataset's category ids
-(COCO ids by default), so the model's class index `c` *is* category id `c` and no mapping is needed.
+Labels are the model's class indices (0..C-1). The dataset's category id of index c is
+DatasetInfo.category_ids[c] (its label map): the evaluator and tools/predict.py map it, the
+exported model does not.
 """
 from typing import Callable, Dict, Tuple
 
