@@ -231,6 +231,26 @@ def test_non_finite_gradients_of_a_finite_loss_stop_the_run_or_are_skipped(tmp_p
     assert "4 so far)" in said, said  # every step was skipped, and counted
 
 
+def test_the_schedule_follows_the_steps_taken_and_each_row_logs_the_rate_its_step_used(
+        tmp_path):
+    """Warmup over 4 steps, step 2 skipped (NaN): step s trains at s/4 of the rate, as the
+    reference's per-iteration scheduler gives, and its row logs that rate. Before, the schedule
+    read the count of applied updates (step 3 at 2/4) and a row logged the next step's rate."""
+    gin.clear_config()
+    try:
+        gin.bind_parameter("build_optimizers.warmup_steps", 4)
+        train(tmp_path, 6, steps_per_loop=1, nan_at_step=2, log_every=1, eval_every=None,
+              nan_policy="skip")
+    finally:
+        gin.clear_config()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    base = 1e-4  # build_optimizers' default rate
+    got = {r["step"]: r["learning_rate"] for r in rows if "learning_rate" in r}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step, rate in got.items():
+        assert rate == pytest.approx(base * min(step / 4, 1.0), rel=1e-6), (step, got)
+
+
 def test_loops_of_any_length_share_one_trace_and_stop_at_the_first_non_finite_step():
     # Loops of 2 steps or more share one while-loop trace; one step has its own (no loop).
     total = tf.Variable(0.0)

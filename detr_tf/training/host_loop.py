@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import Callable, Dict, Optional
 
-from detr_tf.training import checkpointing
+from detr_tf.training import checkpointing, optimization
 from detr_tf.training.device_loop import DeviceLoop, LoopOutcome
 from detr_tf.training.metrics_writer import MetricsWriter, Progress
 from detr_tf.training.state import TrainState
@@ -123,8 +123,11 @@ def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
 def _scalars(stats: Dict[str, float], state: TrainState, images_per_sec: float,
              step_time: float) -> Dict[str, float]:
     scalars = {k: float(v) for k, v in stats.items() if k not in _FLAGS}
-    scalars["learning_rate"] = float(state.optimizers[1].learning_rate.numpy())
-    scalars["backbone_learning_rate"] = float(state.optimizers[0].learning_rate.numpy())
+    # The rates the last step used: the schedule at its step (global_step already counts it).
+    last = state.global_step.read_value() - 1
+    scalars["learning_rate"] = float(optimization.schedule_of(state.optimizers[1]).at(last))
+    scalars["backbone_learning_rate"] = float(
+        optimization.schedule_of(state.optimizers[0]).at(last))
     scalars["images_per_sec"] = images_per_sec
     scalars["step_time_s"] = step_time
     if state.loss_scale is not None:

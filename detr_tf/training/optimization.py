@@ -16,7 +16,7 @@ Both forms keep the same state, so a checkpoint moves between devices; it resume
 optimizer kind (fused or tf_keras) that wrote it.
 """
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import gin
 import tensorflow as tf
@@ -24,6 +24,33 @@ import tf_keras
 
 from detr_tf import arg_checks as ac
 from detr_tf.training import fused_adamw
+
+
+class OnStep(tf_keras.optimizers.schedules.LearningRateSchedule):
+    """`schedule` read at `counter`, the trainer's global step, whatever step the optimizer
+    passes: a step whose update is skipped (a non-finite loss, a loss-scale overflow) still
+    moves the schedule, as the reference's per-iteration scheduler does, while the optimizer's
+    own count of applied updates drives Adam's bias correction. `at(step)` reads it at a
+    given step (the logged rate is the one the last step used)."""
+
+    def __init__(self, schedule: Callable[[Any], Any], counter: tf.Variable):
+        self.schedule = schedule
+        self.counter = counter
+
+    def __call__(self, step):
+        del step  # the optimizer's count of applied updates
+        return self.schedule(self.counter)
+
+    def at(self, step):
+        return self.schedule(step)
+
+    def get_config(self):
+        return {"schedule": getattr(self.schedule, "get_config", lambda: {})()}
+
+
+def schedule_of(optimizer: Any) -> Any:
+    """The learning-rate schedule of a fused AdamW group or a tf_keras optimizer."""
+    return getattr(optimizer, "_schedule", None) or optimizer._learning_rate
 
 
 class StepDecaySchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
@@ -124,7 +151,7 @@ OPTIMIZER_RULES = {
 }
 
 
-@gin.configurable(denylist=["steps_per_epoch", "total_steps"])
+@gin.configurable(denylist=["steps_per_epoch", "total_steps", "step_counter"])
 def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
                      learning_rate: float = 1e-4,
                      backbone_learning_rate: float = 1e-5, weight_decay: float = 1e-4,
@@ -133,7 +160,8 @@ def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
                      epsilon: float = 1e-8, jit_compile: Optional[bool] = None,
                      fused: bool = True,
                      schedule: Optional[Callable[..., tf_keras.optimizers.schedules.
-                                                 LearningRateSchedule]] = None):
+                                                 LearningRateSchedule]] = None,
+                     step_counter: Optional[tf.Variable] = None):
     """Two AdamW parameter groups, (backbone, rest), sharing one schedule shape.
 
     PyTorch's AdamW (the reference) and tf_keras's AdamW both decay weights decoupled from the
@@ -160,6 +188,8 @@ def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
       schedule: instead of the step decay, a schedule class called as
         schedule(base_lr=rate, total_steps=total_steps), e.g. `@FlatCosineSchedule`, whose
         other arguments are its own Gin bindings.
+      step_counter: the trainer's global step, which the schedule then reads (`OnStep`);
+        None: the optimizer's count of applied updates.
 
     Returns:
       (backbone_group, main_group): AdamWGroups, or tf_keras AdamW optimizers.
@@ -178,6 +208,8 @@ def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
     def make(lr, name):
         rate = (StepDecaySchedule(lr, drops, lr_drop_factor, warmup_steps) if schedule is None
                 else schedule(base_lr=lr, total_steps=total_steps))
+        if step_counter is not None:
+            rate = OnStep(rate, step_counter)
         if fused:
             return fused_adamw.AdamWGroup(rate, weight_decay=weight_decay, beta_1=beta_1,
                                           beta_2=beta_2, epsilon=epsilon,

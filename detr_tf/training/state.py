@@ -118,12 +118,13 @@ def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tu
     timed is what trains.
     """
     model = create_model(model_fn, build_size)
-    optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch,
-                                               total_steps=total_steps)
-    for opt, vars_ in zip(optimizers, split_variables(model)):
-        opt.build(vars_)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    # The schedule reads the global step, which counts skipped steps too (OnStep).
+    optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch,
+                                               total_steps=total_steps, step_counter=global_step)
+    for opt, vars_ in zip(optimizers, split_variables(model)):
+        opt.build(vars_)
     loss_scale = optimization.DynamicLossScale() if precision == "mixed_float16" else None
     ema = (optimization.ExponentialMovingAverage(model.trainable_variables, ema_decay)
            if ema_decay else None)
