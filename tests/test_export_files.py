@@ -77,3 +77,28 @@ def test_settings_for_formats_not_asked_for_are_refused_first(fake, tmp_path, kw
     with pytest.raises(ValueError, match=said.replace("[", r"\[").replace("]", r"\]")):
         formats.export_formats("run", str(tmp_path / "out"), **kwargs)
     assert fake == [] and not (tmp_path / "out").exists()  # nothing restored or written
+
+
+def test_the_fixed_input_is_the_image_predict_reads(tmp_path):
+    """formats.fixed_input reads a file as serving_default and predict.py do: a plain JPEG
+    through TensorFlow's decoder (PIL's differs by a few levels per pixel), a photo with an
+    EXIF orientation turned upright; then stretches it to the input size."""
+    import numpy as np
+    import tensorflow as tf
+    from PIL import Image, ImageOps
+
+    stored = np.random.default_rng(0).integers(0, 256, (30, 50, 3), np.uint8)
+    Image.fromarray(stored).save(tmp_path / "plain.jpg", quality=90)
+    pixels, size = formats.fixed_input(str(tmp_path / "plain.jpg"), (30, 50))
+    assert size.tolist() == [[30, 50]]
+    decoded = tf.io.decode_jpeg((tmp_path / "plain.jpg").read_bytes()).numpy()
+    np.testing.assert_array_equal(pixels[0], decoded)  # the same size: no resampling
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned by 90 degrees: 30 wide, 50 high
+    Image.fromarray(stored).save(tmp_path / "photo.jpg", quality=90, exif=exif.tobytes())
+    pixels, size = formats.fixed_input(str(tmp_path / "photo.jpg"), (50, 30))
+    assert size.tolist() == [[50, 30]] and pixels.shape == (1, 50, 30, 3)
+    with Image.open(tmp_path / "photo.jpg") as image:
+        upright = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    np.testing.assert_array_equal(pixels[0], upright)

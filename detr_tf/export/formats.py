@@ -26,14 +26,21 @@ def onnx_path(export_dir: str) -> str:
 
 def fixed_input(path: str, input_size: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
     """An image file as `serving_fixed` takes it: stretched to input_size (H, W) bilinearly,
-    uint8 [1, H, W, 3], with its own size int32 [1, 2] (h, w)."""
-    from PIL import Image
+    uint8 [1, H, W, 3], with its own size int32 [1, 2] (h, w).
 
-    with Image.open(path) as image:
-        rgb = image.convert("RGB")
-        size = np.array([[rgb.height, rgb.width]], np.int32)
-        resized = rgb.resize((int(input_size[1]), int(input_size[0])), Image.BILINEAR)
-    return np.asarray(resized, np.uint8)[None], size
+    Read as tools/predict.py and `serving_default` read it: upright by its EXIF orientation and
+    decoded by TensorFlow (PIL's JPEG decoder differs from it by a few levels per pixel).
+    """
+    import tensorflow as tf
+
+    from detr_tf.evaluation import predict
+
+    encoded, _ = predict.read_image_file(path)
+    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    size = np.array([[image.shape[0], image.shape[1]]], np.int32)
+    resized = tf.image.resize(image, [int(input_size[0]), int(input_size[1])], "bilinear")
+    pixels = tf.cast(tf.round(tf.clip_by_value(resized, 0.0, 255.0)), tf.uint8)
+    return pixels.numpy()[None], size
 
 
 def validation_inputs(input_size: Sequence[int], limit: int = CALIBRATION_IMAGES
