@@ -102,3 +102,17 @@ def test_the_fixed_input_is_the_image_predict_reads(tmp_path):
     with Image.open(tmp_path / "photo.jpg") as image:
         upright = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
     np.testing.assert_array_equal(pixels[0], upright)
+
+
+def test_export_settings_out_of_range_are_refused_before_the_model_is_restored(tmp_path):
+    import gin
+
+    gin.clear_config()
+    try:
+        gin.bind_parameter("detr_tf.evaluation.export_saved_model.max_detections", 0)
+        # A run directory that does not exist: the settings are checked first.
+        with pytest.raises(ValueError, match=r"export_saved_model.max_detections = 0 \(int\) "
+                                             r"must be an int >= 1"):
+            export.export_run(str(tmp_path / "no_run"), str(tmp_path / "out"))
+    finally:
+        gin.clear_config()

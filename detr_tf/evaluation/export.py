@@ -35,7 +35,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.evaluation import postprocess as pp
-from detr_tf import run as run_lib
+from detr_tf import arg_checks as ac, run as run_lib
 from detr_tf.evaluation import fixed_input, preprocess, restore
 
 PreprocessFn = Callable[[tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
@@ -228,6 +228,10 @@ class DetectionModule(tf.Module):
         return signatures
 
 
+EXPORT_RULES = {"max_detections": ac.integer(1),
+                "score_threshold": ac.number(0.0, 1.0, high_open=False)}
+
+
 @gin.configurable(module="detr_tf.evaluation", denylist=["model", "export_dir"])
 def export_saved_model(model: tf.Module,
                        export_dir: Union[str, os.PathLike],
@@ -251,6 +255,8 @@ def export_saved_model(model: tf.Module,
       `loaded.signatures['serving_default'](encoded=...)` (outputs keyed as in the module
       docstring) or `loaded.serve_encoded(...)` / `loaded.serve_images(...)`.
     """
+    ac.check("export_saved_model", {"max_detections": max_detections,
+                                    "score_threshold": score_threshold}, EXPORT_RULES)
     module = DetectionModule(model, preprocess_fn, max_detections, score_threshold,
                              fixed_input_size=fixed_input_size)
     export_dir = os.fspath(export_dir)
@@ -289,6 +295,8 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     Other export settings (max_detections, score_threshold) come from Gin
     (`export_saved_model.*`).
     """
+    # Bindings out of range fail here, before the model is restored.
+    ac.check("export_saved_model", gin.get_bindings(export_saved_model), EXPORT_RULES)
     model, path = restore.load_trained_model(model_dir, checkpoint)
     print(f"export: restored {path}", flush=True)
     model = restore.inference_model(model)  # without training-only heads (Co-DINO's)
