@@ -35,6 +35,17 @@ def test_detects_coco_layout_with_image_folders_named_after_the_split(tmp_path):
     assert layout.splits["eval"].image_dir == str(tmp_path / "val2017")
 
 
+def test_the_shapes_tools_output_is_the_coco_layout(tmp_path):
+    """tools/make_shapes_dataset.py writes instances_*.json beside train/ and val/."""
+    from detr_tf.data import shapes
+
+    shapes.make_shapes_dataset(str(tmp_path / "shapes"), 4, 2, 64)
+    layout = custom_layouts.detect_layout(str(tmp_path / "shapes"))
+    assert layout.kind == "coco"
+    assert layout.splits["eval"].annotations == str(tmp_path / "shapes" / "instances_val.json")
+    assert layout.splits["eval"].image_dir == str(tmp_path / "shapes" / "val")
+
+
 def test_detects_voc_layout(tmp_path):
     layout = custom_layouts.detect_layout(helpers.make_voc(str(tmp_path)))
     assert layout.kind == "voc"

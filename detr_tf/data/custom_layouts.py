@@ -5,9 +5,9 @@ Three layouts are recognised, tried in this order:
 * **Roboflow COCO export**: `train/`, `valid/` and optionally `test/`, each holding
   `_annotations.coco.json` beside its images. The eval split is `valid/` (`test/` when there is
   no `valid/`).
-* **COCO**: `annotations/instances_train*.json` and `annotations/instances_val*.json`, the
-  images in a folder named after the split: `instances_train2017.json` -> `train2017/`
-  (`images/train2017/` is accepted too).
+* **COCO**: `annotations/instances_train*.json` and `annotations/instances_val*.json` (or the
+  two at the top, beside the image folders), the images in a folder named after the split:
+  `instances_train2017.json` -> `train2017/` (`images/train2017/` is accepted too).
 * **Pascal VOC**: `Annotations/*.xml`, `JPEGImages/`, `ImageSets/Main/train.txt` and
   `val.txt`. The XML files are turned into COCO dicts (`voc_to_coco`).
 
@@ -72,7 +72,10 @@ def _roboflow(data_dir: str, missing: List[str]) -> Optional[Layout]:
 
 
 def _coco_split(data_dir: str, prefix: str, missing: List[str]) -> Optional[SplitFiles]:
-    found = sorted(glob.glob(os.path.join(data_dir, "annotations", f"instances_{prefix}*.json")))
+    # In annotations/ as COCO ships them, else beside the image folders (as
+    # tools/make_shapes_dataset.py writes them).
+    found = (sorted(glob.glob(os.path.join(data_dir, "annotations", f"instances_{prefix}*.json")))
+             or sorted(glob.glob(os.path.join(data_dir, f"instances_{prefix}*.json"))))
     if not found:
         missing.append(f"annotations/instances_{prefix}*.json")
         return None
@@ -121,8 +124,9 @@ def _voc(data_dir: str, missing: List[str]) -> Optional[Layout]:
 LAYOUTS = (
     ("Roboflow COCO export", _roboflow,
      f"train/{ROBOFLOW_JSON} and valid/{ROBOFLOW_JSON} (or test/), images beside each json"),
-    ("COCO", _coco, "annotations/instances_train*.json and annotations/instances_val*.json, "
-                    "images in folders named after the split (train2017/, val2017/)"),
+    ("COCO", _coco, "annotations/instances_train*.json and annotations/instances_val*.json "
+                    "(or the two beside the image folders), images in folders named after the "
+                    "split (train2017/, val2017/)"),
     ("Pascal VOC", _voc, "Annotations/*.xml, JPEGImages/, ImageSets/Main/train.txt and val.txt"),
 )
 
