@@ -18,10 +18,11 @@ imported.
 Writes JSON (--json_out) and prints a Markdown table.
 """
 import os
+import shutil
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
 
@@ -103,12 +104,21 @@ def _detr_tf_model(weights: str = None):
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"benchmark_inference.py: unexpected arguments {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # tf2onnx's INFO lines, one per rewritten node
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    work = tempfile.mkdtemp(prefix="benchmark_inference_")
+    try:  # the exported files are only timed: removed afterwards, also on an error
+        _benchmark(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _benchmark(work: str) -> None:
+    """Exports the configured model into `work`, times each form and prints the table."""
     from detr_tf.benchmarks import inference, timing
 
-    work = tempfile.mkdtemp(prefix="benchmark_inference_")
     extra, hf = {}, None
     if FLAGS.hf:
         try:
