@@ -103,8 +103,9 @@ def define_run_flags(example: str = "") -> None:
     config.gin), --model_dir (required) and --checkpoint."""
     define_gin_flags(example, saved_config_default=True)
     flags.DEFINE_string("model_dir", None, "The training run's directory.")
-    flags.DEFINE_string("checkpoint", None, "A checkpoint prefix (default: the latest in "
-                        "MODEL_DIR/checkpoints).")
+    flags.DEFINE_string("checkpoint", None, "A checkpoint prefix, one of its files, or a "
+                        "name in MODEL_DIR/checkpoints such as ckpt-2000 (default: the latest "
+                        "there).")
     flags.mark_flag_as_required("model_dir")
 
 

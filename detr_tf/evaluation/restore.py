@@ -6,6 +6,7 @@ run's bindings (detr_tf/run.py), which the run's config.gin records. A new model
 therefore needs no change here.
 """
 import os
+import re
 import tempfile
 from typing import Optional, Tuple
 
@@ -55,8 +56,21 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
                 f"model_dir {model_dir!r} holds no checkpoint (looked in "
                 f"{checkpointing.checkpoint_dir(model_dir)!r}); train first or pass --checkpoint")
     model = build_eval_model()
+    checkpoint = checkpoint_prefix(model_dir, checkpoint) if checkpoint else checkpoint
     path = checkpointing.restore_for_eval(model, model_dir, checkpoint, use_ema)
     return model, path
+
+
+def checkpoint_prefix(model_dir: Optional[str], checkpoint: str) -> str:
+    """The checkpoint prefix a user means: the prefix itself, one of its files
+    (`ckpt-20.index`, `ckpt-20.data-00000-of-00001`), or a bare name of the run's
+    (`ckpt-20`, found in model_dir/checkpoints)."""
+    prefix = re.sub(r"\.(index|data-\d+-of-\d+)$", "", checkpoint)
+    if model_dir and os.sep not in prefix and not os.path.exists(prefix + ".index"):
+        in_run = os.path.join(checkpointing.checkpoint_dir(model_dir), prefix)
+        if os.path.exists(in_run + ".index"):
+            return in_run
+    return prefix
 
 
 def inference_model(model: tf_keras.Model) -> tf_keras.Model:

@@ -1,5 +1,7 @@
-"""Where tools/eval.py writes: the run's eval/ only for what the trainer itself evaluates (its
-latest checkpoint, with the EMA weights when it kept them), a folder of its own otherwise."""
+"""The checkpoint a tool's --checkpoint names (its prefix, one of its files, or its name in the
+run), and where tools/eval.py writes: the run's eval/ only for what the trainer itself
+evaluates (its latest checkpoint, with the EMA weights when it kept them), a folder of its own
+otherwise."""
 import os
 
 import tensorflow as tf
@@ -44,3 +46,14 @@ def test_checkpoints_elsewhere_in_or_outside_the_run_are_named_by_their_path(tmp
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
     assert evaluate.eval_subdir(empty, other) == os.path.join("eval", "ckpt-3")
+
+
+def test_a_checkpoint_is_found_by_its_prefix_a_file_of_it_or_its_name_in_the_run(tmp_path):
+    from detr_tf.evaluation import restore
+
+    run = str(tmp_path / "run")
+    _, latest = _save_run(run, (10, 20), ema=False)
+    for given in (latest, latest + ".index", latest + ".data-00000-of-00001", "ckpt-20"):
+        assert restore.checkpoint_prefix(run, given) == latest, given
+    # Not in the run: left as given, for the restore to name it.
+    assert restore.checkpoint_prefix(run, "ckpt-99") == "ckpt-99"
