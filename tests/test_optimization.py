@@ -81,6 +81,28 @@ def test_build_optimizers_takes_an_injected_schedule():
         optimization.FlatCosineSchedule(1e-4, None)
 
 
+def test_step_decay_bindings_a_schedule_leaves_unread_are_named(capsys):
+    """A recipe's warmup and drops, under a schedule of its own (DEIM's over the quickstart's),
+    were dropped without a word."""
+    import gin
+
+    gin.clear_config()
+    gin.parse_config("build_optimizers.warmup_steps = 200\n"
+                     "build_optimizers.lr_drop_epochs = (15,)\n"
+                     "build_optimizers.schedule = @FlatCosineSchedule")
+    try:
+        optimization.build_optimizers(steps_per_epoch=10, total_steps=100)
+        assert ("note: build_optimizers.schedule=FlatCosineSchedule sets the rate's warmup and "
+                "decay itself; not used: build_optimizers.lr_drop_epochs = (15,), "
+                "build_optimizers.warmup_steps = 200") in capsys.readouterr().out
+        gin.clear_config()
+        gin.parse_config("build_optimizers.schedule = @FlatCosineSchedule")
+        optimization.build_optimizers(steps_per_epoch=10, total_steps=100)
+        assert "note" not in capsys.readouterr().out
+    finally:
+        gin.clear_config()
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_build_optimizers_places_epoch_drops_and_groups_rates(fused):
     backbone_opt, main_opt = optimization.build_optimizers(

@@ -95,7 +95,8 @@ def train(model_dir, num_steps, steps_per_loop, nan_at_step=None, **kwargs):
     result = trainer.train(
         str(model_dir), model_fn=ToyModel, criterion=criterion,
         dataset_fn=toy_dataset_fn(nan_at_step), global_batch_size=GLOBAL_BATCH,
-        num_steps=num_steps, steps_per_loop=steps_per_loop, eval_fn=eval_fn,
+        num_steps=num_steps, steps_per_loop=steps_per_loop,
+        eval_fn=settings.pop("eval_fn", eval_fn),
         dataset_info_fn=None, init_weights=None, after_train_fn=None, ema_decay=None,
         grad_accum_steps=1, cpu_devices=2, precision="float32", clip_norm=0.1, **settings)
     return result, evals
@@ -249,6 +250,13 @@ def test_the_schedule_follows_the_steps_taken_and_each_row_logs_the_rate_its_ste
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step, rate in got.items():
         assert rate == pytest.approx(base * min(step / 4, 1.0), rel=1e-6), (step, got)
+
+
+def test_eval_every_without_an_eval_fn_is_named(tmp_path, capsys):
+    result, _ = train(tmp_path, 2, steps_per_loop=1, eval_every=1, eval_fn=None)
+    assert result["step"] == 2
+    assert ("note: train.eval_every = 1 has no effect: the run has no train.eval_fn"
+            in capsys.readouterr().out)
 
 
 def test_loops_of_any_length_share_one_trace_and_stop_at_the_first_non_finite_step():

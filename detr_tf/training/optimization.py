@@ -151,6 +151,19 @@ OPTIMIZER_RULES = {
 }
 
 
+def _note_unused_by_schedule(schedule: Any) -> None:
+    """Names the step-decay bindings a schedule of its own leaves unread (a recipe file may
+    bind them before another sets the schedule: DEIM's over a quickstart's)."""
+    bound = {k: v for k, v in gin.get_bindings(build_optimizers).items()
+             if k in ("warmup_steps", "lr_drop_epochs", "lr_drop_factor")}
+    if bound:
+        name = getattr(schedule, "__name__", type(schedule).__name__)
+        print(f"detr_tf: note: build_optimizers.schedule={name} sets the rate's warmup and "
+              "decay itself; not used: " + ", ".join(f"build_optimizers.{k} = {v!r}"
+                                                   for k, v in sorted(bound.items())),
+              flush=True)
+
+
 @gin.configurable(denylist=["steps_per_epoch", "total_steps", "step_counter"])
 def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
                      learning_rate: float = 1e-4,
@@ -201,6 +214,8 @@ def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
             "epoch, but the run's epoch size is unknown: set train.train_examples (or "
             "train.dataset_info_fn), or bind build_optimizers.lr_drop_epochs = ()")
     drops = [int(round(e * steps_per_epoch)) for e in lr_drop_epochs] if schedule is None else []
+    if schedule is not None:
+        _note_unused_by_schedule(schedule)
     if jit_compile is None:
         jit_compile = bool(tf.config.list_physical_devices("GPU")
                            or tf.config.list_physical_devices("TPU"))

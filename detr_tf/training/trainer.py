@@ -199,6 +199,9 @@ def train(model_dir: str,
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"train.nan_policy={nan_policy!r} is not one of {NAN_POLICIES}")
     check_model_dir(model_dir)
+    if eval_every and eval_fn is None:
+        print(f"detr_tf: note: train.eval_every = {eval_every} has no effect: the run has no "
+              "train.eval_fn to evaluate with (e.g. @coco_evaluate)", flush=True)
     info = dataset_info_fn(is_training=True) if dataset_info_fn is not None else None
     if train_examples is None and info is not None:
         train_examples = info.num_examples
