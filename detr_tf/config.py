@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 import gin
 import gin.config
 
-from detr_tf import config_types
+from detr_tf import config_types, gin_includes
 
 # The repository's gin_configs/ (present in a source checkout or an editable install).
 GIN_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "gin_configs"
@@ -176,6 +176,11 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
     _register_configurables()
     gin_params = list(gin_params)  # read more than once below
     _GIVEN[:] = gin_params
+    # This parse's search paths alone (Gin only appends to its list, so a process that parses
+    # again, as the tests do, would keep the paths of every earlier working directory).
+    prefixes = getattr(gin.config, "_LOCATION_PREFIXES", None)
+    if prefixes is not None:
+        prefixes[:] = [""]
     for path in gin_search_paths():
         gin.add_config_file_search_path(str(path))
     paths = [resolve_gin_file(f) for f in gin_files]
@@ -196,6 +201,8 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
                 gin.bind_parameter(f"{name}/macro.value", UnsetMacro(name))
         if finalize:
             gin.finalize()
+        for note in gin_includes.shadowed(paths, gin_search_paths(), GIN_CONFIGS_DIR):
+            print(f"detr_tf: note: {note}", flush=True)
     except ConfigError:
         raise
     except (ValueError, SyntaxError, OSError, TypeError, tokenize.TokenError) as e:
@@ -207,6 +214,11 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
             raise ConfigError(
                 f"{name} is required ({where} set it to %gin.REQUIRED): give it with "
                 f"--gin_param=\"{name}='...'\"; the file's header comment says what it is") from e
+        if "Unable to open file" in str(e):
+            raise ConfigError(
+                f"{e}\n  An include is looked up in the working directory, then in "
+                "$DETR_TF_GIN_PATH, then in gin_configs/, not beside the file that includes "
+                "it: add that file's directory to DETR_TF_GIN_PATH") from e
         unbound = _UNBOUND_MACRO.search(str(e))
         if unbound:
             name = unbound.group(1)
