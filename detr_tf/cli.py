@@ -257,7 +257,26 @@ def _run_training(model_dir: str) -> None:
                     "the data: tools/create_coco_tfrecord.py drops and counts such images")
         sys.exit(f"train.py: bad input data: {what}\n(checkpoints already in "
                  f"{model_dir} are untouched; set DETR_TF_TRACEBACK=1 for the traceback)")
+    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.InternalError) as e:
+        _lost_process(e, model_dir)
+        raise
     except RuntimeError as e:
         if "Required bindings" in str(e):
             sys.exit(f"train.py: gin configuration incomplete: {e}")
         raise
+
+
+def _lost_process(error: Any, model_dir: str) -> None:
+    """Exits in one line when `error` says another process of a multi-process run went away
+    (a collective aborted, a peer unreachable); returns otherwise."""
+    message = (getattr(error, "message", "") or str(error)).strip()
+    if os.environ.get("DETR_TF_TRACEBACK") or not (
+            "ollective" in message or type(error).__name__ == "UnavailableError"):
+        return
+    from detr_tf.training import checkpointing
+
+    latest = checkpointing.latest_checkpoint(model_dir)
+    sys.exit(f"train.py: another process of the run was lost ({type(error).__name__}: "
+             f"{message.splitlines()[0] if message else 'no message'}); the last checkpoint, "
+             f"{latest or 'none yet'}, is intact: start every process again to resume from it\n"
+             "(set DETR_TF_TRACEBACK=1 for the traceback)")

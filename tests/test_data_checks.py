@@ -158,3 +158,28 @@ def test_a_run_that_fails_before_writing_leaves_no_model_dir(monkeypatch, tmp_pa
     with pytest.raises(SystemExit):
         cli.run_training(str(kept))
     assert kept.is_dir()
+
+
+def test_a_lost_process_of_a_multi_process_run_is_one_line_naming_the_checkpoint(
+        monkeypatch, tmp_path):
+    """What the chief of a MultiWorkerMirrored run saw when a worker was killed: a collective
+    aborted, and a hundred lines of traceback."""
+    ckpt = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)),
+                                      str(tmp_path / "checkpoints"), 1).save(160)
+    error = tf.errors.UnavailableError(
+        None, None, "Collective ops is aborted by: recvmsg:Connection reset by peer\nmore")
+    message = _one_line(monkeypatch, tmp_path, error)
+    assert message.startswith("train.py: another process of the run was lost "
+                              "(UnavailableError: Collective ops is aborted by: recvmsg:"
+                              "Connection reset by peer); the last checkpoint, "), message
+    assert f"{ckpt}, is intact: start every process again" in message
+    # Another internal error is not this one: its traceback stays.
+    from detr_tf import cli
+    from detr_tf.training import trainer
+
+    def failing_train(model_dir):
+        raise tf.errors.InternalError(None, None, "some kernel failed")
+
+    monkeypatch.setattr(trainer, "train", failing_train)
+    with pytest.raises(tf.errors.InternalError):
+        cli.run_training(str(tmp_path))
