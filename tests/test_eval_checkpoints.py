@@ -57,3 +57,25 @@ def test_a_checkpoint_is_found_by_its_prefix_a_file_of_it_or_its_name_in_the_run
         assert restore.checkpoint_prefix(run, given) == latest, given
     # Not in the run: left as given, for the restore to name it.
     assert restore.checkpoint_prefix(run, "ckpt-99") == "ckpt-99"
+
+
+def test_bindings_that_differ_from_the_runs_config_are_named(tmp_path, capsys):
+    """A two-stage DETR's query count shapes no variable, so its checkpoint restores under
+    another one without a mismatch: the tools name the difference."""
+    import gin
+
+    from detr_tf.evaluation import restore
+
+    (tmp_path / "config.gin").write_text("NUM_QUERIES = 30\nNUM_CLASSES = 4\n")
+    gin.clear_config()
+    try:
+        gin.parse_config("NUM_QUERIES = 31\nNUM_CLASSES = 4\n")
+        restore.note_differences(str(tmp_path))
+        assert ("note: bindings that differ from the run's config.gin (trained -> now): "
+                "NUM_QUERIES: 30 -> 31") in capsys.readouterr().out
+        gin.clear_config()
+        gin.parse_config("NUM_QUERIES = 30\nNUM_CLASSES = 4\n")
+        restore.note_differences(str(tmp_path))
+        assert capsys.readouterr().out == ""
+    finally:
+        gin.clear_config()

@@ -14,8 +14,8 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import run as run_lib
-from detr_tf.training import checkpointing, state as state_lib
+from detr_tf import config, run as run_lib
+from detr_tf.training import checkpoint_restore, checkpointing, state as state_lib
 
 
 def build_eval_model(run: Optional[run_lib.Run] = None) -> tf_keras.Model:
@@ -58,7 +58,23 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
     model = build_eval_model()
     checkpoint = checkpoint_prefix(model_dir, checkpoint) if checkpoint else checkpoint
     path = checkpointing.restore_for_eval(model, model_dir, checkpoint, use_ema)
+    note_differences(model_dir)
     return model, path
+
+
+def note_differences(model_dir: Optional[str], shown: int = 8) -> None:
+    """Names the bindings that differ from the run's config.gin. The checkpoint fitted the model
+    they build, but not every binding shapes a variable (a two-stage DETR's query count does
+    not), so the model may still not be the one trained."""
+    saved = os.path.join(model_dir or "", checkpoint_restore.CONFIG_FILENAME)
+    if not model_dir or not os.path.isfile(saved):
+        return
+    with open(saved) as f:
+        lines = checkpoint_restore.config_differences(f.read(), config.config_text())
+    if lines:
+        more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
+        print("detr_tf: note: bindings that differ from the run's config.gin (trained -> now): "
+              + "; ".join(lines[:shown]) + more, flush=True)
 
 
 def checkpoint_prefix(model_dir: Optional[str], checkpoint: str) -> str:
