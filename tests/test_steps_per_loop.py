@@ -356,3 +356,8 @@ def test_fused_update_in_the_trainer_trains_alike_on_every_engine_and_jit(tmp_pa
         other = tmp_path / f"{engine}_{jit}"
         train(other, 8, steps_per_loop=4, distribution=engine, jit=jit)
         assert_same_run(tmp_path / "ref", other, [4, 8], rtol=1e-5)
+
+
+def test_a_run_of_no_steps_says_why_it_took_none(tmp_path, capsys):
+    train(tmp_path, 0, steps_per_loop=1, eval_fn=None, eval_every=None)
+    assert "finished at step 0: no step to take (train.num_steps = 0)" in capsys.readouterr().out

@@ -343,7 +343,8 @@ def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, t
                  if k in result.last_train}
         shown.update({k: eval_metrics[k] for k in ("AP", "AP50") if k in eval_metrics})
         said = ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or (
-            "no step to take (the run had already reached it)")
+            "no step to take (the run had already reached it)" if result.step else
+            "no step to take (train.num_steps = 0)")
         print(f"detr_tf: finished at step {result.step}: {said}", flush=True)
     if after_train_fn is not None and engine.is_chief:
         t0 = time.time()
