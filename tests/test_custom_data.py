@@ -107,6 +107,22 @@ def test_roboflow_placeholder_category_is_not_a_class(tmp_path):
     assert sorted(ds.train_sizes) == sorted((h, w) for h, w, _ in helpers.IMAGES)
 
 
+def test_only_a_roboflow_export_loses_its_placeholder_category(tmp_path):
+    """The same box-less parent of every class, in the COCO layout: a category of the user's
+    json, kept (the placeholder rule is Roboflow's)."""
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    for split in ("train2017", "val2017"):
+        path = os.path.join(root, "annotations", f"instances_{split}.json")
+        with open(path) as f:
+            coco = json.load(f)
+        coco["categories"] = [{"id": 1, "name": "pets", "supercategory": "none"}] + [
+            dict(c, supercategory="pets") for c in coco["categories"]]
+        with open(path, "w") as f:
+            json.dump(coco, f)
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert ds.class_names == ["pets", "cat", "dog"] and ds.category_ids == [1, 3, 7]
+
+
 def test_a_real_category_without_boxes_stays(tmp_path):
     root = helpers.make_roboflow(str(tmp_path / "d"), placeholder=False)
     path = os.path.join(root, "train", "_annotations.coco.json")

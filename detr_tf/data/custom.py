@@ -132,7 +132,9 @@ def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
         cocos = {n: layouts.voc_to_coco(s, names) for n, s in layout.splits.items()}
     else:
         cocos = {n: _load_coco(s) for n, s in layout.splits.items()}
-    categories = real_categories([cocos["train"]] + [c for n, c in cocos.items() if n != "train"])
+    # Roboflow's dataset-name placeholder is Roboflow's: other layouts keep every category.
+    categories = (real_categories([cocos["train"]] + [c for n, c in cocos.items() if n != "train"])
+                  if layout.kind == "roboflow" else cocos["train"]["categories"])
     for name, coco in cocos.items():
         image_dir = layout.splits[name].image_dir
         coco["images"] = [dict(img, file_name=os.path.join(image_dir, img["file_name"]))
