@@ -123,6 +123,22 @@ def test_only_a_roboflow_export_loses_its_placeholder_category(tmp_path):
     assert ds.class_names == ["pets", "cat", "dog"] and ds.category_ids == [1, 3, 7]
 
 
+def test_a_category_of_the_eval_split_alone_is_named(tmp_path, capsys):
+    root = helpers.make_roboflow(str(tmp_path / "d"), placeholder=False)
+    path = os.path.join(root, "valid", "_annotations.coco.json")
+    with open(path) as f:
+        coco = json.load(f)
+    coco["categories"].append({"id": 55, "name": "bird", "supercategory": "pets"})
+    coco["annotations"].append({"id": 99, "image_id": 100, "category_id": 55,
+                                "bbox": [1, 1, 5, 5], "iscrowd": 0})
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert ds.class_names == ["cat", "dog"]
+    assert ("the eval split's categories 55 'bird' are not in the train split, whose classes "
+            "the model learns: their 1 box(es) are left out") in capsys.readouterr().out
+
+
 def test_a_real_category_without_boxes_stays(tmp_path):
     root = helpers.make_roboflow(str(tmp_path / "d"), placeholder=False)
     path = os.path.join(root, "train", "_annotations.coco.json")

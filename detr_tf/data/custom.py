@@ -125,6 +125,19 @@ def real_categories(cocos: List[dict]) -> List[dict]:
             or not all(d.get("supercategory") == c.get("name") for d in others(c))]
 
 
+def _say_unknown_categories(split: str, coco: dict, categories: List[dict]) -> None:
+    """Names a split's own categories that the train split lacks: the model learns the train
+    split's classes, so their boxes are left out (the conversion counts them)."""
+    known = {c.get("id") for c in categories}
+    extra = [c for c in coco.get("categories", []) if c.get("id") not in known]
+    boxes = sum(1 for a in coco.get("annotations", []) if a.get("category_id") not in known)
+    if extra and boxes:
+        listed = ", ".join(f"{c.get('id')} {c.get('name')!r}" for c in extra[:10])
+        print(f"custom data: the {split} split's categories {listed} are not in the train "
+              f"split, whose classes the model learns: their {boxes} box(es) are left out",
+              flush=True)
+
+
 def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
     """Split name -> COCO dict with absolute file names and the train split's categories."""
     if layout.kind == "voc":
@@ -139,6 +152,7 @@ def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
         image_dir = layout.splits[name].image_dir
         coco["images"] = [dict(img, file_name=os.path.join(image_dir, img["file_name"]))
                           for img in coco["images"] if "file_name" in img]
+        _say_unknown_categories(name, coco, categories)
         coco["categories"] = categories
     return cocos
 
