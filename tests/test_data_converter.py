@@ -200,3 +200,26 @@ def test_tool_exit_code_in_a_subprocess(tmp_path):
     assert "images_missing                   1" in out.stdout
     assert "images_corrupt                   1" in out.stdout
     assert "No usable image" in out.stderr
+
+
+def test_the_annotations_as_converted_are_written_on_request_and_suggested(tmp_path, capsys):
+    img_dir, ann = _write_dataset(tmp_path)
+    out = tmp_path / "as_converted.json"
+    assert coco_converter.run_conversion(img_dir, ann, str(tmp_path / "a" / "x"), 2, 1,
+                                         annotations_out=str(out)) == 0
+    written = json.loads(out.read_text())
+    records = _read_all(tf.io.gfile.glob(str(tmp_path / "a" / "x-*")))
+    # One entry per box the shards hold, image by image, clipped boxes clipped.
+    by_image = {}
+    for a in written["annotations"]:
+        by_image.setdefault(a["image_id"], []).append(a)
+    assert sorted(by_image) == sorted(k for k, r in records.items() if len(r["boxes"]))
+    for image_id, entries in by_image.items():
+        h, w = records[image_id]["image"].shape[:2]
+        boxes = [[y, x, y + bh, x + bw] for x, y, bw, bh in (a["bbox"] for a in entries)]
+        np.testing.assert_allclose(np.array(boxes) / [h, w, h, w], records[image_id]["boxes"],
+                                   rtol=1e-6)
+    assert written["images"] == json.loads(open(ann).read())["images"]
+    assert "Wrote " + str(out) in capsys.readouterr().out
+    coco_converter.run_conversion(img_dir, ann, str(tmp_path / "b" / "x"), 2, 1)
+    assert "were dropped or clipped: an evaluation against" in capsys.readouterr().out

@@ -34,6 +34,7 @@ were.
 """
 import collections
 import dataclasses
+import json
 import multiprocessing
 import os
 import sys
@@ -226,17 +227,39 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
 
 
 def run_conversion(image_dir: str, annotations_file: str, output_prefix: str,
-                   num_shards: int = 32, num_processes: Optional[int] = None) -> int:
+                   num_shards: int = 32, num_processes: Optional[int] = None,
+                   annotations_out: Optional[str] = None) -> int:
     """`convert_coco` with the summary printed; returns the exit code for the tool.
+
+    annotations_out: where to write the json with the annotations as converted (dropped boxes
+      left out, clipped ones clipped), an evaluation ground truth that matches the shards.
+      Without it, a conversion that dropped or clipped boxes says that this json scores them
+      as given.
 
     Returns:
       0 when at least one image was written, 1 when nothing usable was (earlier shards of
       the prefix are then left as they were).
     """
-    stats = convert_coco(image_dir, annotations_file, output_prefix, num_shards, num_processes)
+    stats = convert_coco(image_dir, annotations_file, output_prefix, num_shards, num_processes,
+                         keep_annotations=annotations_out is not None)
     print(stats.summary())
     if stats.counts["images_written"] == 0:
         print(f"No usable image was written from {annotations_file}: nothing under "
               f"{output_prefix} was changed.", file=sys.stderr)
         return 1
+    changed = sum(stats.counts[k] for k in ("boxes_dropped", "boxes_clipped",
+                                            "annotations_unknown_category"))
+    if annotations_out is not None:
+        coco = json_files.read_coco(annotations_file)
+        coco["annotations"] = stats.annotations
+        tmp = f"{annotations_out}.partial"
+        with open(tmp, "w") as f:
+            json.dump(coco, f)
+        os.replace(tmp, annotations_out)
+        print(f"Wrote {annotations_out}: the annotations the shards hold, the ground truth to "
+              "evaluate them against (COCO_VAL_ANNOTATIONS).")
+    elif changed:
+        print(f"{changed} annotation(s) were dropped or clipped: an evaluation against "
+              f"{annotations_file} scores them as given; --annotations_out=FILE writes the "
+              "annotations as converted.")
     return 0
