@@ -15,16 +15,15 @@ from detr_tf.training import checkpointing
 RECORD = "input.json"  # in model_dir/checkpoints
 
 
-def check_images_per_step(model_dir: str, images_per_step: int, is_chief: bool) -> None:
+def check_images_per_step(model_dir: str, images_per_step: int) -> None:
     """Refuses to resume `model_dir` with other images per step than its checkpoints were
-    trained with; records this run's on the chief.
+    trained with (before the run is built, so nothing is written).
 
     Raises:
       ValueError: naming both sizes, the checkpoint and the two ways on.
     """
     latest = checkpointing.latest_checkpoint(model_dir)
-    path = os.path.join(checkpointing.checkpoint_dir(model_dir), RECORD)
-    recorded = _read(path) if latest else None
+    recorded = _read(_path(model_dir)) if latest else None
     if recorded is not None and recorded != images_per_step:
         raise ValueError(
             f"{model_dir} was trained to step {checkpointing.checkpoint_step(latest)} at "
@@ -33,12 +32,21 @@ def check_images_per_step(model_dir: str, images_per_step: int, is_chief: bool) 
             "position and its epoch schedule count steps of it. Resume with the same size, or "
             f"start a new --model_dir from these weights (train.init_weights='{latest}'), "
             "whose schedule starts anew.")
-    if is_chief:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"images_per_step": images_per_step}, f)
-        os.replace(tmp, path)
+
+
+def record_images_per_step(model_dir: str, images_per_step: int) -> None:
+    """Records the run's images per step beside its checkpoints (on the chief, once the run
+    is built)."""
+    path = _path(model_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"images_per_step": images_per_step}, f)
+    os.replace(tmp, path)
+
+
+def _path(model_dir: str) -> str:
+    return os.path.join(checkpointing.checkpoint_dir(model_dir), RECORD)
 
 
 def _read(path: str) -> Optional[int]:

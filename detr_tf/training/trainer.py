@@ -211,8 +211,7 @@ def train(model_dir: str,
                          f"{engine.num_replicas} replicas of distribution={engine.name!r}")
     num_steps, steps_per_epoch = _count_steps(num_steps, num_epochs, train_examples,
                                               global_batch_size * grad_accum_steps)
-    resume_checks.check_images_per_step(model_dir, global_batch_size * grad_accum_steps,
-                                        engine.is_chief)
+    resume_checks.check_images_per_step(model_dir, global_batch_size * grad_accum_steps)
     if deterministic:
         tf_keras.utils.set_random_seed(seed)
         tf.config.experimental.enable_op_determinism()
@@ -247,6 +246,7 @@ def train(model_dir: str,
         # Once the run is built, restored and fed: a resumed run whose new bindings fail above
         # keeps the config.gin that its checkpoints were trained with (eval.py reads it).
         _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
+        resume_checks.record_images_per_step(model_dir, global_batch_size * grad_accum_steps)
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
                      log_every=log_every, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, nan_policy=nan_policy,
