@@ -41,7 +41,7 @@ def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
         with Image.open(io.BytesIO(data)) as img:
             img.load()  # forces a full decode: a truncated file fails here
             fmt, mode, (width, height) = img.format, img.mode, img.size
-            orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+            orientation = exif_orientation(img)
             if orientation in _TURNED and width != height and json_size == (width, height):
                 upright = ImageOps.exif_transpose(img)
                 return (_jpeg(upright), "jpeg", width, height, "reoriented",
@@ -52,6 +52,16 @@ def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
             return _jpeg(img), "jpeg", height, width, "reencoded", unapplied
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         return None, "", 0, 0, "corrupt", str(e) or type(e).__name__
+
+
+def exif_orientation(img: Image.Image) -> int:
+    """The image's EXIF orientation, 1 (as stored) when it has none or its EXIF is unreadable:
+    a damaged EXIF block does not make the pixels unusable."""
+    try:
+        orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001  (PIL's EXIF parser raises several kinds)
+        return 1
+    return orientation if orientation in range(1, 9) else 1
 
 
 def _jpeg(img: Image.Image) -> bytes:

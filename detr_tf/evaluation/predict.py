@@ -132,7 +132,7 @@ def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
         with Image.open(io.BytesIO(encoded)) as image:
             image.load()
             # Upright, as a photo viewer shows it (and transformers' load_image reads it).
-            turned = image.getexif().get(coco_records.EXIF_ORIENTATION, 1) in range(2, 9)
+            turned = coco_records.exif_orientation(image) != 1
             rgb = (ImageOps.exif_transpose(image) if turned else image).convert("RGB")
             if turned or image.format not in _SERVED_FORMATS:
                 png = io.BytesIO()
