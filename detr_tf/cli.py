@@ -115,6 +115,31 @@ def reject_positional(tool: str, argv: Sequence[str], hint: str = "") -> None:
         sys.exit(f"{tool}: unexpected arguments {list(argv[1:])}{hint}")
 
 
+def define_json_out_flag(help_text: str = "Where to write the JSON report.") -> None:
+    """A benchmark tool's --json_out, checked when the flags are parsed: a path that cannot
+    become the report (a directory, under a file, not writable) fails before the benchmark
+    runs, not after it with the results lost."""
+    flags.DEFINE_string("json_out", None, help_text)
+    flags.register_validator(
+        "json_out", lambda path: path is None or _can_be_file(path),
+        "--json_out must be a file path: not a directory, not under a file, writable")
+
+
+def restrict_list_flag(name: str, choices: Sequence[str]) -> None:
+    """A comma-separated flag whose every item must be one of `choices` (checked when the
+    flags are parsed: a misspelt item would otherwise run something else under its name)."""
+    flags.register_validator(
+        name, lambda items: bool(items) and set(items) <= set(choices),
+        f"--{name} takes one or more of {', '.join(choices)}")
+
+
+def _can_be_file(path: str) -> bool:
+    if os.path.isdir(path):
+        return False
+    parent = arg_checks.nearest_existing(os.path.dirname(os.path.abspath(path)))
+    return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
+
+
 def check_output_dir(tool: str, flag: str, path: str) -> None:
     """Exits with one line when `path` cannot become the directory a tool writes into: it, or
     the nearest part of it that exists, is a file, or that part is not writable. Creates

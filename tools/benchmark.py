@@ -28,21 +28,24 @@ cli.define_gin_flags()
 flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
 flags.DEFINE_enum("mode", "train", ["train", "infer"], "What to time.")
 flags.DEFINE_enum("input", "synthetic", ["synthetic", "pipeline"], "Train input.")
-flags.DEFINE_integer("steps", 10, "Timed steps (per batch size in infer mode).")
-flags.DEFINE_integer("warmup", 2, "Untimed steps after the first call.")
-flags.DEFINE_integer("batch_size", 2, "Train batch size.")
+flags.DEFINE_integer("steps", 10, "Timed steps (per batch size in infer mode).", lower_bound=1)
+flags.DEFINE_integer("warmup", 2, "Untimed steps after the first call.", lower_bound=0)
+flags.DEFINE_integer("batch_size", 2, "Train batch size.", lower_bound=1)
 flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Infer batch sizes.")
-flags.DEFINE_integer("image_size", 256, "Synthetic / infer square image side (multiple of 32).")
+flags.DEFINE_integer("image_size", 256, "Synthetic / infer square image side (multiple of 32).",
+                     lower_bound=32)
 flags.register_validator("image_size", lambda v: v > 0 and v % 32 == 0,
                          "--image_size must be a positive multiple of 32 (the backbone's stride)")
-flags.DEFINE_integer("num_boxes", 7, "Synthetic real boxes per image.")
-flags.DEFINE_integer("max_boxes", 100, "Synthetic padded target slots per image.")
+flags.DEFINE_integer("num_boxes", 7, "Synthetic real boxes per image.", lower_bound=0)
+flags.DEFINE_integer("max_boxes", 100, "Synthetic padded target slots per image.", lower_bound=1)
 flags.DEFINE_string("jit", None, "'step', 'loss', 'matcher', 'none' or 'auto' (default: "
                     "train.jit).")
 flags.DEFINE_string("precision", None, "Keras policy (default: train.precision).")
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of the device for MFU.")
+flags.register_validator("peak_tflops", lambda v: v is None or v > 0,
+                         "--peak_tflops must be a positive number of TFLOP/s")
 flags.DEFINE_bool("count_flops", True, "Count the step's FLOPs in XLA's HLO (train mode).")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

@@ -19,10 +19,10 @@ cli.define_gin_flags()
 flags.adopt_module_key_flags(cli)
 flags.DEFINE_multi_string("jit", ["loss", "matcher"], "The jit choices to compare.")
 flags.DEFINE_string("precision", "float32", "Keras policy.")
-flags.DEFINE_integer("canvases", 5, "At most this many of the pipeline's canvases.")
-flags.DEFINE_integer("repeats", 10, "Steady steps per canvas after its first call.")
-flags.DEFINE_integer("batch_size", 8, "Train batch size.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+flags.DEFINE_integer("canvases", 5, "At most this many of the pipeline's canvases.", lower_bound=1)
+flags.DEFINE_integer("repeats", 10, "Steady steps per canvas after its first call.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 8, "Train batch size.", lower_bound=1)
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

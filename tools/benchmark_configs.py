@@ -22,12 +22,12 @@ flags.DEFINE_multi_string("config", [], "A configuration: Gin files and bindings
 flags.DEFINE_string("jit", "loss", "'step', 'loss' or 'none' (the same for every config), or "
                     "'config': each config's own train.jit.")
 flags.DEFINE_string("precision", "float32", "Keras policy (the same for every config).")
-flags.DEFINE_integer("image_size", 256, "Square synthetic image side in pixels.")
-flags.DEFINE_integer("batch_size", 2, "Images per step.")
-flags.DEFINE_integer("num_boxes", 7, "Real boxes per image (COCO averages about 7).")
-flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image.")
-flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds after the warm-up.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+flags.DEFINE_integer("image_size", 256, "Square synthetic image side in pixels.", lower_bound=32)
+flags.DEFINE_integer("batch_size", 2, "Images per step.", lower_bound=1)
+flags.DEFINE_integer("num_boxes", 7, "Real boxes per image (COCO averages about 7).", lower_bound=0)
+flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image.", lower_bound=1)
+flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds after the warm-up.", lower_bound=1)
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

@@ -17,7 +17,7 @@ import platform
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from absl import app, flags  # noqa: E402
-from detr_tf import cli  # noqa: F401,E402 -- quiets TensorFlow's C++ logs before it loads
+from detr_tf import cli  # noqa: E402 -- first: quiets TensorFlow's C++ logs before it loads
 import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
@@ -27,17 +27,19 @@ from detr_tf.benchmarks import timing  # noqa: E402
 tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+cli.define_json_out_flag("Write the results as JSON here.")
 flags.DEFINE_list("cases", ["32x32:b2", "32x32+16x16+8x8+4x4:b2", "48x48+24x24+12x12+6x6:b1",
                             "48x48+24x24+12x12+6x6:q300:b2"],
                   "Feature pyramids: the single-level 32x32 map, the 4-level pyramids of a "
                   "256 and a 384 px input (strides 8-64), and 300 decoder queries over the "
                   "latter.")
 flags.DEFINE_list("modes", ["plain", "xla"], "'plain' tf.function and/or 'xla' (jit_compile).")
-flags.DEFINE_integer("d_model", 256, "Channels.")
-flags.DEFINE_integer("num_heads", 8, "Heads.")
-flags.DEFINE_integer("num_points", 4, "Sampled points per head and level (deformable).")
-flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.")
+cli.restrict_list_flag("modes", ("plain", "xla"))
+flags.DEFINE_integer("d_model", 256, "Channels.", lower_bound=1)
+flags.DEFINE_integer("num_heads", 8, "Heads.", lower_bound=1)
+flags.DEFINE_integer("num_points", 4, "Sampled points per head and level (deformable).",
+                     lower_bound=1)
+flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.", lower_bound=1)
 flags.DEFINE_enum("policy", "float32", ["float32", "mixed_bfloat16", "mixed_float16"],
                   "Keras mixed-precision policy of both layers.")
 

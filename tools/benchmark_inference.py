@@ -36,12 +36,13 @@ flags.DEFINE_enum("hf", None, list(HF_MODELS), "Time transformers' model of this
                   "detr_tf's, with the same weights (needs torch and transformers).")
 flags.DEFINE_multi_string("gin_file", [], "Model file(s) when --hf is not given.")
 flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings.")
-flags.DEFINE_integer("image_size", 640, "Square input side (pixels).")
+flags.DEFINE_integer("image_size", 640, "Square input side (pixels).", lower_bound=32)
 flags.DEFINE_integer("threads", 2, "Threads for every runtime (TF intra-op, LiteRT, ONNX "
-                     "Runtime, torch).")
-flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds after two warm-up calls each.")
+                     "Runtime, torch).", lower_bound=1)
+flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds after two warm-up calls each.",
+                     lower_bound=1)
 flags.DEFINE_list("tflite_modes", ["float32", "float16", "dynamic_int8"], "TFLite modes timed.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

@@ -24,11 +24,11 @@ from detr_tf.data import benchmark, coco_converter, pipeline, shapes, sources
 FLAGS = flags.FLAGS
 flags.DEFINE_string("work_dir", "/tmp/detr_tf_bench_input", "Data is generated here once.")
 flags.DEFINE_enum("config", "both", ["coco", "shapes", "both"], "Which config to run.")
-flags.DEFINE_integer("num_images", 256, "Images generated for the benchmark data.")
-flags.DEFINE_integer("batch_size", 8, "Global batch size.")
-flags.DEFINE_integer("num_batches", 60, "Timed batches per run (after warm-up).")
-flags.DEFINE_integer("runs", 3, "Runs per setting; the report gives the median.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+flags.DEFINE_integer("num_images", 256, "Images generated for the benchmark data.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 8, "Global batch size.", lower_bound=1)
+flags.DEFINE_integer("num_batches", 60, "Timed batches per run (after warm-up).", lower_bound=1)
+flags.DEFINE_integer("runs", 3, "Runs per setting; the report gives the median.", lower_bound=1)
+cli.define_json_out_flag()
 
 
 def _data(config: str):

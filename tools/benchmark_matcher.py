@@ -45,9 +45,10 @@ from detr_tf.ops import matching, sinkhorn
 tf.get_logger().setLevel("ERROR")  # Model Garden's matcher logs deprecation warnings
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
-flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.")
-flags.DEFINE_integer("mg_rounds", 3, "Rounds for Model Garden's matcher (it is slow).")
+cli.define_json_out_flag("Write the results as JSON here.")
+flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.", lower_bound=1)
+flags.DEFINE_integer("mg_rounds", 3, "Rounds for Model Garden's matcher (it is slow).",
+                     lower_bound=1)
 flags.DEFINE_string("cases", "384x100x10,384x100x20,384x100x50,384x100x100,"
                     "384x100x100full,8x100x100full,24x20x16",
                     "Comma-separated NxQxT; suffix 'full' = every target real (no padding). "
@@ -63,19 +64,21 @@ flags.DEFINE_list("variants", ["ours", "greedy", "sinkhorn", "scipy"],
                   f"Which of {','.join(VARIANTS)} to time; scipy is always timed (the ratios' "
                   "reference). Model Garden's matcher is added by --mg_max_n.")
 flags.DEFINE_integer("arr_passes", matching.DEFAULT_ARR_PASSES,
-                     "JV augmenting-row-reduction passes of 'ours'; -1 = greedy start.")
+                     "JV augmenting-row-reduction passes of 'ours'; -1 = greedy start.",
+                     lower_bound=-1)
 flags.DEFINE_integer("unroll", 0, "Search steps per loop iteration of 'ours'; 0 = the default "
-                     "(matching.DEFAULT_CPU_UNROLL on a CPU, DEFAULT_UNROLL with a GPU or TPU).")
+                     "(matching.DEFAULT_CPU_UNROLL on a CPU, DEFAULT_UNROLL with a GPU or TPU).",
+                     lower_bound=0)
 flags.DEFINE_integer("intra_op_threads", 0,
                      "Threads of TensorFlow's intra-op pool, which XLA:CPU splits the compiled "
                      "matchers' passes over; 0 = TensorFlow's default (one per core). 1 shows "
-                     "what the second core gains or costs on this machine.")
+                     "what the second core gains or costs on this machine.", lower_bound=0)
 flags.DEFINE_float("sinkhorn_epsilon", 0.02, "Entropic regularisation of 'sinkhorn'.")
-flags.DEFINE_integer("sinkhorn_iters", 50, "Sinkhorn iterations of 'sinkhorn'.")
+flags.DEFINE_integer("sinkhorn_iters", 50, "Sinkhorn iterations of 'sinkhorn'.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_integer("mg_max_n", 8, "Run Model Garden's matcher only for batches up to this size "
                      "(at [384, 100, 100] it did not finish 3 calls in 9 minutes on the 2-core "
-                     "development machine); 0 = never.")
+                     "development machine); 0 = never.", lower_bound=0)
 
 
 def timed(fn) -> float:

@@ -18,10 +18,10 @@ from detr_tf import cli
 
 cli.define_gin_flags()
 flags.adopt_module_key_flags(cli)
-flags.DEFINE_integer("rounds", 10, "Interleaved timed rounds.")
+flags.DEFINE_integer("rounds", 10, "Interleaved timed rounds.", lower_bound=1)
 flags.DEFINE_multi_enum("variant", None, ["tf_keras", "tf_keras_xla", "fused_xla", "fused_kernels"],
                         "Updates to time (repeatable; default: all).")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

@@ -23,9 +23,10 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 # serves GPUs, so torch runs here without it.
 sys.modules.setdefault("triton", None)
 
-flags.DEFINE_integer("image_size", 640, "Square input side.")
-flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds after two warm-up calls each.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+flags.DEFINE_integer("image_size", 640, "Square input side.", lower_bound=32)
+flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds after two warm-up calls each.",
+                     lower_bound=1)
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

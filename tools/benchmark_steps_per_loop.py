@@ -17,9 +17,9 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 flags.DEFINE_multi_string("gin_file", ["tiny.gin"], "Gin file(s) of the run.")
 flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings.")
 flags.DEFINE_multi_integer("steps_per_loop", [1, 10], "The k of the 'N=k' variants.")
-flags.DEFINE_integer("steps", 40, "Train steps per variant per round.")
-flags.DEFINE_integer("rounds", 5, "Interleaved rounds after the warm-up.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+flags.DEFINE_integer("steps", 40, "Train steps per variant per round.", lower_bound=1)
+flags.DEFINE_integer("rounds", 5, "Interleaved rounds after the warm-up.", lower_bound=1)
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

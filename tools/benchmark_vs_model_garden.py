@@ -18,11 +18,11 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 from detr_tf.benchmarks import compare
 
 compare.define_flags(flags)
-flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds after the warm-up.")
+flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds after the warm-up.", lower_bound=1)
 flags.DEFINE_multi_string("variant", [], "Variants 'side/precision/jit' to run, as the table "
                           "names them ('detr_tf/float32/jit=loss') or with a bare jit "
                           "('detr_tf/float32/loss'); default all.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

@@ -24,10 +24,14 @@ flags.DEFINE_list("jits", ["step", "loss", "none"], "jit settings to count.")
 flags.DEFINE_list("optimizers", ["fused", "tf_keras"],
                   "fused (its XLA form, a GPU's default), fused_kernels (a CPU's default) "
                   "and/or tf_keras AdamW.")
-flags.DEFINE_integer("steps", 3, "Profiled steps (after one untraced step).")
-flags.DEFINE_integer("batch_size", 2, "Images per step.")
-flags.DEFINE_integer("image_size", 64, "Square synthetic image side.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+for _name, _choices in (("engines", ("default", "mirrored", "horovod")),
+                        ("jits", ("step", "loss", "matcher", "none")),
+                        ("optimizers", ("fused", "fused_kernels", "tf_keras"))):
+    cli.restrict_list_flag(_name, _choices)
+flags.DEFINE_integer("steps", 3, "Profiled steps (after one untraced step).", lower_bound=1)
+flags.DEFINE_integer("batch_size", 2, "Images per step.", lower_bound=1)
+flags.DEFINE_integer("image_size", 64, "Square synthetic image side.", lower_bound=32)
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

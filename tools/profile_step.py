@@ -18,11 +18,12 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 from detr_tf.benchmarks import compare
 
 compare.define_flags(flags)
-flags.DEFINE_integer("steps", 3, "Timed steps, then as many profiled steps, per variant.")
+flags.DEFINE_integer("steps", 3, "Timed steps, then as many profiled steps, per variant.",
+                     lower_bound=1)
 flags.DEFINE_multi_string("variant", ["model_garden/float32/none", "detr_tf/float32/loss",
                                       "detr_tf/mixed_bfloat16/loss"],
                           "Variants 'side/precision/jit'.")
-flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
+cli.define_json_out_flag()
 FLAGS = flags.FLAGS
 
 

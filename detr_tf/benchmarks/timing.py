@@ -6,6 +6,7 @@ interleaved rounds (A B C, B C A, ...) and compared by their medians: a burst of
 slows every variant alike instead of the one that happened to run during it.
 """
 import json
+import os
 import resource
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -67,6 +68,8 @@ def write_json(report: Dict[str, object], path: Optional[str], indent: int = 2) 
     rec = machine.record()
     print(f"machine: {machine.summary(rec)}")
     if path:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump({**report, "machine": rec}, f, indent=indent)
         print(f"wrote {path}")
