@@ -117,13 +117,29 @@ def test_tiny_detr_hlo_count_agrees_with_the_analytic_count():
 
     ts, batch, size = tiny_train_step((96, 160))
     from detr_tf.benchmarks import ours
-    shape = flops.shape_from_model(ts.model, size, 2)
+    shape = flops.shape_if_detr(ts.model, size, 2)  # the tools' analytic shape
     analytic = flops.detr_flops(shape)
     fwd = ours.forward_flops(ts.model, batch[0]["images"], batch[0]["pixel_mask"])
     assert fwd["total"] == analytic["forward"]
     train = ours.train_step_flops(ts, batch)
     # Exact up to the input gradients' border taps, which XLA's rule skips.
     assert train["total"] == pytest.approx(analytic["train_step"], rel=5e-3)
+
+
+def test_a_model_the_analytic_count_does_not_know_has_no_shape():
+    """RT-DETR has neither DETR's ResNet nor its transformer: no analytic FLOPs (the Model
+    Garden comparison printed DETR-R50's for every config)."""
+    import gin
+
+    from detr_tf import config, run as run_lib
+
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["rtdetr_tiny.gin"], defer_required=True)
+        model = run_lib.assemble().model_fn()
+    finally:
+        gin.clear_config()
+    assert flops.shape_if_detr(model, (64, 64), 2) is None
 
 
 @pytest.mark.parametrize("name,precision,peak", [

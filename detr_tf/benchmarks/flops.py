@@ -311,6 +311,15 @@ def detr_flops(s: DetrShape) -> Dict[str, int]:
             "train_step": train}
 
 
+def shape_if_detr(model, image_size: Tuple[int, int], batch_size: int) -> Optional[DetrShape]:
+    """`shape_from_model`, or None for a model whose shape it cannot read: the analytic count
+    knows DETR's ResNet and transformer only (RT-DETR, Deformable DETR have neither)."""
+    try:
+        return shape_from_model(model, image_size, batch_size)
+    except AttributeError:
+        return None
+
+
 def shape_from_model(model, image_size: Tuple[int, int], batch_size: int) -> DetrShape:
     """Reads a detr_tf DETR's DetrShape off the built model object."""
     backbone = model.backbone

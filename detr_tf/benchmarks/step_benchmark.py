@@ -175,11 +175,9 @@ def _count_flops(ts: ours.TrainStep, first, count_flops: bool, step_s: float, pr
 
 def _analytic_flops(model, hw: Tuple[int, int], batch_size: int) -> Optional[Dict[str, int]]:
     """flops.detr_flops of the model's shape, or None for a model whose shape it cannot read
-    (the analytic count knows DETR's ResNet and transformer only; RT-DETR has neither)."""
-    try:
-        return flops_lib.detr_flops(flops_lib.shape_from_model(model, hw, batch_size))
-    except AttributeError:
-        return None
+    (`flops.shape_if_detr`)."""
+    shape = flops_lib.shape_if_detr(model, hw, batch_size)
+    return flops_lib.detr_flops(shape) if shape is not None else None
 
 
 def benchmark_infer(model_fn: Callable[[], tf_keras.Model], batch_sizes: Sequence[int],
