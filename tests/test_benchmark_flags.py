@@ -1,7 +1,7 @@
 """The benchmark tools refuse, when their flags are parsed, what would fail or mislead only
 after the benchmark ran: a --json_out that cannot be written (the results were lost at the
 end), counts below one, and list items that are not among the choices (run as something else
-under the misspelt name)."""
+under the misspelt name); and a Gin mistake in one message."""
 import pytest
 
 from detr_tf import cli
@@ -23,6 +23,9 @@ def test_a_json_out_that_cannot_be_a_file_is_refused(tmp_path):
      "--optimizers takes one or more of fused, fused_kernels, tf_keras"),
     ("benchmark_deformable_attention.py", ["--modes=plain,XLA"],
      "--modes takes one or more of plain, xla"),
+    # A Gin mistake: one message, as every tool gives it (a ConfigError traceback before).
+    ("benchmark_steps_per_loop.py", ["--gin_file=tiny.gin", "--gin_param=trian.x=1"],
+     "benchmark_steps_per_loop.py: invalid gin configuration"),
 ])
 def test_bad_flags_stop_the_tool_before_it_runs(tmp_path, tool, args, said):
     proc = tool_helpers.run_tool(tool, *[a.format(tmp=tmp_path) for a in args], timeout=120)

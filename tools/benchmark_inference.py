@@ -95,7 +95,10 @@ def _detr_tf_model(weights: str = None):
     params = list(FLAGS.gin_param)
     if FLAGS.hf == "rtdetr":
         params += ["NUM_CLASSES = 80"]
-    config.parse_gin_config(files, params, finalize=False, defer_required=True)
+    try:
+        config.parse_gin_config(files, params, finalize=False, defer_required=True)
+    except config.ConfigError as e:
+        sys.exit(f"benchmark_inference.py: {e}")
     model = run_lib.assemble().build_model((FLAGS.image_size, FLAGS.image_size))
     if weights:
         print(load_pretrained(model, weights))

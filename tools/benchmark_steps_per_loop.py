@@ -12,7 +12,7 @@ import sys
 
 from absl import app, flags
 
-from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs before it loads
+from detr_tf import cli  # first: quiets TensorFlow's C++ logs before it loads
 
 flags.DEFINE_multi_string("gin_file", ["tiny.gin"], "Gin file(s) of the run.")
 flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings.")
@@ -26,8 +26,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"unexpected arguments {argv[1:]}")
-    from detr_tf import config
-    config.parse_gin_config(FLAGS.gin_file, FLAGS.gin_param)
+    cli.parse_gin_or_exit("benchmark_steps_per_loop.py", FLAGS.gin_file, FLAGS.gin_param)
     from detr_tf.benchmarks import steps_per_loop as loop_benchmark, timing
 
     report = loop_benchmark.measure(FLAGS.steps_per_loop, FLAGS.steps, FLAGS.rounds,

@@ -84,15 +84,16 @@ def setup(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
           variant_specs: Sequence[str]):
     """A comparison tool's start: Model Garden imported (it registers Gin configurables, so
     before the config is parsed and locked), our model's Gin config parsed, the variants parsed
-    (DEFAULT_VARIANTS if none). Exits naming `tool` on a bad variant.
+    (DEFAULT_VARIANTS if none). Exits naming `tool` on a bad variant or Gin binding.
 
     Returns:
       (variants, model_fn, criterion): the run's `train.model_fn` and `train.criterion`
       (detr_tf/run.py).
     """
-    from detr_tf import config, run as run_lib
+    from detr_tf import cli, run as run_lib
     model_garden.import_model_garden()
-    config.parse_gin_config(gin_files, gin_params)
+    # The data is synthetic: an experiment file's data paths are not asked for.
+    cli.parse_gin_or_exit(tool, gin_files, gin_params, defer_required=True)
     try:
         variants = parse_variants(variant_specs) if variant_specs else list(DEFAULT_VARIANTS)
     except ValueError as e:
