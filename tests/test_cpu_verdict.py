@@ -106,3 +106,18 @@ def test_the_quickstart_and_the_suite_are_read_from_the_steps_outputs(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(
         {"quickstart": {"returncode": 1, "wall_s": 30.0}}))
     assert _rows(tmp_path)["quickstart end to end <= 10 min at AP50 >= 65%"].met is None
+
+
+def test_steps_measured_while_the_machine_was_shared_are_named(tmp_path):
+    def summary(**idle):
+        (tmp_path / "summary.json").write_text(json.dumps({
+            name: {"returncode": 0, "wall_s": 1.0, "machine": {"cpu_use": {"idle": value}}}
+            for name, value in idle.items()}))
+
+    target = "every step measured on an idle machine"
+    summary(quickstart=True, matcher_run1=False, suite=False)
+    row = _rows(tmp_path)[target]
+    assert row.met is False and row.measured.startswith(
+        "shared, not idle: matcher_run1, suite (their times are upper bounds")
+    summary(quickstart=True, suite=True)
+    assert _rows(tmp_path)[target].met is True

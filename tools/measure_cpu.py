@@ -9,18 +9,19 @@
 The steps (detr_tf/benchmarks/cpu_report.py): the README's quickstart from an empty data cache, the
 matcher against scipy on every cost distribution (twice, then its 384-problem cases on one intra-op
 thread, then the floor of a single compiled call), where R50's and the quickstart's step time goes,
-R50 beside Model Garden, each side's first call alone, and the test suite from a clean clone as CI
-runs it. Each writes its JSON (named for the CPU kind) and its log into --out_dir; summary.json
-gives each step's exit status, wall time and whether other processes shared the CPU meanwhile. Steps
-whose output exists are skipped (--force reruns them), so an interrupted report resumes. For figures
-that compare, run it on an otherwise idle machine. --publish copies what the verdict reads into
-the repository, with this machine's paths taken out (detr_tf/benchmarks/cpu_publish.py).
+R50's optimizer update against its memory-traffic bound, R50 beside Model Garden, each side's first
+call alone, and the test suite from a clean clone as CI runs it. Each writes its JSON (named for
+the CPU kind) and its log into --out_dir; summary.json gives each step's exit status, wall time and
+whether other processes shared the CPU meanwhile. Steps whose output exists are skipped (--force
+reruns them), so an interrupted report resumes. For figures that compare, run it on an otherwise
+idle machine. --publish copies what the verdict reads into the repository, with this machine's
+paths taken out (detr_tf/benchmarks/cpu_publish.py).
 """
 import sys
 
 from absl import app, flags
 
-from detr_tf import cli  # noqa: F401 -- first, as every tool (its environment reaches the steps)
+from detr_tf import cli  # first, as every tool (its environment reaches the steps)
 from detr_tf import machine
 from detr_tf.benchmarks import cpu_publish, cpu_report, cpu_verdict
 
@@ -37,7 +38,9 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    del argv
+    cli.reject_positional("measure_cpu.py", argv)
+    if not (FLAGS.verdict or FLAGS.publish):  # a report is written there
+        cli.check_output_dir("measure_cpu.py", "out_dir", FLAGS.out_dir)
     cpu_flags = machine.read_cpu_flags()
     kind = machine.cpu_kind(cpu_flags)
     steps = cpu_report.plan(FLAGS.out_dir, cpu_flags)

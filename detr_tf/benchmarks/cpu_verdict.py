@@ -165,10 +165,28 @@ def report_cpu_flags(out: str) -> Optional[frozenset]:
 
 
 def verdict(out: str, steps: Sequence[Step]) -> List[Row]:
-    """Every target's row, in the order of the report's steps (`cpu_report.plan` for `out`)."""
+    """Every target's row, in the order of the report's steps (`cpu_report.plan` for `out`),
+    then whether they were measured on an idle machine."""
     outputs = {s.name: os.path.join(out, s.output) for s in steps}
     return (quickstart_rows(out, outputs) + matcher_rows(outputs) + profile_rows(outputs)
-            + model_garden_rows(outputs) + first_call_rows(outputs) + suite_rows(out, outputs))
+            + model_garden_rows(outputs) + first_call_rows(outputs) + suite_rows(out, outputs)
+            + idle_rows(out))
+
+
+def idle_rows(out: str) -> List[Row]:
+    """One row: the steps that ran while other processes took CPU time (summary.json's
+    machine record), whose times are upper bounds and whose misses may be the machine's."""
+    summary = _load(os.path.join(out, "summary.json")) or {}
+    use = {name: ((step.get("machine") or {}).get("cpu_use") or {}).get("idle")
+           for name, step in summary.items()}
+    shared = sorted(name for name, idle in use.items() if idle is False)
+    if not any(idle is not None for idle in use.values()):
+        return []
+    target = "every step measured on an idle machine"
+    if shared:
+        return [Row(target, f"shared, not idle: {', '.join(shared)} (their times are upper "
+                            "bounds; rerun them with --force on an idle machine)", False)]
+    return [Row(target, f"all {len(use)} idle", True)]
 
 
 def format_rows(rows: List[Row]) -> str:
