@@ -23,6 +23,7 @@ def test_a_json_out_that_cannot_be_a_file_is_refused(tmp_path):
      "--optimizers takes one or more of fused, fused_kernels, tf_keras"),
     ("benchmark_deformable_attention.py", ["--modes=plain,XLA"],
      "--modes takes one or more of plain, xla"),
+    ("benchmark.py", ["--jit=bogus"], "flag --jit=bogus: value should be one of"),
     # A Gin mistake: one message, as every tool gives it (a ConfigError traceback before).
     ("benchmark_steps_per_loop.py", ["--gin_file=tiny.gin", "--gin_param=trian.x=1"],
      "benchmark_steps_per_loop.py: invalid gin configuration"),

@@ -38,9 +38,10 @@ flags.register_validator("image_size", lambda v: v > 0 and v % 32 == 0,
                          "--image_size must be a positive multiple of 32 (the backbone's stride)")
 flags.DEFINE_integer("num_boxes", 7, "Synthetic real boxes per image.", lower_bound=0)
 flags.DEFINE_integer("max_boxes", 100, "Synthetic padded target slots per image.", lower_bound=1)
-flags.DEFINE_string("jit", None, "'step', 'loss', 'matcher', 'none' or 'auto' (default: "
-                    "train.jit).")
-flags.DEFINE_string("precision", None, "Keras policy (default: train.precision).")
+flags.DEFINE_enum("jit", None, ["step", "loss", "matcher", "none", "auto"],
+                  "What XLA compiles (default: train.jit).")
+flags.DEFINE_enum("precision", None, ["float32", "mixed_bfloat16", "mixed_float16", "auto"],
+                  "Keras policy (default: train.precision).")
 flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s of the device for MFU.")
 flags.register_validator("peak_tflops", lambda v: v is None or v > 0,
                          "--peak_tflops must be a positive number of TFLOP/s")
