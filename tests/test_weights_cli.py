@@ -119,3 +119,9 @@ def test_a_model_only_config_imports_and_says_the_tools_need_an_experiment_file(
     assert len(report.loaded) == 202 and not report.reinitialized
     assert path.endswith("ckpt-0") and (tmp_path / "run" / "config.gin").is_file()
     assert "the config binds no data" in steps
+    # Every command carries the experiment file; fine-tuning reads your data after it (the
+    # run's own config.gin, a model file's, stopped the run for want of data).
+    commands = [line for line in steps.splitlines() if "python tools/" in line]
+    assert len(commands) == 4 and all("--gin_file=EXPERIMENT.gin" in c for c in commands)
+    assert "--gin_file=gin_configs/data/custom_data.gin" in commands[-1]
+    assert "config.gin" not in commands[-1]

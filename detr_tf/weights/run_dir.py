@@ -55,16 +55,23 @@ def import_to_run_dir(weights: str, output_dir: str,
 
 
 def next_steps(output_dir: str) -> str:
-    """What to run on the imported run directory (the tool's last words)."""
+    """What to run on the imported run directory (the tool's last words). A config without
+    data (a model file) needs an experiment file beside it in every command."""
     d = shlex.quote(output_dir)
-    note = [] if run_lib.assemble().has_data else [
-        "  (the config binds no data: give the tools an experiment file, "
-        "e.g. --gin_file=gin_configs/detr_r50.gin with its required --gin_param values)"]
+    if run_lib.assemble().has_data:
+        note, gin, tune = [], "", f"--gin_file={d}/config.gin"
+    else:
+        note = ["  (the config binds no data: EXPERIMENT.gin below is an experiment file of this "
+                "model, e.g. gin_configs/detr_r50.gin with its required --gin_param values; for "
+                "your own data, gin_configs/data/custom_data.gin after it)"]
+        gin = " --gin_file=EXPERIMENT.gin"
+        tune = ("--gin_file=EXPERIMENT.gin --gin_file=gin_configs/data/custom_data.gin "
+                "--gin_param=\"DATA_DIR='YOUR_DATA'\"")
     return "\n".join([
         "", "detr_tf: next steps", *note,
-        f"  evaluate:        python tools/eval.py --model_dir={d}",
-        f"  your own images: python tools/predict.py --model_dir={d} --images=PATH_OR_DIR "
+        f"  evaluate:        python tools/eval.py --model_dir={d}{gin}",
+        f"  your own images: python tools/predict.py --model_dir={d}{gin} --images=PATH_OR_DIR "
         "--output_dir=OUT",
-        f"  export:          python tools/export.py --model_dir={d} --export_dir=OUT",
-        f"  fine-tune:       python tools/train.py --gin_file={d}/config.gin "
+        f"  export:          python tools/export.py --model_dir={d}{gin} --export_dir=OUT",
+        f"  fine-tune:       python tools/train.py {tune} "
         f"--gin_param=\"train.init_weights='{output_dir}'\" --model_dir=NEW_DIR"])
