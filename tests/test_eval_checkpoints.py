@@ -40,12 +40,15 @@ def test_checkpoints_elsewhere_in_or_outside_the_run_are_named_by_their_path(tmp
     _save_run(run, (3,), ema=False)
     best = tf.train.Checkpoint(w=tf.Variable(0.0)).write(os.path.join(run, "best", "ckpt"))
     assert evaluate.eval_subdir(run, best) == os.path.join("eval", "best_ckpt")
+    # Another run's checkpoint: named with that run, never as this run's own ckpt-3.
     other, = _save_run(str(tmp_path / "other"), (3,), ema=False)
-    assert evaluate.eval_subdir(run, other) == os.path.join("eval", "ckpt-3")
+    assert evaluate.eval_subdir(run, other) == os.path.join("eval", "other_ckpt-3")
+    loose = tf.train.Checkpoint(w=tf.Variable(0.0)).write(str(tmp_path / "loose" / "ckpt-3"))
+    assert evaluate.eval_subdir(run, loose) == os.path.join("eval", "loose_ckpt-3")
     # A run with no checkpoint of its own: nothing given is its result.
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
-    assert evaluate.eval_subdir(empty, other) == os.path.join("eval", "ckpt-3")
+    assert evaluate.eval_subdir(empty, other) == os.path.join("eval", "other_ckpt-3")
 
 
 def test_a_checkpoint_is_found_by_its_prefix_a_file_of_it_or_its_name_in_the_run(tmp_path):

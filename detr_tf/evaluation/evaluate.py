@@ -186,16 +186,20 @@ def eval_subdir(model_dir: str, path: str, use_ema: bool = True) -> str:
 
     eval/ for the run's latest checkpoint with the weights the trainer evaluates (the EMA ones
     when it kept them), as the trainer's own evaluation writes it. Any other checkpoint: eval/
-    and its path in the run, `checkpoints` left out (eval/ckpt-2000, eval/best_ckpt), or its
-    file name for one outside the run; `_without_ema` appended for raw weights beside EMA ones.
+    and its path in the run, `checkpoints` left out (eval/ckpt-2000, eval/best_ckpt), or for
+    one outside the run its run's directory name and its own (eval/other_run_ckpt-2000);
+    `_without_ema` appended for raw weights beside EMA ones.
     """
     latest = checkpointing.latest_checkpoint(model_dir)
     raw = not use_ema and checkpointing.has_ema(path)
     if not raw and latest and os.path.abspath(latest) == os.path.abspath(path):
         return EVAL_SUBDIR
     parts = os.path.relpath(os.path.abspath(path), os.path.abspath(model_dir)).split(os.sep)
-    if parts[0] == os.pardir:
-        parts = [os.path.basename(path)]
+    if parts[0] == os.pardir:  # another run's: named with its directory, never as this run's
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(parent) == checkpointing.CHECKPOINT_SUBDIR:
+            parent = os.path.dirname(parent)
+        parts = [os.path.basename(parent) or "root", os.path.basename(path)]
     elif parts[0] == checkpointing.CHECKPOINT_SUBDIR and len(parts) > 1:
         parts = parts[1:]
     return os.path.join(EVAL_SUBDIR, "_".join(parts) + ("_without_ema" if raw else ""))
