@@ -204,7 +204,7 @@ def test_a_pth_without_torch_says_how_to_convert_it(monkeypatch):
     with pytest.raises(weights.WeightImportError) as e:
         weights.load_pretrained(narrow_detr(), path)
     msg = str(e.value)
-    assert path in msg and "pip install 'detr_tf[torch]'" in msg
+    assert path in msg and "pip install -e '.[torch]' in the repository" in msg
     assert "safetensors.torch" in msg and "save_file" in msg and "torch.load" in msg
     # safetensors files need no torch.
     report = weights.load_pretrained(narrow_detr(), str(FIXTURES / "detr_reference.safetensors"))

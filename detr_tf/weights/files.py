@@ -106,8 +106,9 @@ def _read_torch(path: str) -> Dict[str, np.ndarray]:
     if torch is None:
         raise WeightImportError(
             f"{path!r} is a torch checkpoint and reading it needs PyTorch "
-            "(pip install 'detr_tf[torch]'). Or convert it to safetensors on a machine that "
-            f"has torch:\n  {convert_command(path)}\nand import the .safetensors file instead")
+            "(pip install -e '.[torch]' in the repository). Or convert it to safetensors on a "
+            f"machine that has torch:\n  {convert_command(path)}\nand import the .safetensors "
+            "file instead")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickled Python objects beyond tensors: refuse, never unpickle them
