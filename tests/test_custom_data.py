@@ -98,6 +98,17 @@ def test_voc_xml_becomes_coco_boxes_and_records(tmp_path):
     assert ds.splits["eval"].num_examples == 1
 
 
+def test_a_voc_class_of_the_val_split_alone_is_named_by_its_name(tmp_path, capsys):
+    root = helpers.make_voc(str(tmp_path / "voc"))
+    val_xml = os.path.join(root, "Annotations", "2007_000002.xml")  # the val split's image
+    h, w, objects = helpers.IMAGES[2]
+    with open(val_xml, "w") as f:
+        f.write(helpers.voc_xml("2007_000002.jpg", h, w, objects + [("bird", 2, 2, 8, 8)]))
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert ds.class_names == ["cat", "dog"]
+    assert "category_id 'bird' is not in 'categories'" in capsys.readouterr().out
+
+
 def test_roboflow_placeholder_category_is_not_a_class(tmp_path):
     ds = custom.prepare_custom_dataset(helpers.make_roboflow(str(tmp_path / "d")),
                                        str(tmp_path / "cache"))

@@ -190,8 +190,8 @@ def read_voc_xml(path: str) -> dict:
 def voc_to_coco(split: SplitFiles, class_names: Sequence[str]) -> dict:
     """A VOC split as a COCO dict; category ids are 1..K in `class_names` order.
 
-    Objects of a class outside `class_names` are kept with category id 0, which the converter
-    counts and drops as an unknown category. 'difficult' objects become crowd boxes (ignored by
+    Objects of a class outside `class_names` keep their name as category id, which the
+    converter counts, names and drops as an unknown category. 'difficult' objects become crowd boxes (ignored by
     training and by the COCO evaluation, as VOC's own evaluation ignores them).
     """
     ids = {name: i + 1 for i, name in enumerate(class_names)}
@@ -202,7 +202,8 @@ def voc_to_coco(split: SplitFiles, class_names: Sequence[str]) -> dict:
                        "height": record["height"], "width": record["width"]})
         for obj in record["objects"]:
             annotations.append({"id": len(annotations) + 1, "image_id": image_id,
-                                "category_id": ids.get(obj["name"], 0), "bbox": obj["bbox"],
+                                "category_id": ids.get(obj["name"], obj["name"]),
+                                "bbox": obj["bbox"],
                                 "area": obj["bbox"][2] * obj["bbox"][3],
                                 "iscrowd": obj["iscrowd"]})
     categories = [{"id": i, "name": n, "supercategory": "none"} for n, i in ids.items()]
