@@ -62,19 +62,14 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
     return model, path
 
 
-def note_differences(model_dir: Optional[str], shown: int = 8) -> None:
+def note_differences(model_dir: Optional[str]) -> None:
     """Names the bindings that differ from the run's config.gin. The checkpoint fitted the model
     they build, but not every binding shapes a variable (a two-stage DETR's query count does
     not), so the model may still not be the one trained."""
-    saved = os.path.join(model_dir or "", checkpoint_restore.CONFIG_FILENAME)
-    if not model_dir or not os.path.isfile(saved):
-        return
-    with open(saved) as f:
-        lines = checkpoint_restore.config_differences(f.read(), config.config_text())
-    if lines:
-        more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
+    said = checkpoint_restore.differences_from_run(model_dir, config.config_text())
+    if said:
         print("detr_tf: note: bindings that differ from the run's config.gin (trained -> now): "
-              + "; ".join(lines[:shown]) + more, flush=True)
+              + said, flush=True)
 
 
 def checkpoint_prefix(model_dir: Optional[str], checkpoint: str) -> str:

@@ -93,20 +93,26 @@ def config_differences(saved: str, current: str) -> List[str]:
             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
+def differences_from_run(model_dir: Optional[str], current: str) -> str:
+    """The bindings of `current` (a Gin config text) that differ from the run's config.gin, as
+    'name: trained -> now; ...' (the first _SHOWN_DIFFERENCES, then how many more); '' when
+    none differs or the run has no config.gin."""
+    path = os.path.join(model_dir or "", CONFIG_FILENAME)
+    if not model_dir or not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        lines = config_differences(f.read(), current)
+    more = f"; and {len(lines) - _SHOWN_DIFFERENCES} more" if len(lines) > _SHOWN_DIFFERENCES \
+        else ""
+    return "; ".join(lines[:_SHOWN_DIFFERENCES]) + more
+
+
 def _differences_note(model_dir: Optional[str]) -> str:
     import gin
 
-    path = os.path.join(model_dir or "", CONFIG_FILENAME)
-    if not model_dir or not os.path.exists(path):
-        return ""
-    with open(path) as f:
-        lines = config_differences(f.read(), gin.config_str())
-    if not lines:
-        return ""
-    more = f"; and {len(lines) - _SHOWN_DIFFERENCES} more" if len(lines) > _SHOWN_DIFFERENCES \
-        else ""
-    return (f" Bindings that differ from the run's {CONFIG_FILENAME} (trained -> now): "
-            + "; ".join(lines[:_SHOWN_DIFFERENCES]) + more + ".")
+    said = differences_from_run(model_dir, gin.config_str())
+    return (f" Bindings that differ from the run's {CONFIG_FILENAME} (trained -> now): {said}."
+            if said else "")
 
 
 def mismatch(path: str, what: str, model_dir: Optional[str]) -> ValueError:
