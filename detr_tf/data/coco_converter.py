@@ -40,7 +40,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
-from detr_tf import arg_checks
+from detr_tf import arg_checks, atomic_files
 from detr_tf.data import coco_records, json_files
 
 # No TensorFlow import at module level: worker processes import `coco_records` to read images,
@@ -252,10 +252,7 @@ def run_conversion(image_dir: str, annotations_file: str, output_prefix: str,
     if annotations_out is not None:
         coco = json_files.read_coco(annotations_file)
         coco["annotations"] = stats.annotations
-        tmp = f"{annotations_out}.partial"
-        with open(tmp, "w") as f:
-            json.dump(coco, f)
-        os.replace(tmp, annotations_out)
+        atomic_files.write_text(annotations_out, json.dumps(coco))
         print(f"Wrote {annotations_out}: the annotations the shards hold, the ground truth to "
               "evaluate them against (COCO_VAL_ANNOTATIONS).")
     elif changed:

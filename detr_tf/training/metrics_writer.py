@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 
 import tensorflow as tf
 
+from detr_tf import atomic_files
 from detr_tf.durations import format_duration
 
 
@@ -71,13 +72,11 @@ class MetricsWriter:
             return
         with open(path) as f:
             lines = f.read().splitlines()
-        kept = [line for line in lines if _step(line) is not None and _step(line) <= step]
+        steps = [_step(line) for line in lines]
+        kept = [line for line, s in zip(lines, steps) if s is not None and s <= step]
         if len(kept) == len(lines):
             return
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(line + "\n" for line in kept)
-        os.replace(tmp, path)
+        atomic_files.write_text(path, "".join(line + "\n" for line in kept))
         print(f"detr_tf: metrics.jsonl: left out {len(lines) - len(kept)} row(s) past step "
               f"{step}, where the run resumes (their steps are taken again)", flush=True)
 

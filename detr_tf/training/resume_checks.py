@@ -10,6 +10,7 @@ import json
 import os
 from typing import Optional
 
+from detr_tf import atomic_files
 from detr_tf.training import checkpointing
 
 RECORD = "input.json"  # in model_dir/checkpoints
@@ -39,10 +40,7 @@ def record_images_per_step(model_dir: str, images_per_step: int) -> None:
     is built)."""
     path = _path(model_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"images_per_step": images_per_step}, f)
-    os.replace(tmp, path)
+    atomic_files.write_text(path, json.dumps({"images_per_step": images_per_step}))
 
 
 def _path(model_dir: str) -> str:

@@ -30,7 +30,7 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import arg_checks as ac, config, machine
+from detr_tf import arg_checks as ac, atomic_files, config, machine
 from detr_tf.durations import format_elapsed
 from detr_tf.training import checkpointing, hardware, resume_checks, state as state_lib
 from detr_tf.training import distribution as dist
@@ -53,13 +53,6 @@ def check_model_dir(model_dir: str) -> None:
             pass
     except OSError as e:
         raise TrainingError(f"model_dir {model_dir!r} is not writable: {e}") from e
-
-
-def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _count_steps(num_steps, num_epochs, train_examples, batch_per_step):
@@ -245,7 +238,7 @@ def train(model_dir: str,
     if engine.is_chief:
         # Once the run is built, restored and fed: a resumed run whose new bindings fail above
         # keeps the config.gin that its checkpoints were trained with (eval.py reads it).
-        _write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
+        atomic_files.write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
         resume_checks.record_images_per_step(model_dir, global_batch_size * grad_accum_steps)
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
                      log_every=log_every, checkpoint_every=checkpoint_every,
@@ -284,7 +277,7 @@ def _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_f
         # Only after the first step has every configurable the step uses been called.
         if engine.is_chief:
             resolved = "".join(f"# train.{k} resolved to {v}\n" for k, v in chosen.items())
-            _write_text(os.path.join(model_dir, "operative_config.gin"),
+            atomic_files.write_text(os.path.join(model_dir, "operative_config.gin"),
                         resolved + gin.operative_config_str())
 
     # The NaN policy 'stop' ends a device loop at the first non-finite step, before the host
