@@ -127,6 +127,17 @@ def test_round_trip_uint8_signature(exported):
     assert len(set(served["num_detections"].tolist())) == 2
 
 
+def test_an_empty_batch_gets_empty_outputs(exported):
+    _, _, loaded = exported
+    for served in (loaded.signatures[export.SERVING_IMAGES](images=tf.zeros([0, 40, 36, 3],
+                                                                              tf.uint8)),
+                   loaded.signatures["serving_default"](encoded=tf.zeros([0], tf.string))):
+        shapes = {k: tuple(v.shape) for k, v in served.items()}
+        assert shapes == {"boxes": (0, 4, 4), "scores": (0, 4), "classes": (0, 4),
+                          "num_detections": (0,)}
+        assert served["classes"].dtype == tf.int32
+
+
 def _object_graph(export_dir):
     """The SavedModel's object graph: what `tf.saved_model.load` rebuilds."""
     saved = saved_model_pb2.SavedModel()

@@ -205,11 +205,21 @@ class DetectionModule(tf.Module):
             fn_output_signature=self._canvas_specs + (tf.TensorSpec([2], tf.int32),))
         return image, mask, sizes  # [N, Hc, Wc, 3], [N, Hc, Wc], [N, 2]
 
+    def _serve(self, batch: tf.Tensor, decode: bool) -> Dict[str, tf.Tensor]:
+        """The serving outputs for a batch of N >= 0 images: an empty batch gets empty outputs
+        (the model itself cannot run on N = 0: its feature masks lose their shapes)."""
+        k = self._max_detections
+        empty = {"boxes": tf.zeros([0, k, 4]), "scores": tf.zeros([0, k]),
+                 "classes": tf.zeros([0, k], tf.int32), "num_detections": tf.zeros([0], tf.int32)}
+        return tf.cond(tf.shape(batch)[0] > 0,
+                       lambda: self._detect_fn(*self._preprocess_batch(batch, decode)),
+                       lambda: empty)
+
     def _serve_encoded(self, encoded: tf.Tensor) -> Dict[str, tf.Tensor]:
-        return self._detect_fn(*self._preprocess_batch(encoded, decode=True))
+        return self._serve(encoded, decode=True)
 
     def _serve_images(self, images: tf.Tensor) -> Dict[str, tf.Tensor]:
-        return self._detect_fn(*self._preprocess_batch(images, decode=False))
+        return self._serve(images, decode=False)
 
     def detect(self, images: tf.Tensor) -> Dict[str, tf.Tensor]:
         """Detections for uint8 images [N, H, W, 3] (eager convenience for `serve_images`)."""
