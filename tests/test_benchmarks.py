@@ -269,9 +269,29 @@ def test_steps_per_canvas_shape_leave_out_first_appearances():
     assert rows[0]["step_median_ms"] == pytest.approx(110.0)
     assert rows[1]["step_median_ms"] == pytest.approx(210.0)  # 9 s (the compile) left out
     assert rows[1]["step_mean_ms"] == pytest.approx(210.0)
-    table = step_benchmark.shape_table({"by_shape": rows, "step_time_ms": 120.0})
+
+
+def test_the_all_row_of_the_canvas_table_leaves_out_the_compile_too(monkeypatch):
+    """The `all` row's median, like its mean and the shapes' rows, is over the steps whose
+    shape was already compiled: here 120 ms, where the median of all six steps, the 9 s
+    compile among them, is 160 ms."""
+    from detr_tf.benchmarks import step_benchmark
+
+    clock = [0.0]
+    monkeypatch.setattr(step_benchmark.time, "perf_counter", lambda: clock[0])  # time module
+
+    def step(batch):  # takes the time its batch says
+        clock[0] += batch[1]
+        return ()
+
+    a, b = (128, 128), (128, 192)
+    batch = lambda shape, seconds: ({"images": np.zeros([1, *shape, 3])}, seconds)  # noqa: E731
+    timed = [batch(a, 0.10), batch(b, 9.0), batch(a, 0.12), batch(b, 0.20), batch(a, 0.11),
+             batch(b, 0.22)]
+    report = step_benchmark._time_steps(step, batch(a, 0.1), iter(timed), len(timed), 0, 1)
+    assert report["step_time_ms"] == pytest.approx(160.0)
     # The share-weighted mean: 0.6 * 110 + 0.4 * 210 = 150 ms.
-    assert table.splitlines()[-1] == "| all | 100% | 120 | 150 |"
+    assert step_benchmark.shape_table(report).splitlines()[-1] == "| all | 100% | 120 | 150 |"
 
 
 def test_compile_benchmark_feeds_canvases_in_turn_with_unknown_height_and_width():

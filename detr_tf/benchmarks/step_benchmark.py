@@ -97,6 +97,8 @@ def _time_steps(step: Callable, first, batches: Iterator, steps: int, warmup: in
     return {
         "image_shapes": sorted(list(s) for s in shapes), "new_shape_steps": new_shape_steps,
         "by_shape": _by_shape(step_shapes, totals),
+        "compiled_step_median_ms": statistics.median(
+            [t for (_, was_seen), t in zip(step_shapes, totals) if was_seen] or totals) * 1e3,
         "images_per_sec": batch_size * len(totals) / sum(totals),
         "images_per_sec_median_step": batch_size / step_s,
         "step_time_ms": step_s * 1e3, "compute_time_ms": statistics.median(computes) * 1e3,
@@ -123,14 +125,15 @@ def _by_shape(step_shapes: List[Tuple[Tuple[int, int], bool]], totals: List[floa
 
 
 def shape_table(report: Dict[str, object]) -> str:
-    """The timed steps per canvas shape, and the mean step over all compiled shapes."""
+    """The timed steps per canvas shape, and the median and mean step over all of them; like
+    the shapes' rows, the `all` row leaves out each shape's first appearance (its compile)."""
     rows = ["| canvas (H x W) | share of steps | step median (ms) | step mean (ms) |",
             "|---|---|---|---|"]
     for r in report["by_shape"]:
         rows.append(f"| {r['shape'][0]} x {r['shape'][1]} | {100 * r['share']:.1f}% | "
                     f"{r['step_median_ms']:.0f} | {r['step_mean_ms']:.0f} |")
     mean = sum(r["share"] * r["step_mean_ms"] for r in report["by_shape"])
-    rows.append(f"| all | 100% | {report['step_time_ms']:.0f} | {mean:.0f} |")
+    rows.append(f"| all | 100% | {report['compiled_step_median_ms']:.0f} | {mean:.0f} |")
     return "\n".join(rows)
 
 
