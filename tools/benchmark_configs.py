@@ -28,6 +28,7 @@ flags.DEFINE_integer("num_boxes", 7, "Real boxes per image (COCO averages about 
 flags.DEFINE_integer("max_boxes", 100, "Padded target slots per image.", lower_bound=1)
 flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds after the warm-up.", lower_bound=1)
 cli.define_json_out_flag()
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 FLAGS = flags.FLAGS
 
 

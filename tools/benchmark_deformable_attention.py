@@ -28,6 +28,7 @@ tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing 
 
 FLAGS = flags.FLAGS
 cli.define_json_out_flag("Write the results as JSON here.")
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 flags.DEFINE_list("cases", ["32x32:b2", "32x32+16x16+8x8+4x4:b2", "48x48+24x24+12x12+6x6:b1",
                             "48x48+24x24+12x12+6x6:q300:b2"],
                   "Feature pyramids: the single-level 32x32 map, the 4-level pyramids of a "

@@ -43,6 +43,7 @@ flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds after two warm-up 
                      lower_bound=1)
 flags.DEFINE_list("tflite_modes", ["float32", "float16", "dynamic_int8"], "TFLite modes timed.")
 cli.define_json_out_flag()
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 FLAGS = flags.FLAGS
 
 

@@ -29,6 +29,7 @@ flags.DEFINE_integer("batch_size", 8, "Global batch size.", lower_bound=1)
 flags.DEFINE_integer("num_batches", 60, "Timed batches per run (after warm-up).", lower_bound=1)
 flags.DEFINE_integer("runs", 3, "Runs per setting; the report gives the median.", lower_bound=1)
 cli.define_json_out_flag()
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 
 
 def _data(config: str):

@@ -46,6 +46,7 @@ tf.get_logger().setLevel("ERROR")  # Model Garden's matcher logs deprecation war
 
 FLAGS = flags.FLAGS
 cli.define_json_out_flag("Write the results as JSON here.")
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 flags.DEFINE_integer("rounds", 7, "Interleaved timing rounds per case.", lower_bound=1)
 flags.DEFINE_integer("mg_rounds", 3, "Rounds for Model Garden's matcher (it is slow).",
                      lower_bound=1)

@@ -27,6 +27,7 @@ flags.DEFINE_integer("image_size", 640, "Square input side.", lower_bound=32)
 flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds after two warm-up calls each.",
                      lower_bound=1)
 cli.define_json_out_flag()
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,6 +20,7 @@ flags.DEFINE_multi_integer("steps_per_loop", [1, 10], "The k of the 'N=k' varian
 flags.DEFINE_integer("steps", 40, "Train steps per variant per round.", lower_bound=1)
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds after the warm-up.", lower_bound=1)
 cli.define_json_out_flag()
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 FLAGS = flags.FLAGS
 
 

@@ -18,11 +18,13 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 from detr_tf.benchmarks import compare
 
 compare.define_flags(flags)
+flags.adopt_module_key_flags(compare)  # list them in this tool's --help
 flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds after the warm-up.", lower_bound=1)
 flags.DEFINE_multi_string("variant", [], "Variants 'side/precision/jit' to run, as the table "
                           "names them ('detr_tf/float32/jit=loss') or with a bare jit "
                           "('detr_tf/float32/loss'); default all.")
 cli.define_json_out_flag()
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 FLAGS = flags.FLAGS
 
 

@@ -18,12 +18,14 @@ from detr_tf import cli  # noqa: F401 -- first: quiets TensorFlow's C++ logs bef
 from detr_tf.benchmarks import compare
 
 compare.define_flags(flags)
+flags.adopt_module_key_flags(compare)  # list them in this tool's --help
 flags.DEFINE_integer("steps", 3, "Timed steps, then as many profiled steps, per variant.",
                      lower_bound=1)
 flags.DEFINE_multi_string("variant", ["model_garden/float32/none", "detr_tf/float32/loss",
                                       "detr_tf/mixed_bfloat16/loss"],
                           "Variants 'side/precision/jit'.")
 cli.define_json_out_flag()
+flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 FLAGS = flags.FLAGS
 
 
