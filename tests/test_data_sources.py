@@ -61,3 +61,20 @@ def test_tfds_source_with_mocked_coco(monkeypatch):
         np.testing.assert_array_equal(raw["classes"].numpy(), expected)
         np.testing.assert_array_equal(raw["boxes"].numpy(), tfds_raw["objects"]["bbox"].numpy())
     assert raw["image"].dtype == tf.uint8 and raw["image"].shape[-1] == 3
+
+
+@pytest.mark.parametrize("num_batches, windows", [(5, 1), (10, 1), (25, 2), (60, 6)])
+def test_the_input_benchmark_times_exactly_the_batches_asked_for(num_batches, windows):
+    """Five warm-up batches, then num_batches timed: a dataset of exactly that many is used up,
+    with not one batch more asked of it."""
+    pulled = []
+
+    def batches():
+        for i in range(5 + num_batches):
+            pulled.append(i)
+            yield {"images": np.zeros([2, 4, 4, 3], np.float32)}, {}
+
+    ds = tf.data.Dataset.from_generator(batches, output_signature=(
+        {"images": tf.TensorSpec([2, 4, 4, 3], tf.float32)}, {}))
+    result = benchmark.images_per_second(ds, num_batches)
+    assert len(pulled) == 5 + num_batches and result["windows"] == windows

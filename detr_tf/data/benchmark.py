@@ -62,7 +62,8 @@ def simulate_eval_sizes(orig_sizes: Sequence[Tuple[int, int]], short_side: int =
 
 def images_per_second(ds: tf.data.Dataset, num_batches: int, warmup: int = 5,
                       window: int = 10) -> Dict[str, float]:
-    """Median images/s over windows of `window` batches, after `warmup` batches.
+    """Median images/s over windows of `window` batches, after `warmup` batches: exactly
+    `num_batches` are timed, the remainder in the last window (all in one when fewer).
 
     Returns:
       {'median': images/s, 'min': ..., 'max': ..., 'windows': count}.
@@ -70,10 +71,13 @@ def images_per_second(ds: tf.data.Dataset, num_batches: int, warmup: int = 5,
     it = iter(ds)
     for _ in range(warmup):
         next(it)
+    window = min(window, num_batches)
+    sizes = [window] * (num_batches // window)
+    sizes[-1] += num_batches % window
     rates = []
-    for _ in range(max(1, num_batches // window)):
+    for size in sizes:
         start, images = time.perf_counter(), 0
-        for _ in range(window):
+        for _ in range(size):
             features, _ = next(it)
             images += int(features["images"].shape[0])
         rates.append(images / (time.perf_counter() - start))
