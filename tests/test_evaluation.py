@@ -124,6 +124,16 @@ def test_no_detections_gives_zeros_not_a_crash(tmp_path):
         name: 0.0 for name in METRIC_NAMES}
 
 
+def test_categories_without_a_name_are_named_by_their_id(tmp_path):
+    """A hand-made file whose categories give only ids: pycocotools scores it, and the per-class
+    rows name each category by its id (they used to end the evaluation with KeyError 'name')."""
+    cats = [{"id": 3}, {"id": 18, "name": "dog"}]
+    evaluator = CocoEvaluator(_coco_json(tmp_path, _IMAGES, _GT_ANNS, cats))
+    _perfect_predictions(evaluator)
+    assert evaluator.evaluate()["AP"] == pytest.approx(1.0)
+    assert [row["name"] for row in evaluator.per_class] == ["3", "dog"]
+
+
 def test_unknown_image_id_is_named(tmp_path):
     evaluator = CocoEvaluator(_coco_json(tmp_path, _IMAGES, _GT_ANNS, _CATS))
     evaluator.update(_dets([[0, 0, 5, 5]], [0.5], [3]), {"image_id": np.array([999])})

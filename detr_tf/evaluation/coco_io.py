@@ -75,4 +75,7 @@ def load_annotations(annotations: Union[str, os.PathLike, COCO], verbose: bool) 
               (", ..." if len(malformed) > 10 else ""), flush=True)
     copied = dict(dataset)
     copied["annotations"] = annotations_out
+    # The per-class table names each category; a hand-made file may give ids only.
+    copied["categories"] = [dict(c, name=c.get("name", str(c.get("id"))))
+                            for c in dataset["categories"]]
     return make_coco(copied, verbose)
