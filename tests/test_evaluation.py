@@ -124,6 +124,34 @@ def test_no_detections_gives_zeros_not_a_crash(tmp_path):
         name: 0.0 for name in METRIC_NAMES}
 
 
+@pytest.mark.parametrize("ann_ids, image_ids", [
+    ((7,), (1,)),  # one small box: APm and APl undefined
+    ((7, 9), (1, 2)),  # small and large
+    ((8, 10), (1, 2)),  # medium only
+    ((11,), (2,)),  # a crowd region alone: nothing to detect
+    ((), (5,)),  # no box at all
+    ((7, 8, 9, 10, 11), (5,)),  # boxes, but not on the evaluated image
+])
+def test_without_detections_the_undefined_metrics_are_pycocotools_own(tmp_path, ann_ids,
+                                                                       image_ids):
+    """pycocotools cannot score an empty result list, so the evaluator scores it itself; what
+    it leaves undefined must be what pycocotools does, judged here with one detection far from
+    every box (which changes no AP from 0 where a box exists)."""
+    anns = [a for a in _GT_ANNS if a["id"] in ann_ids]
+    path = _coco_json(tmp_path, _IMAGES, anns, _CATS)
+    undefined = []
+    for far_detection in (False, True):
+        evaluator = CocoEvaluator(path)
+        for image_id in image_ids:
+            score = 0.5 if far_detection else 0.0
+            evaluator.update(_dets([[990, 790, 5, 5]], [score], [3]) | {
+                "num_detections": np.array([int(far_detection)])},
+                {"image_id": np.array([image_id])})
+        assert evaluator.evaluate() == {name: 0.0 for name in METRIC_NAMES}
+        undefined.append(evaluator.undefined_metrics)
+    assert undefined[0] == undefined[1]
+
+
 def test_categories_without_a_name_are_named_by_their_id(tmp_path):
     """A hand-made file whose categories give only ids: pycocotools scores it, and the per-class
     rows name each category by its id (they used to end the evaluation with KeyError 'name')."""

@@ -59,6 +59,23 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
 
 
+# The area ranges of APs, APm and APl, in pycocotools' units (an annotation's 'area', px^2).
+_AREA_RANGES = {"APs": (0, 32 ** 2), "APm": (32 ** 2, 96 ** 2), "APl": (96 ** 2, 1e5 ** 2)}
+
+
+def _undefined_without_detections(coco_gt: COCO, image_ids: Sequence[int]) -> List[str]:
+    """The metrics pycocotools would leave undefined (-1) for these images: those with no
+    non-crowd ground-truth box in their area range (all six when there is none at all)."""
+    anns = (coco_gt.loadAnns(coco_gt.getAnnIds(imgIds=list(image_ids), iscrowd=False))
+            if len(image_ids) else [])
+    categories = set(coco_gt.getCatIds())
+    areas = [a["area"] for a in anns if a["category_id"] in categories]
+    if not areas:
+        return list(METRIC_NAMES)
+    return [name for name, (low, high) in _AREA_RANGES.items()
+            if not any(low <= area <= high for area in areas)]
+
+
 class CocoEvaluator:
     """Accumulates detections and computes COCO box AP.
 
@@ -322,6 +339,7 @@ class CocoEvaluator:
             # pycocotools cannot load an empty result list (it indexes results[0]); no
             # detections (or nothing to detect) scores zero on every metric.
             self.per_class = per_class.without_detections(coco_gt, image_ids)
+            self.undefined_metrics = _undefined_without_detections(coco_gt, image_ids)
             return {name: 0.0 for name in METRIC_NAMES}
 
         with coco_io.quiet(self._verbose):
