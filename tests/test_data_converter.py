@@ -223,3 +223,20 @@ def test_the_annotations_as_converted_are_written_on_request_and_suggested(tmp_p
     assert "Wrote " + str(out) in capsys.readouterr().out
     coco_converter.run_conversion(img_dir, ann, str(tmp_path / "b" / "x"), 2, 1)
     assert "were dropped or clipped: an evaluation against" in capsys.readouterr().out
+
+
+def test_a_16_bit_grayscale_png_keeps_its_pixels(tmp_path):
+    """PIL's conversion to RGB clips 16-bit grey at 255 (the image turned white); the record
+    must hold what TensorFlow's own decoder reads from the PNG."""
+    grey = np.tile(np.linspace(0, 65535, 64), (8, 1)).astype(np.uint16)
+    Image.fromarray(grey).save(tmp_path / "deep.png")
+    ann = tmp_path / "instances.json"
+    ann.write_text(json.dumps({
+        "images": [{"id": 1, "file_name": "deep.png", "height": 8, "width": 64}],
+        "annotations": [], "categories": [{"id": 1, "name": "one"}]}))
+    stats = coco_converter.convert_coco(str(tmp_path), str(ann), str(tmp_path / "out" / "x"),
+                                        num_shards=1, num_processes=1, progress=False)
+    image = _read_all(stats.files)[1]["image"].astype(np.float64)
+    expected = tf.io.decode_png((tmp_path / "deep.png").read_bytes(), channels=3).numpy()
+    assert expected[0, -1, 0] == 255 and expected[0, 0, 0] == 0
+    np.testing.assert_allclose(image, expected, atol=3)

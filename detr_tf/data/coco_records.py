@@ -10,6 +10,7 @@ import math
 import os
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 from PIL import Image, ImageOps
 
 # The image files a dataset folder and tools/predict.py take: PIL reads them all.
@@ -66,8 +67,18 @@ def exif_orientation(img: Image.Image) -> int:
 
 def _jpeg(img: Image.Image) -> bytes:
     out = io.BytesIO()
-    img.convert("RGB").save(out, format="JPEG", quality=95)
+    _rgb(img).save(out, format="JPEG", quality=95)
     return out.getvalue()
+
+
+def _rgb(img: Image.Image) -> Image.Image:
+    """`img` as RGB. 16-bit grey (a 16-bit grayscale PNG) is scaled to 8 bits first, as
+    TensorFlow's decoder scales it: PIL's own conversion clips every value above 255, which
+    turns such an image white."""
+    if img.mode.startswith("I;16"):
+        grey = np.asarray(img).astype(np.float64) / 257.0
+        img = Image.fromarray(np.round(grey).astype(np.uint8), "L")
+    return img.convert("RGB")
 
 
 def _box(ann: dict, width: int, height: int) -> Tuple[Optional[tuple], str]:
