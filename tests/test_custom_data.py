@@ -353,3 +353,23 @@ def test_the_eval_ground_truth_holds_the_boxes_the_records_hold(tmp_path):
     evaluation.accumulate()
     evaluation.summarize()
     assert evaluation.stats[0] == pytest.approx(1.0)
+
+
+def test_a_replaced_image_in_a_subfolder_is_noticed(tmp_path):
+    """A json's file_name may name an image in a subfolder of the image folder; replacing it
+    must convert again, not train on the cached old pixels."""
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    path = os.path.join(root, "annotations", "instances_train2017.json")
+    with open(path) as f:
+        coco = json.load(f)
+    os.makedirs(os.path.join(root, "train2017", "sub"))
+    os.rename(os.path.join(root, "train2017", "img1.jpg"),
+              os.path.join(root, "train2017", "sub", "img1.jpg"))
+    coco["images"][0]["file_name"] = "sub/img1.jpg"
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    cache = str(tmp_path / "cache")
+    first = custom.prepare_custom_dataset(root, cache).root
+    h, w, objects = helpers.IMAGES[0]
+    helpers.write_image(os.path.join(root, "train2017", "sub", "img1.jpg"), h, w, objects[:1])
+    assert custom.prepare_custom_dataset(root, cache).root != first

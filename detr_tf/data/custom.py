@@ -10,10 +10,10 @@ sizes, the image sizes in `custom_plan`) is read from it; the user counts nothin
 
 The cache lives in `cache_dir/<name>-<hash of DATA_DIR's absolute path>/<fingerprint>/`. The
 fingerprint hashes what the conversion read: the annotation files (size, mtime and content)
-and the image directories' listings (names, sizes, mtimes); a changed dataset gets a new
-fingerprint, is converted again, and the stale copy is removed. As for the shapes dataset, a
-conversion is written in a private `.partial-PID` directory and renamed into place when
-complete, so concurrent first runs never read half-written files.
+and the image directories' listings, subfolders included (names, sizes, mtimes); a changed
+dataset gets a new fingerprint, is converted again, and the stale copy is removed. As for the
+shapes dataset, a conversion is written in a private `.partial-PID` directory and renamed into
+place when complete, so concurrent first runs never read half-written files.
 
 Roboflow exports list the dataset's own name as an extra category (id 0, the supercategory of
 every real class, with no box); such a category is dropped, so it does not become a class.
@@ -90,6 +90,19 @@ def _file_stamp(path: str, content: bool) -> list:
 CONVERSION_FORMAT = 2
 
 
+def _image_listing(image_dir: str) -> list:
+    """[path relative to image_dir, size, mtime] of every image under it, subfolders included:
+    a json's file_name may name one there ('sub/a.jpg')."""
+    listing = []
+    for folder, _, names in os.walk(image_dir):
+        for name in names:
+            if name.lower().endswith(coco_records.IMAGE_EXTENSIONS):
+                st = os.stat(os.path.join(folder, name))
+                rel = os.path.relpath(os.path.join(folder, name), image_dir)
+                listing.append([rel, st.st_size, st.st_mtime_ns])
+    return sorted(listing)
+
+
 def fingerprint(layout: layouts.Layout) -> str:
     """Hash of what the conversion reads (annotation files, image listings) and of
     CONVERSION_FORMAT; 16 hex digits."""
@@ -103,9 +116,7 @@ def fingerprint(layout: layouts.Layout) -> str:
             parts.append(list(split.voc_ids))
             parts += [_file_stamp(os.path.join(split.voc_annotations_dir, i + ".xml"), False)
                       for i in split.voc_ids]
-        with os.scandir(split.image_dir) as it:
-            parts += sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns] for e in it
-                            if e.name.lower().endswith(coco_records.IMAGE_EXTENSIONS))
+        parts += _image_listing(split.image_dir)
         h.update(json.dumps(parts).encode())
     return h.hexdigest()[:16]
 
