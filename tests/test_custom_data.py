@@ -373,3 +373,20 @@ def test_a_replaced_image_in_a_subfolder_is_noticed(tmp_path):
     h, w, objects = helpers.IMAGES[0]
     helpers.write_image(os.path.join(root, "train2017", "sub", "img1.jpg"), h, w, objects[:1])
     assert custom.prepare_custom_dataset(root, cache).root != first
+
+
+def test_an_eval_json_naming_a_category_id_differently_is_refused(tmp_path):
+    """Two jsons exported one split at a time may number the classes differently; the eval
+    boxes must not silently take the train split's class of the same id."""
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    path = os.path.join(root, "annotations", "instances_val2017.json")
+    with open(path) as f:
+        coco = json.load(f)
+    coco["categories"] = [{"id": 3, "name": "dog"}, {"id": 7, "name": "cat"}]
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"instances_val2017.json: category id 3 is 'dog' "
+                                         r"there but 'cat' in .*instances_train2017.json"):
+        custom.prepare_custom_dataset(root, str(cache))
+    assert [p for p in cache.rglob("*") if p.is_file()] == []

@@ -149,6 +149,21 @@ def _say_unknown_categories(split: str, coco: dict, categories: List[dict]) -> N
               flush=True)
 
 
+def _check_same_names(layout: layouts.Layout, split: str, coco: dict, categories: List[dict]):
+    """Refuses a split whose json gives a category id of the train split another name: its
+    boxes are read by id, so they would silently become the train split's class of that id
+    (jsons exported one split at a time often number the classes in their own order)."""
+    train = {c.get("id"): c.get("name") for c in categories}
+    for c in coco.get("categories", []):
+        if c.get("id") in train and str(c.get("name")) != str(train[c.get("id")]):
+            raise ValueError(
+                f"{layout.splits[split].annotations}: category id {c.get('id')} is "
+                f"{c.get('name')!r} there but {train[c.get('id')]!r} in "
+                f"{layout.splits['train'].annotations}; boxes are read by category id, so its "
+                f"{c.get('name')!r} boxes would count as {train[c.get('id')]!r}. Give every "
+                "split the same category ids and names.")
+
+
 def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
     """Split name -> COCO dict with absolute file names and the train split's categories."""
     if layout.kind == "voc":
@@ -163,6 +178,7 @@ def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
         image_dir = layout.splits[name].image_dir
         coco["images"] = [dict(img, file_name=os.path.join(image_dir, img["file_name"]))
                           for img in coco["images"] if "file_name" in img]
+        _check_same_names(layout, name, coco, categories)
         _say_unknown_categories(name, coco, categories)
         coco["categories"] = categories
     return cocos
