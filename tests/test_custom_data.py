@@ -390,3 +390,29 @@ def test_an_eval_json_naming_a_category_id_differently_is_refused(tmp_path):
                                          r"there but 'cat' in .*instances_train2017.json"):
         custom.prepare_custom_dataset(root, str(cache))
     assert [p for p in cache.rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize("xml, says", [
+    ("<annotation><filename>2007_000002.jpg</filename><size><width>5",
+     "not a well-formed VOC XML file"),
+    ("<annotation><filename>2007_000002.jpg</filename><size><width>56</width>"
+     "<height>forty</height></size></annotation>", "<size><height> is 'forty'"),
+])
+def test_a_broken_voc_xml_is_named(tmp_path, xml, says):
+    root = helpers.make_voc(str(tmp_path / "voc"))
+    val_xml = os.path.join(root, "Annotations", "2007_000002.xml")
+    with open(val_xml, "w") as f:
+        f.write(xml)
+    with pytest.raises(ValueError, match="2007_000002.xml: " + says.replace("(", r"\(")):
+        custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+
+
+def test_a_voc_size_without_height_takes_the_images_size(tmp_path):
+    root = helpers.make_voc(str(tmp_path / "voc"))
+    val_xml = os.path.join(root, "Annotations", "2007_000002.xml")
+    h, w, objects = helpers.IMAGES[2]
+    xml = helpers.voc_xml("2007_000002.jpg", h, w, objects)
+    with open(val_xml, "w") as f:
+        f.write(xml.replace(f"<height>{h}</height>", ""))
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert ds.splits["eval"].num_examples == 1

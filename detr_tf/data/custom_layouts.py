@@ -175,13 +175,30 @@ def _voc_object(obj: ET.Element, path: str) -> dict:
             "iscrowd": int((obj.findtext("difficult") or "0").strip() == "1")}
 
 
+def _voc_size(root: ET.Element, key: str, path: str) -> int:
+    """<size><key> in pixels; 0 when absent (the converter then takes the image's own size)."""
+    text = root.findtext(f"size/{key}")
+    if text is None or not text.strip():
+        return 0
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ValueError(f"{path}: <size><{key}> is {text!r}, not a number of pixels.") from None
+
+
 def read_voc_xml(path: str) -> dict:
     """One VOC annotation file -> {'file_name', 'height', 'width', 'objects': [{'name',
-    'bbox' [x, y, w, h] 0-based pixels, 'iscrowd' (VOC's 'difficult')}]}."""
-    root = ET.parse(path).getroot()
-    size = root.find("size")
-    height = int(float(size.findtext("height"))) if size is not None else 0
-    width = int(float(size.findtext("width"))) if size is not None else 0
+    'bbox' [x, y, w, h] 0-based pixels, 'iscrowd' (VOC's 'difficult')}]}.
+
+    Raises:
+      ValueError: the file is not well-formed XML, or a size or box value is not a number;
+        naming the file.
+    """
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as e:
+        raise ValueError(f"{path}: not a well-formed VOC XML file ({e}).") from None
+    height, width = _voc_size(root, "height", path), _voc_size(root, "width", path)
     name = root.findtext("filename") or os.path.splitext(os.path.basename(path))[0] + ".jpg"
     return {"file_name": name.strip(), "height": height, "width": width,
             "objects": [_voc_object(obj, path) for obj in root.findall("object")]}
