@@ -416,3 +416,22 @@ def test_a_voc_size_without_height_takes_the_images_size(tmp_path):
         f.write(xml.replace(f"<height>{h}</height>", ""))
     ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
     assert ds.splits["eval"].num_examples == 1
+
+
+@pytest.mark.parametrize("sizes", ["absent", "swapped"])
+def test_the_size_plan_reads_the_images_own_sizes(tmp_path, sizes):
+    """A json without image sizes converts (each image's own size is used) and must plan the
+    run from those sizes too, not stop at custom_size or plan from wrong ones."""
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    path = os.path.join(root, "annotations", "instances_train2017.json")
+    with open(path) as f:
+        coco = json.load(f)
+    for image in coco["images"]:
+        h, w = image.pop("height"), image.pop("width")
+        if sizes == "swapped":
+            image.update(height=w, width=h)
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert sorted(ds.train_sizes) == sorted((h, w) for h, w, _ in helpers.IMAGES)
+    custom_plan.size_plan(ds.train_sizes, 224)

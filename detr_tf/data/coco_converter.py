@@ -38,7 +38,7 @@ import json
 import multiprocessing
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from detr_tf import arg_checks, atomic_files
 from detr_tf.data import coco_records, json_files
@@ -58,7 +58,8 @@ NOTES_PER_KIND = 10  # bad items named in the summary, per counter; the rest are
 class ConversionStats:
     """Counts of one conversion (see the module docstring for each field), the first
     NOTES_PER_KIND bad items of each kind, the shards written, and when asked for
-    (`convert_coco(keep_annotations=True)`) the annotations they hold, boxes clipped."""
+    (`convert_coco(keep_annotations=True)`) the annotations they hold, boxes clipped, and the
+    (height, width) of each image written, by image id (its file's, whatever the json said)."""
 
     counts: Dict[str, int] = dataclasses.field(
         default_factory=lambda: {k: 0 for k in _COUNTERS})
@@ -66,6 +67,7 @@ class ConversionStats:
         default_factory=lambda: collections.defaultdict(list))
     files: List[str] = dataclasses.field(default_factory=list)
     annotations: Optional[List[dict]] = None
+    image_sizes: Optional[Dict[int, Tuple[int, int]]] = None
 
     def add(self, counts: Dict[str, int], notes: List[coco_records.Note] = ()) -> None:
         for k, v in counts.items():
@@ -162,6 +164,8 @@ def _write(results, paths: List[str], stats: ConversionStats) -> int:
             if stats.annotations is not None:
                 stats.annotations += kept
             if record is not None:
+                if stats.image_sizes is not None:
+                    stats.image_sizes[record["image_id"]] = (record["height"], record["width"])
                 example = tfexample.build_tf_example(**record)
                 writers[written % len(writers)].write(example.SerializeToString())
                 written += 1
@@ -189,7 +193,8 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
       num_processes: worker processes (default: all CPUs); 1 converts in this process.
       progress: show a tqdm progress bar.
       keep_annotations: also return the annotations the shards hold (ConversionStats'
-        `annotations`), for an evaluation ground truth that agrees with them.
+        `annotations`) and the images' sizes (`image_sizes`), for an evaluation ground truth
+        that agrees with them.
 
     Returns:
       ConversionStats with the counts, the bad items and the written shard paths (none when
@@ -203,7 +208,8 @@ def convert_coco(image_dir: str, annotations_file: str, output_prefix: str,
     coco = json_files.read_coco(annotations_file)
     category_names = check_coco(coco, annotations_file)
     _check_paths(image_dir, annotations_file, output_prefix)
-    stats = ConversionStats(annotations=[] if keep_annotations else None)
+    stats = ConversionStats(annotations=[] if keep_annotations else None,
+                            image_sizes={} if keep_annotations else None)
     by_image = _group(coco, stats)
     jobs = [(img, by_image[img["id"]], image_dir, category_names) for img in coco["images"]]
     tf.io.gfile.makedirs(os.path.dirname(os.path.abspath(output_prefix)))

@@ -86,8 +86,8 @@ def _file_stamp(path: str, content: bool) -> list:
 
 # Raised when the conversion's output changes, so a cache written by an older one is rebuilt:
 # 2 writes the annotations as converted (boxes clipped, dropped ones left out) and applies a
-# confirmed EXIF orientation.
-CONVERSION_FORMAT = 2
+# confirmed EXIF orientation; 3 writes the images' own sizes into the json.
+CONVERSION_FORMAT = 3
 
 
 def _image_listing(image_dir: str) -> list:
@@ -184,6 +184,13 @@ def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
     return cocos
 
 
+def _with_size(image: dict, sizes: Dict[int, Tuple[int, int]]) -> dict:
+    if image["id"] not in sizes:  # not written (missing or corrupt)
+        return image
+    height, width = sizes[image["id"]]
+    return dict(image, height=height, width=width)
+
+
 def _convert(layout: layouts.Layout, work: str) -> dict:
     """Writes every split's json and TFRecords into `work`; returns the summary for DONE.json."""
     from detr_tf.data import coco_converter  # imports TF lazily
@@ -205,8 +212,10 @@ def _convert(layout: layouts.Layout, work: str) -> dict:
             num_shards=max(1, min(64, -(-n // _IMAGES_PER_SHARD))),
             num_processes=1 if n < 500 else None, progress=n >= 500, keep_annotations=True)
         print(stats.summary(), flush=True)
-        # The evaluation's ground truth is what the records hold: no dropped box, clipped ones.
+        # The evaluation's ground truth is what the records hold: no dropped box, clipped ones;
+        # and the images' sizes are their files' (the size plan reads them), not the json's.
         coco["annotations"] = stats.annotations
+        coco["images"] = [_with_size(img, stats.image_sizes) for img in coco["images"]]
         with open(ann_path, "w") as f:
             json.dump(coco, f)
         if stats.counts["images_written"] == 0:
