@@ -435,3 +435,19 @@ def test_the_size_plan_reads_the_images_own_sizes(tmp_path, sizes):
     ds = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
     assert sorted(ds.train_sizes) == sorted((h, w) for h, w, _ in helpers.IMAGES)
     custom_plan.size_plan(ds.train_sizes, 224)
+
+
+@pytest.mark.parametrize("entry", [{"id": 1}, {"id": 1, "file_name": 5}])
+def test_an_image_entry_without_a_file_name_is_refused_naming_it(tmp_path, entry):
+    """It was left out in silence (or crashed in os.path.join) before the converter's check
+    could name it; its boxes then counted only as orphans."""
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    path = os.path.join(root, "annotations", "instances_train2017.json")
+    with open(path) as f:
+        coco = json.load(f)
+    coco["images"][0] = dict(entry, height=48, width=64)
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    with pytest.raises(ValueError, match=r"instances_train2017.json: images\[0\] lacks 'id' or "
+                                         r"a 'file_name' string"):
+        custom.prepare_custom_dataset(root, str(tmp_path / "cache"))

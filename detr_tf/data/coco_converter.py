@@ -97,9 +97,10 @@ def check_coco(coco: dict, annotations_file: str) -> Dict[int, str]:
     entry; returns category id -> name."""
     first = {}
     for i, img in enumerate(coco["images"]):
-        if not isinstance(img, dict) or "id" not in img or "file_name" not in img:
-            raise ValueError(f"{annotations_file}: images[{i}] lacks 'id' or 'file_name': "
-                             f"{img!r}.")
+        if not isinstance(img, dict) or "id" not in img or not isinstance(
+                img.get("file_name"), str):
+            raise ValueError(f"{annotations_file}: images[{i}] lacks 'id' or a 'file_name' "
+                             f"string: {img!r}.")
         image_id = img["id"]
         if not isinstance(image_id, int) or isinstance(image_id, bool):
             raise ValueError(f"{annotations_file}: images[{i}] ({img['file_name']}) has id "

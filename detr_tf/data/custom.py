@@ -164,6 +164,14 @@ def _check_same_names(layout: layouts.Layout, split: str, coco: dict, categories
                 "split the same category ids and names.")
 
 
+def _absolute(image: dict, image_dir: str) -> dict:
+    """The image entry with its file name made absolute; an entry without a file name is left
+    for coco_converter.check_coco to refuse, naming it."""
+    if isinstance(image, dict) and isinstance(image.get("file_name"), str):
+        return dict(image, file_name=os.path.join(image_dir, image["file_name"]))
+    return image
+
+
 def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
     """Split name -> COCO dict with absolute file names and the train split's categories."""
     if layout.kind == "voc":
@@ -176,8 +184,7 @@ def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
                   if layout.kind == "roboflow" else cocos["train"]["categories"])
     for name, coco in cocos.items():
         image_dir = layout.splits[name].image_dir
-        coco["images"] = [dict(img, file_name=os.path.join(image_dir, img["file_name"]))
-                          for img in coco["images"] if "file_name" in img]
+        coco["images"] = [_absolute(img, image_dir) for img in coco["images"]]
         _check_same_names(layout, name, coco, categories)
         _say_unknown_categories(name, coco, categories)
         coco["categories"] = categories
