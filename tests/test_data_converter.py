@@ -240,3 +240,23 @@ def test_a_16_bit_grayscale_png_keeps_its_pixels(tmp_path):
     expected = tf.io.decode_png((tmp_path / "deep.png").read_bytes(), channels=3).numpy()
     assert expected[0, -1, 0] == 255 and expected[0, 0, 0] == 0
     np.testing.assert_allclose(image, expected, atol=3)
+
+
+def test_iscrowd_and_area_written_as_text_or_null_are_read_as_numbers(tmp_path):
+    """An iscrowd of "0" is not a crowd box (bool("0") is True), and an area of null takes the
+    box's area instead of stopping the conversion with float(None)'s TypeError."""
+    Image.new("RGB", (20, 10)).save(tmp_path / "a.jpg")
+    ann = tmp_path / "instances.json"
+    box = lambda i, **kw: dict({"id": i, "image_id": 1, "category_id": 1,  # noqa: E731
+                                "bbox": [1, 1, 4, 2]}, **kw)
+    ann.write_text(json.dumps({
+        "images": [{"id": 1, "file_name": "a.jpg", "height": 10, "width": 20}],
+        "annotations": [box(1, iscrowd="0", area=8), box(2, iscrowd="1", area=None),
+                        box(3, iscrowd=None, area="6.5")],
+        "categories": [{"id": 1, "name": "one"}]}))
+    stats = coco_converter.convert_coco(str(tmp_path), str(ann), str(tmp_path / "out" / "x"),
+                                        num_shards=1, num_processes=1, progress=False,
+                                        keep_annotations=True)
+    assert [(a["iscrowd"], a["area"]) for a in stats.annotations] == [(0, 8.0), (1, 8.0),
+                                                                      (0, 6.5)]
+    assert _read_all(stats.files)[1]["is_crowd"].tolist() == [False, True, False]

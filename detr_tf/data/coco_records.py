@@ -200,13 +200,24 @@ def _kept(annotations: List[dict], name: str, width: int, height: int,
         if box is None:
             continue
         x0, y0, x1, y1 = box
-        is_crowd = int(bool(ann.get("iscrowd", 0)))
+        is_crowd = int(_number(ann.get("iscrowd"), 0.0) != 0)
         counts["crowd_boxes"] += is_crowd
-        entry = dict(ann, iscrowd=is_crowd, area=float(ann.get("area", (x1 - x0) * (y1 - y0))))
+        entry = dict(ann, iscrowd=is_crowd,
+                     area=_number(ann.get("area"), (x1 - x0) * (y1 - y0)))
         if why:  # clipped
             entry["bbox"] = [x0, y0, x1 - x0, y1 - y0]
         kept.append((entry, box))
     return kept
+
+
+def _number(value, default: float) -> float:
+    """`value` as a finite float (JSON numbers, booleans, and numbers written as text: an
+    iscrowd of "0" is not a crowd box); `default` when it is absent, null or not a number."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return float(default)
+    return number if math.isfinite(number) else float(default)
 
 
 def convert_star(args):
