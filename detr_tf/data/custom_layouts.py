@@ -208,8 +208,9 @@ def voc_to_coco(split: SplitFiles, class_names: Sequence[str]) -> dict:
     """A VOC split as a COCO dict; category ids are 1..K in `class_names` order.
 
     Objects of a class outside `class_names` keep their name as category id, which the
-    converter counts, names and drops as an unknown category. 'difficult' objects become crowd boxes (ignored by
-    training and by the COCO evaluation, as VOC's own evaluation ignores them).
+    converter counts, names and drops as an unknown category. 'difficult' objects become crowd
+    boxes (ignored by training and by the COCO evaluation, as VOC's own evaluation ignores
+    them).
     """
     ids = {name: i + 1 for i, name in enumerate(class_names)}
     images, annotations = [], []
