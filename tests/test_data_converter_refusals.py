@@ -47,6 +47,12 @@ def _existing_shards(root):
      r"images\[0\] \(a.jpg\) has id 'abc'; COCO image ids are integers"),
     ([{"id": 1, "file_name": "a.jpg"}], [],
      r"'categories' is missing or empty, so there is no class to train"),
+    ([{"id": 1, "file_name": "a.jpg"}], [{"id": "1", "name": "thing"}],
+     r"categories\[0\] is \{'id': '1', 'name': 'thing'\}; each category needs an integer 'id'"),
+    ([{"id": 1, "file_name": "a.jpg"}], [{"id": 1, "name": "a"}, {"id": 1.5, "name": "b"}],
+     r"categories\[1\] is .*'id': 1.5"),
+    ([{"id": 1, "file_name": "a.jpg"}], [{"id": 1, "name": "cat"}, {"id": 1, "name": "dog"}],
+     r"category id 1 is given twice \('cat' and 'dog'\)"),
 ])
 def test_a_json_that_cannot_make_a_dataset_is_refused_naming_the_entry(
         tmp_path, images, categories, message):

@@ -115,11 +115,19 @@ def check_coco(coco: dict, annotations_file: str) -> Dict[int, str]:
     if not isinstance(categories, list) or not categories:
         raise ValueError(f"{annotations_file}: 'categories' is missing or empty, so there is "
                          "no class to train; list each class as {\"id\": 1, \"name\": ...}.")
-    try:
-        return {int(c["id"]): str(c.get("name", c["id"])) for c in categories}
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{annotations_file}: each entry of 'categories' needs an integer "
-                         f"'id': {categories[:3]!r}...") from None
+    names = {}
+    for i, c in enumerate(categories):
+        cat_id = c.get("id") if isinstance(c, dict) else None
+        if not isinstance(cat_id, int) or isinstance(cat_id, bool):
+            # A text or fractional id would not match the annotations' ids in the evaluation.
+            raise ValueError(f"{annotations_file}: categories[{i}] is {c!r}; each category "
+                             "needs an integer 'id'.")
+        if cat_id in names:
+            raise ValueError(f"{annotations_file}: category id {cat_id} is given twice "
+                             f"({names[cat_id]!r} and {c.get('name', cat_id)!r}); each class "
+                             "needs its own id.")
+        names[cat_id] = str(c.get("name", cat_id))
+    return names
 
 
 def _check_paths(image_dir: str, annotations_file: str, output_prefix: str) -> None:
