@@ -48,6 +48,20 @@ def test_length_mismatch_names_file():
         tfexample.build_tf_example(b"", "png", 1, 1, 1, "x.png", [(0, 0, 1, 1)], [], [], [])
 
 
+@pytest.mark.parametrize("key", ["image/object/bbox/ymin", "image/object/class/label",
+                                 "image/object/is_crowd"])
+def test_per_object_lists_of_different_lengths_name_the_image(key):
+    """A short is_crowd list used to broadcast its first flag to every object (both boxes of
+    this record dropped as crowd, in silence); the other lists failed naming no image."""
+    ex = tfexample.build_tf_example(_png(_image()), "png", 30, 40, 4321, "e.png",
+                                    [(0.1, 0.1, 0.5, 0.5), (0.5, 0.5, 0.9, 0.9)], [1, 2],
+                                    [1, 0], [1.0, 1.0])
+    feature = ex.features.feature[key]
+    (feature.float_list if key.startswith("image/object/bbox") else feature.int64_list).value.pop()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="(?s)4321.*per-object lists"):
+        tfexample.decode_example(tf.constant(ex.SerializeToString()))
+
+
 def test_ours_decode_with_model_garden_decoder():
     from official.vision.dataloaders import tf_example_decoder
 

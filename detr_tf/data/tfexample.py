@@ -117,6 +117,24 @@ def check_image_bytes(encoded: tf.Tensor, image_id: tf.Tensor) -> tf.Operation:
         "(re-convert the data: tools/create_coco_tfrecord.py drops and counts such images)"])
 
 
+_OBJECT_KEYS = tuple(f"image/object/bbox/{k}" for k in ("xmin", "ymin", "xmax", "ymax")) + (
+    "image/object/class/label",)
+
+
+def check_object_lists(lists: Dict[str, tf.Tensor], image_id: tf.Tensor) -> tf.Operation:
+    """Fails the input pipeline, naming the image, when its per-object lists differ in length
+    (is_crowd may also be absent). Else a short is_crowd list would broadcast its first flag to
+    every object, and TensorFlow's own errors for the other lists name no image."""
+    count = tf.size(lists[_OBJECT_KEYS[0]])
+    crowd = tf.size(lists["image/object/is_crowd"])
+    same = tf.reduce_all([tf.size(lists[k]) == count for k in _OBJECT_KEYS])
+    return tf.debugging.Assert(same & ((crowd == 0) | (crowd == count)), [
+        "input data: image_id", image_id, "has per-object lists of different lengths "
+        "(bbox xmin, ymin, xmax, ymax, class/label, is_crowd):",
+        *[tf.size(lists[k]) for k in _OBJECT_KEYS], crowd,
+        "(every object needs one entry in each; is_crowd may be absent)"])
+
+
 def decode_example(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
     """Decodes one serialized tf.Example into a raw example.
 
@@ -145,8 +163,9 @@ def decode_example(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
         # One frame of an animated GIF or WebP, as every other source reads it.
         image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
     image.set_shape([None, None, 3])
-    boxes = tf.stack([lists[f"image/object/bbox/{k}"] for k in ("ymin", "xmin", "ymax", "xmax")],
-                     axis=-1)
+    with tf.control_dependencies([check_object_lists(lists, source_id)]):
+        boxes = tf.stack([lists[f"image/object/bbox/{k}"]
+                          for k in ("ymin", "xmin", "ymax", "xmax")], axis=-1)
     classes = lists["image/object/class/label"]
     crowd = lists["image/object/is_crowd"]
     return {
