@@ -103,6 +103,23 @@ def test_eval_yields_every_image_once_with_json_boxes(sources):
     assert sorted(seen) == sorted(ref)
 
 
+def test_boxes_beyond_max_boxes_are_counted(sources):
+    """Evaluation does not augment: each image keeps its json boxes, so the first two fill the
+    slots and the rest are counted as cut."""
+    ref, _ = _json_targets(sources[1].annotations_file)
+    ds = pipeline.build_dataset(False, 4, train_source=sources[0], eval_source=sources[1],
+                                train_transform=TRAIN_T, eval_transform=EVAL_T,
+                                buckets=BUCKETS, max_boxes=2)
+    seen = 0
+    for _, targets in ds:
+        for b, image_id in enumerate(targets["image_id"].numpy()):
+            n = len(ref[image_id]) if image_id != -1 else 0
+            assert targets["mask"].numpy()[b].sum() == min(n, 2)
+            assert targets["cut"].numpy()[b] == max(n - 2, 0)
+            seen += n > 2
+    assert seen >= 3  # the check covered images with boxes cut
+
+
 def test_deterministic_mode_repeats_exactly(sources):
     def first(n):
         out = []

@@ -419,6 +419,8 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
         assert {"loss_ce", "loss_bbox", "loss_giou", "class_error", "cardinality_error",
                 "grad_norm", "learning_rate", "backbone_learning_rate",
                 "images_per_sec"} <= set(r)
+        assert r["targets_cut"] == 0  # at most 6 shapes an image, 16 target slots
+    assert "target boxes beyond" not in log
     assert any(f.startswith("events.") for f in os.listdir(full / "train"))
 
     # Interrupted after 2 steps, resumed to 4 (dropout on): the uninterrupted run's weights and
@@ -449,6 +451,16 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     assert proc.returncode == 1 and "Traceback" not in log, log[-4000:]
     assert "trained to step 4 at 4 images per step" in log and "gives 2" in log, log[-4000:]
     assert sorted(os.listdir(full / "checkpoints")) == saved
+
+
+def test_target_boxes_cut_by_max_boxes_are_counted_and_named_once(shapes_cache, tmp_path):
+    proc, log = train_cli(tmp_path, shapes_cache, "train.num_steps = 2", "train.log_every = 1",
+                          "build_dataset.max_boxes = 1")
+    assert proc.returncode == 0, log[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["targets_cut"] > 0 for r in records] == [True, True], records
+    assert log.count("target boxes beyond build_dataset.max_boxes were cut") == 1, log[-4000:]
+    assert f"step 1: {int(records[0]['targets_cut'])} target boxes" in log, log[-4000:]
 
 
 def test_nan_loss_stops_naming_step_and_terms_or_skips(shapes_cache, tmp_path):

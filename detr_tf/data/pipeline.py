@@ -126,10 +126,13 @@ def pad_targets(boxes: tf.Tensor, labels: tf.Tensor, size: tf.Tensor,
       boxes: [N, 4] absolute xyxy in an image of `size`.
       labels: [N] int32.
       size: int32 [2] (h, w) of that image.
-      max_boxes: T; boxes beyond T are cut (COCO train has at most ~93 non-crowd per image).
+      max_boxes: T; boxes beyond T are cut (COCO train has at most ~93 non-crowd per image;
+        a mosaic of four images can hold four times as many).
 
     Returns:
-      labels int32 [T], boxes float32 [T, 4] normalized cxcywh, mask bool [T].
+      labels int32 [T], boxes float32 [T, 4] normalized cxcywh, mask bool [T], and cut: int32
+      scalar, how many boxes were cut (the trainer reports them: their objects stay in the
+      image and are trained as background).
     """
     hw = tf.cast(size, tf.float32)
     x0, y0, x1, y1 = tf.unstack(boxes[:max_boxes], 4, axis=-1)
@@ -141,6 +144,7 @@ def pad_targets(boxes: tf.Tensor, labels: tf.Tensor, size: tf.Tensor,
         "labels": tf.pad(tf.cast(labels[:max_boxes], tf.int32), [[0, pad]]),
         "boxes": tf.pad(cxcywh, [[0, pad], [0, 0]]),
         "mask": tf.pad(tf.ones([n], tf.bool), [[0, pad]]),
+        "cut": tf.shape(boxes)[0] - n,
     }
     out["labels"].set_shape([max_boxes])
     out["boxes"].set_shape([max_boxes, 4])
@@ -407,7 +411,8 @@ def batch_by_bucket(ds: tf.data.Dataset, batch_size: int, group: int,
 
 def _split_features_targets(batch):
     features = {"images": batch["images"], "pixel_mask": batch["pixel_mask"]}
-    targets = {k: batch[k] for k in ("labels", "boxes", "mask", "image_id", "orig_size", "size")}
+    targets = {k: batch[k] for k in ("labels", "boxes", "mask", "cut", "image_id", "orig_size",
+                                     "size")}
     return features, targets
 
 

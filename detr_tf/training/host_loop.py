@@ -151,6 +151,18 @@ class _Throughput:
         self.cfg = cfg
         self.progress = Progress(cfg.num_steps, enabled=engine.is_chief)
         self.window_t, self.window_steps = time.time(), 0
+        self.cut_noted = not engine.is_chief  # one note per run, from the chief
+
+    def note_cut_targets(self, step: int, outcome: LoopOutcome) -> None:
+        """Says once when a step's targets lost boxes to build_dataset.max_boxes."""
+        cut = int(outcome.stats.get("targets_cut", 0))
+        if cut and not self.cut_noted:
+            self.cut_noted = True
+            print(f"detr_tf: step {step}: {cut} target boxes beyond build_dataset.max_boxes were "
+                  "cut from the batch; their objects stay in the images and are trained as "
+                  "background. Raise build_dataset.max_boxes (a mosaic holds the boxes of four "
+                  "images); metrics.jsonl's targets_cut counts them at each logged step.",
+                  flush=True)
 
     def log(self, step: int, steps: int, elapsed: float, outcome: LoopOutcome,
             state: TrainState, writer: MetricsWriter, result: LoopResult) -> None:
@@ -196,6 +208,7 @@ def run_loop(device_loop: DeviceLoop, iterator, state: TrainState, engine,
                 on_first_step = None
             skipped = _apply_nan_policy(outcome, first, cfg, saver, writer, skipped)
             throughput.log(step, outcome.steps, time.time() - t0, outcome, state, writer, result)
+            throughput.note_cut_targets(step, outcome)
             if (step % cfg.checkpoint_every == 0 or step == cfg.num_steps) and (
                     saver.saved_step != step):
                 saver.save(step)

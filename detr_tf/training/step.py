@@ -231,6 +231,10 @@ class StepBuilder:
         loss_finite = tf.math.is_finite(losses["loss"])
         stats = dict(losses)
         stats["loss_finite"] = loss_finite
+        if all("cut" in targets for _, targets in micro_batches):
+            # Target boxes beyond build_dataset.max_boxes, on this replica (the trainer names them).
+            stats["targets_cut"] = tf.cast(
+                tf.add_n([tf.reduce_sum(t["cut"]) for _, t in micro_batches]), tf.float32)
         if self.fused is not None:
             stats["applied"], stats["grad_norm"] = engine.merge_call(
                 self.fused, (grads, loss_finite))
