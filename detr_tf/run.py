@@ -30,32 +30,39 @@ from detr_tf import config
 from detr_tf.training import state as state_lib
 
 
+# What binds each train.* part: model files the model and its criterion, only experiment files
+# (their data/ and train/ building blocks) the data.
+_MODEL_FILES = "an experiment file (gin_configs/*.gin) or a model file (gin_configs/models/*.gin)"
+_EXPERIMENT_FILES = "an experiment file (gin_configs/*.gin; model files bind no data)"
+
+
 class Run:
     """The run's parts, each read from its `train.*` binding when first asked for."""
 
-    def _bound(self, name: str, what: str) -> Any:
+    def _bound(self, name: str, what: str, files: str) -> Any:
+        """train.<name>'s value; unbound, an error naming `files`, the Gin files that bind it."""
         value = config.bound_value("train", name)
         if value is None:
-            raise ValueError(f"the Gin configuration binds no train.{name} ({what}); give an "
-                             "experiment file (gin_configs/*.gin) or a model file "
-                             "(gin_configs/models/*.gin) that binds it")
+            raise ValueError(f"the Gin configuration binds no train.{name} ({what}); give "
+                             f"{files} that binds it with --gin_file")
         return value
 
     @functools.cached_property
     def model_fn(self) -> Callable[[], tf_keras.Model]:
-        return self._bound("model_fn", "the model")
+        return self._bound("model_fn", "the model", _MODEL_FILES)
 
     @functools.cached_property
     def criterion(self) -> Any:
-        return self._bound("criterion", "the set criterion")
+        return self._bound("criterion", "the set criterion", _MODEL_FILES)
 
     @functools.cached_property
     def dataset_fn(self) -> Callable[..., tf.data.Dataset]:
-        return self._bound("dataset_fn", "the input pipeline")
+        return self._bound("dataset_fn", "the input pipeline", _EXPERIMENT_FILES)
 
     @functools.cached_property
     def dataset_info_fn(self) -> Callable[..., Any]:
-        return self._bound("dataset_info_fn", "the data's classes and canvases")
+        return self._bound("dataset_info_fn", "the data's classes and canvases",
+                           _EXPERIMENT_FILES)
 
     @property
     def has_data(self) -> bool:

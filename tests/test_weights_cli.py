@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from detr_tf import cli, config
+from detr_tf import cli, config, run as run_lib
 from detr_tf.evaluation import export, predict, restore
 from detr_tf.weights import run_dir as run_dir_lib
 from tests import tool_helpers
@@ -125,3 +125,18 @@ def test_a_model_only_config_imports_and_says_the_tools_need_an_experiment_file(
     assert len(commands) == 4 and all("--gin_file=EXPERIMENT.gin" in c for c in commands)
     assert "--gin_file=gin_configs/data/custom_data.gin" in commands[-1]
     assert "config.gin" not in commands[-1]
+
+
+def test_a_model_only_config_asked_for_its_data_names_an_experiment_file_only():
+    # A model file binds the model, never the data: the error sent the user to one.
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["models/detr_tiny.gin"], ["NUM_CLASSES = 7"])
+        run = run_lib.assemble()
+        assert run.model_fn is not None
+        with pytest.raises(ValueError, match="binds no train.dataset_info_fn") as error:
+            run.dataset_info_fn  # pylint: disable=pointless-statement
+    finally:
+        gin.clear_config()
+    assert "model files bind no data" in str(error.value)
+    assert "gin_configs/models/*.gin" not in str(error.value)
