@@ -485,7 +485,7 @@ def test_shapes_gradient_step_and_positive_queries():
     loss2 = _pipeline(rpn, bbox, feats, gts, labels, valid, k1, k2)[0]
     assert np.isfinite(loss2.numpy()) and loss2.numpy() < loss.numpy()
 
-    handed = rcnn.rcnn_positives(samples)
+    handed = rcnn_sampling.rcnn_positives(samples)
     q = select_positive_queries(**handed, image_size=tf.constant([[64, 64]] * 2),
                                 num_classes=C, max_queries=20)
     np.testing.assert_array_equal(q.num_positive, samples["positive"].numpy().sum(1))

@@ -1,5 +1,5 @@
-"""Losses of the Faster R-CNN head (detr_tf/modeling/rcnn_head.py), batched, static shapes, and
-the positives it hands to Co-DETR's customized positive queries.
+"""Losses of the Faster R-CNN head (detr_tf/modeling/rcnn_head.py), batched, static shapes. The
+positives it hands to Co-DETR's customized positive queries are `rcnn_sampling.rcnn_positives`.
 
 Reference: Sense-X/Co-DETR `projects/configs/co_dino/co_dino_5scale_r50_1x_coco.py` (`rpn_head`,
 `roi_head`, `train_cfg`) and `projects/models/co_roi_head.py` (CoStandardRoIHead.forward_train:
@@ -129,22 +129,3 @@ def roi_losses(outputs: Dict[str, tf.Tensor], samples: Dict[str, tf.Tensor],
     w_cls, w_bbox = weights
     return {"loss_cls": loss_cls, "loss_bbox": loss_bbox,
             "loss": w_cls * loss_cls + w_bbox * loss_bbox}
-
-
-def rcnn_positives(samples: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
-    """CoStandardRoIHead's pos_coords as `positive_queries.select_positive_queries`' inputs.
-
-    The reference hands over every sampled RoI (positives first) of each image, cut to the
-    batch's smallest sampled count; labels are C and target boxes 0 off positives.
-
-    Returns:
-      'boxes' [B, K, 4] xyxy pixels (the sampled RoIs), 'positive' [B, K] bool,
-      'target_boxes' [B, K, 4] xyxy pixels, 'target_labels' [B, K] int32 and 'negative'
-      [B, K] bool (the kept negatives, for the group's padding): pass them as keywords.
-    """
-    valid = samples["valid"]
-    count = tf.reduce_sum(tf.cast(valid, tf.int32), 1)  # [B]
-    kept = tf.range(valid.shape[1])[None] < tf.reduce_min(count)  # [B, K], valid is a prefix
-    return {"boxes": samples["rois"], "positive": samples["positive"] & kept,
-            "target_boxes": samples["target_boxes"], "target_labels": samples["labels"],
-            "negative": kept & ~samples["positive"]}

@@ -27,7 +27,6 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.losses.rcnn import rcnn_positives
 from detr_tf.modeling import rcnn_head, rcnn_sampling
 from detr_tf.modeling.co_atss import (canvas_size, canvas_targets, decode_positive_group,
                                         image_extent)
@@ -103,7 +102,8 @@ class CoRCNNBranch(tf_keras.layers.Layer):
                                             add_gt_as_proposals=self.add_gt_as_proposals)
         roi_outputs = self.roi_head(rcnn_head.roi_align(maps, samples["rois"], strides))
         group = select_positive_queries(
-            **rcnn_positives(samples), image_size=canvas_size(canvas, tf.shape(labels)[0]),
+            **rcnn_sampling.rcnn_positives(samples),
+            image_size=canvas_size(canvas, tf.shape(labels)[0]),
             num_classes=self.num_classes, max_queries=self.max_queries,
             min_queries=self.min_queries, zero_padding=self.zero_padding)
         out = decode_positive_group(group, self.query_embed, decoder, memory, shapes, ratio,

@@ -179,3 +179,22 @@ def sample_rois(proposals: tf.Tensor, proposal_valid: tf.Tensor, gt_boxes: tf.Te
             "target_boxes": tf.where(positive[..., None], boxes, 0.0),
             "positive": positive,
             "valid": valid}
+
+
+def rcnn_positives(samples: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+    """CoStandardRoIHead's pos_coords as `positive_queries.select_positive_queries`' inputs.
+
+    The reference hands over every sampled RoI (positives first) of each image, cut to the
+    batch's smallest sampled count; labels are C and target boxes 0 off positives.
+
+    Returns:
+      'boxes' [B, K, 4] xyxy pixels (the sampled RoIs), 'positive' [B, K] bool,
+      'target_boxes' [B, K, 4] xyxy pixels, 'target_labels' [B, K] int32 and 'negative'
+      [B, K] bool (the kept negatives, for the group's padding): pass them as keywords.
+    """
+    valid = samples["valid"]
+    count = tf.reduce_sum(tf.cast(valid, tf.int32), 1)  # [B]
+    kept = tf.range(valid.shape[1])[None] < tf.reduce_min(count)  # [B, K], valid is a prefix
+    return {"boxes": samples["rois"], "positive": samples["positive"] & kept,
+            "target_boxes": samples["target_boxes"], "target_labels": samples["labels"],
+            "negative": kept & ~samples["positive"]}
