@@ -139,4 +139,6 @@ def _layers(logits, boxes, corners, refs):
 
 
 if __name__ == "__main__":
-    rtdetr_cases.write_fixture(FIXTURE, CASES, random_case, hf_loss)
+    import fixture_args
+    fixture_args.run(lambda: rtdetr_cases.write_fixture(FIXTURE, CASES, random_case, hf_loss),
+                     __doc__)

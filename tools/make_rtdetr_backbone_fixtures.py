@@ -125,4 +125,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import fixture_args
+    fixture_args.run(main, __doc__)

@@ -161,4 +161,5 @@ def write_fixture(path: str, specs: Dict[str, Dict], make_case: Callable,
 
 
 if __name__ == "__main__":
-    write_fixture(FIXTURE, CASES, random_case, hf_loss)
+    import fixture_args
+    fixture_args.run(lambda: write_fixture(FIXTURE, CASES, random_case, hf_loss), __doc__)
