@@ -87,6 +87,43 @@ def test_format_comes_from_the_keys_not_the_file_name(tmp_path):
     assert "transformers 4.x" in report.format
 
 
+def _save_pretrained_dirs(tmp_path):
+    """The 4.x fixture as transformers' save_pretrained lays it out: one model.safetensors in
+    a directory with its config.json, and sharded (max_shard_size): shards and their index."""
+    import json
+
+    tensors = load_file(str(FIXTURES / "detr_hf4.safetensors"))
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    for d in (single, sharded):
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "detr"}')
+    shutil.copy(FIXTURES / "detr_hf4.safetensors", single / "model.safetensors")
+    keys, weight_map = sorted(tensors), {}
+    for i in range(3):
+        name = f"model-0000{i + 1}-of-00003.safetensors"
+        part = {k: tensors[k] for k in keys[i::3]}
+        save_file(part, str(sharded / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return single, sharded
+
+
+def test_save_pretrained_directories_and_sharded_checkpoints_import(tmp_path):
+    single, sharded = _save_pretrained_dirs(tmp_path)
+    images, ref = torch_outputs()
+    for path in (single, sharded, sharded / "model.safetensors.index.json"):
+        model = narrow_detr()
+        report = weights.load_pretrained(model, str(path))
+        assert "transformers 4.x" in report.format and len(report.loaded) == len(model.variables)
+        np.testing.assert_allclose(run(model, images)["pred_logits"], ref["logits"],
+                                   atol=LOGITS_TOL)
+    (sharded / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(weights.WeightImportError, match=r"names 3 shard\(s\), of which 1 are "
+                                                        r"missing: .*model-00002-of-00003"):
+        weights.load_pretrained(narrow_detr(), str(sharded))
+
+
 @pytest.mark.parametrize("norm", ["frozen", "batch"])
 def test_resnet_imports_into_the_backbone_only(norm):
     model = narrow_detr(block=Bottleneck, norm=norm)

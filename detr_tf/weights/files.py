@@ -1,14 +1,16 @@
 """Reading weight files into numpy arrays, whatever wrote them.
 
-Three kinds of file, told apart by their content (never their name):
+Three kinds of file, told apart by their content (never their name); a save_pretrained
+directory or a sharded checkpoint's `*.index.json` stands for the files it holds or names:
 - safetensors: read with `safetensors.numpy`, no torch needed;
 - torch pickles (`.pth`, `.bin`): need torch, an optional extra; without it the error gives
   the one-line command that converts the file to safetensors on a machine that has torch;
 - detr_tf's TensorFlow checkpoints: a model_dir, its checkpoints/ directory or a ckpt prefix.
 """
+import json
 import os
 import struct
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -39,9 +41,53 @@ def _is_safetensors(head: bytes) -> bool:
     return len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] > 0
 
 
+# What transformers' save_pretrained writes into a model directory, in the order looked for.
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+
+
+def weight_files(path: str) -> List[str]:
+    """The files holding the tensors `path` names: the file itself; the shards that a sharded
+    checkpoint's `*.index.json` lists; for a `save_pretrained` directory, its weights (its
+    HF_WEIGHT_FILES, the first present).
+
+    Raises:
+      WeightImportError: a directory without weights, or an index naming missing shards.
+    """
+    if os.path.isdir(path):
+        found = [os.path.join(path, n) for n in HF_WEIGHT_FILES
+                 if os.path.isfile(os.path.join(path, n))]
+        if not found:
+            raise WeightImportError(
+                f"{path!r} is a directory with no complete detr_tf checkpoint in it (nor in its "
+                f"checkpoints/) and no {' / '.join(HF_WEIGHT_FILES)} (a save_pretrained "
+                "directory); give a weight file, a run directory or a ckpt-N prefix")
+        path = found[0]
+    if not path.endswith(".index.json"):
+        return [path]
+    return _shards(path)
+
+
+def _shards(index: str) -> List[str]:
+    """The shard files a sharded checkpoint's index (`{"weight_map": {key: shard}}`) names."""
+    try:
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightImportError(f"{index!r} is not a sharded checkpoint's index (a JSON file "
+                                f"with a 'weight_map'): {type(e).__name__}: {e}") from e
+    shards = [os.path.join(os.path.dirname(index), n) for n in names]
+    missing = [s for s in shards if not os.path.isfile(s)]
+    if missing or not shards:
+        raise WeightImportError(f"{index!r} names {len(shards)} shard(s), of which "
+                                f"{len(missing)} are missing: {', '.join(missing[:5])}")
+    return shards
+
+
 def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
-    """Reads a safetensors file or a torch checkpoint into {key: array}: float32, or the file's
-    integer type.
+    """Reads a safetensors file or a torch checkpoint (or the shards of a sharded checkpoint,
+    or a save_pretrained directory's weights: `weight_files`) into {key: array}: float32, or
+    the file's integer type.
 
     A torch file holding `{'ema': {'module': state_dict}}` (the original RT-DETR's releases),
     `{'model': state_dict}` (the reference DETR's) or `{'state_dict': ...}` is unwrapped, the
@@ -50,10 +96,13 @@ def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
     Raises:
       WeightImportError: the file is missing, of an unknown kind, or a torch file without torch.
     """
-    if os.path.isdir(path):
-        raise WeightImportError(f"{path!r} is a directory with no complete detr_tf checkpoint "
-                                "in it (nor in its checkpoints/); give a weight file, a run "
-                                "directory or a ckpt-N prefix")
+    tensors = {}
+    for file in weight_files(path):
+        tensors.update(_read_one(file))
+    return tensors
+
+
+def _read_one(path: str) -> Dict[str, np.ndarray]:
     if not os.path.isfile(path):
         raise WeightImportError(f"weight file {path!r} does not exist")
     with open(path, "rb") as f:
@@ -88,13 +137,15 @@ def read_aliases(path: str, keys) -> Dict[str, str]:
     it in the metadata, beside entries such as `"format": "pt"`. Only entries that map a key
     the file lacks to one it holds are aliases; the rest (and torch files) give none.
     """
-    with open(path, "rb") as f:
-        if not _is_safetensors(f.read(16)):
-            return {}
-    from safetensors import safe_open
+    metadata = {}
+    for file in weight_files(path):
+        with open(file, "rb") as f:
+            if not _is_safetensors(f.read(16)):
+                continue
+        from safetensors import safe_open
 
-    with safe_open(path, framework="np") as f:
-        metadata = f.metadata() or {}
+        with safe_open(file, framework="np") as f:
+            metadata.update(f.metadata() or {})
     return {k: v for k, v in metadata.items() if k not in keys and v in keys}
 
 
