@@ -6,6 +6,7 @@ fixed input (tools/make_weight_fixtures.py regenerates them with torch). Each la
 here must reproduce those outputs: that checks every name, transpose and q/k/v split against an
 independent implementation. The rest checks the report and the failure modes.
 """
+import json
 import shutil
 import subprocess
 import sys
@@ -31,11 +32,12 @@ LOGITS_TOL, BOXES_TOL = 1e-3, 1e-4  # float32, unpadded images
 
 
 def narrow_detr(num_classes=7, num_queries=5, ffn=64, block=BasicBlock, built=True,
-                norm="frozen"):
+                norm="frozen", dilation=False):
     """The fixture DETR's architecture in detr_tf (tools/make_weight_fixtures.py)."""
     model = build_model(
         num_classes=num_classes, num_queries=num_queries, hidden_dim=32,
-        backbone=ResNet(block=block, layers=(2, 2, 2, 2), width=4, stem_width=64, norm=norm),
+        backbone=ResNet(block=block, layers=(2, 2, 2, 2), width=4, stem_width=64, norm=norm,
+                        dilation=dilation),
         position_embedding=PositionEmbeddingSine(16),
         transformer=Transformer(d_model=32, num_heads=4, num_encoder_layers=2,
                                 num_decoder_layers=2, dim_feedforward=ffn))
@@ -122,6 +124,26 @@ def test_save_pretrained_directories_and_sharded_checkpoints_import(tmp_path):
     with pytest.raises(weights.WeightImportError, match=r"names 3 shard\(s\), of which 1 are "
                                                         r"missing: .*model-00002-of-00003"):
         weights.load_pretrained(narrow_detr(), str(sharded))
+
+
+@pytest.mark.parametrize("file_dilation", [True, False])
+def test_a_dilation_in_the_config_beside_the_file_must_be_the_models(tmp_path, file_dilation):
+    """A DC5 file fits the plain model's every shape: only transformers' config.json beside it
+    says which it is, and a model of the other kind is refused before anything is assigned."""
+    folder = tmp_path / "detr"
+    folder.mkdir()
+    shutil.copy(FIXTURES / "detr_hf5.safetensors", folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"model_type": "detr",
+                                                    "dilation": file_dilation}))
+    for given in (folder, folder / "model.safetensors"):
+        wrong = narrow_detr(dilation=not file_dilation)
+        before = values(wrong.variables)
+        with pytest.raises(weights.WeightImportError,
+                           match=f'config.json sets "dilation": {str(file_dilation).lower()}'):
+            weights.load_pretrained(wrong, str(given))
+        assert all(np.array_equal(a, b) for a, b in zip(before, values(wrong.variables)))
+        report = weights.load_pretrained(narrow_detr(dilation=file_dilation), str(given))
+        assert not report.not_loaded and not report.unused
 
 
 @pytest.mark.parametrize("norm", ["frozen", "batch"])

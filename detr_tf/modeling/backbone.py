@@ -348,6 +348,7 @@ class ResNet(tf_keras.layers.Layer):
         self.num_channels = in_ch
         self.stage_channels = [width * 2 ** i * block.expansion for i in range(len(layers))]
         self.output_stride = output_stride
+        self.dilation = bool(dilation)
 
     def stem(self, images: tf.Tensor, pixel_mask: tf.Tensor) -> tf.Tensor:
         """conv1 7x7/2 -> bn1 -> ReLU -> max-pool 3x3/2: [B, H, W, 3] -> [B, H/4, W/4, width]."""

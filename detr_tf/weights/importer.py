@@ -19,7 +19,8 @@ import gin
 import numpy as np
 import tf_keras
 
-from detr_tf.weights import deformable_targets, files, layouts, targets as targets_lib
+from detr_tf.weights import deformable_targets, files, hf_config, layouts
+from detr_tf.weights import targets as targets_lib
 from detr_tf.weights import ties as ties_lib
 from detr_tf.weights.files import WeightImportError
 from detr_tf.weights.import_report import ImportReport
@@ -227,6 +228,7 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
     src = _read(model, path)
+    hf_config.check_beside(model, path, src.format)
     skip = list(skip) + [p for p in src.default_skip if p not in skip]
     groups = targets_lib.head_groups(model)
     constants = src.constants or {}
