@@ -228,6 +228,17 @@ def test_a_file_of_another_family_is_named_with_the_configured_model(model, tmp_
                        r"the configured RTDETR: \d+ shape mismatch")
 
 
+def test_a_file_with_no_place_in_the_model_is_named_another_architecture(model):
+    """A DETR file into RT-DETR: its names have no place here (no shape to compare), and the
+    message names the configured model and sends the user to the file's own, not to skip
+    patterns."""
+    _refused_unchanged(model, REPO / "tests" / "fixtures" / "weights" / "detr_hf5.safetensors",
+                       r"detr_hf5.safetensors' \(Hugging Face DetrForObjectDetection .*\) into "
+                       r"the configured RTDETR does not fit: \d+ tensor\(s\) in the file have no "
+                       r"place.*; most of the file has no place in the model, so it holds another "
+                       r"architecture or size: give the Gin file of the model it was saved from")
+
+
 def _tool(*args: str, tool: str = "import_weights.py") -> subprocess.CompletedProcess:
     return tool_helpers.run_tool(tool, *args)
 

@@ -164,8 +164,10 @@ def _left_at_init(model, table, plan, reinit_refs) -> Tuple[List[str], List[str]
     return at_init, absent
 
 
-def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[str],
+def _misfit_message(named: str, num_file: int, unexpected: List[str], missing: List[str],
                     ties: Optional[ties_lib.Resolution]) -> str:
+    """What does not fit; `named` says the file, its format and the configured model, and most
+    of a file without a place in the model is another architecture, not a thing to skip."""
     def some(names):
         return ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
 
@@ -176,8 +178,12 @@ def _misfit_message(path: str, fmt: str, unexpected: List[str], missing: List[st
     if missing:
         parts.append(f"{len(missing)} model variable(s) are not in the file: {some(missing)}"
                      + (ties.explain(missing) if ties else ""))
-    return (f"{path!r} ({fmt}) does not fit the model: {'; '.join(parts)}; pass skip patterns "
-            "(--skip / load_pretrained.skip) for what is left out on purpose")
+    advice = ("pass skip patterns (--skip / load_pretrained.skip) for what is left out on "
+              "purpose")
+    if 2 * len(unexpected) > num_file:
+        advice = ("most of the file has no place in the model, so it holds another architecture "
+                  "or size: give the Gin file of the model it was saved from")
+    return f"{named} does not fit: {'; '.join(parts)}; {advice}"
 
 
 def _check_values(plan: Dict[str, np.ndarray], table, path: str) -> None:
@@ -244,7 +250,7 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     missing = [n for n in absent if n not in skipped and not _matches([n], skip)
                and not (src.backbone_only and not n.startswith("backbone."))]
     if unexpected or missing:
-        raise WeightImportError(_misfit_message(path, src.format, unexpected, missing,
+        raise WeightImportError(_misfit_message(named, len(src.tensors), unexpected, missing,
                                                 src.ties))
     _check_values(plan, src.table, path)
     for name, value in plan.items():
