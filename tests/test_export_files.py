@@ -14,8 +14,12 @@ def fake(monkeypatch, tmp_path):
     name, or raises KeyboardInterrupt for 'float16' (Ctrl-C in the middle)."""
     calls = []
 
-    def export_run(model_dir, export_dir, checkpoint, fixed_input_size):
+    def export_run(model_dir, export_dir, checkpoint, fixed_input_size, before_write=None):
+        if checkpoint == "ckpt-missing":  # refused when restored
+            raise ValueError("no checkpoint ckpt-missing")
         calls.append(fixed_input_size)
+        if before_write is not None:
+            before_write()
         (tmp_path / "out").mkdir(exist_ok=True)
         (tmp_path / "out" / "saved_model.pb").write_text("new")
         return export_dir
@@ -51,6 +55,17 @@ def test_an_earlier_exports_files_are_removed_and_named(fake, tmp_path, capsys):
     said = capsys.readouterr().out
     for name in ("detector_int8.tflite", "detector.onnx"):
         assert f"export: removed {name}, of an earlier export" in said
+
+
+def test_a_refused_export_keeps_the_earlier_exports_files(fake, tmp_path):
+    """A re-export refused when the model is restored (a bad checkpoint, or a binding
+    out of range) writes nothing, so it has no reason to remove the earlier export's files."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "detector_float32.tflite").write_text("old")
+    with pytest.raises(ValueError, match="no checkpoint"):
+        formats.export_formats("run", str(out), ["tflite"], checkpoint="ckpt-missing")
+    assert (out / "detector_float32.tflite").read_text() == "old"
 
 
 def test_an_interrupted_conversion_leaves_no_partial_file(fake, tmp_path):

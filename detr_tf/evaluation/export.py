@@ -293,7 +293,8 @@ class _Served(tf.Module):
 
 
 def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None,
-               fixed_input_size: Optional[Sequence[int]] = None) -> str:
+               fixed_input_size: Optional[Sequence[int]] = None,
+               before_write: Optional[Callable[[], None]] = None) -> str:
     """tools/export.py: a SavedModel of a run's checkpoint with its eval preprocessing inside.
 
     Args:
@@ -301,6 +302,8 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
       export_dir: where the SavedModel is written.
       fixed_input_size: (H, W) of the `serving_fixed` signature, or 'canvas' for the eval
         canvas's size; None: no such signature.
+      before_write: called once the model is restored, before anything is written (a refused
+        export leaves export_dir as it was).
 
     Other export settings (max_detections, score_threshold) come from Gin
     (`export_saved_model.*`).
@@ -314,6 +317,8 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     preprocess_fn = preprocess.eval_preprocess_fn(info.buckets)
     if fixed_input_size == "canvas":
         fixed_input_size = preprocess_fn.canvas_size
+    if before_write is not None:
+        before_write()
     out = export_saved_model(model, export_dir, preprocess_fn=preprocess_fn,
                              fixed_input_size=fixed_input_size)
     names = [SERVING_DEFAULT, SERVING_IMAGES] + (

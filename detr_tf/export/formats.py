@@ -86,9 +86,10 @@ def export_formats(model_dir: str, export_dir: str, formats: Sequence[str],
                    checkpoint: Optional[str] = None) -> List[str]:
     """Writes the run's SavedModel and the other formats asked for; returns the paths written.
 
-    A previous export's TFLite and ONNX files in export_dir are removed first (each named), so
-    the directory never mixes two exports; each file is written under a temporary name and
-    renamed into place, so an interrupted export leaves no partial file.
+    A previous export's TFLite and ONNX files in export_dir are removed (each named) once the
+    model is restored, before anything is written, so the directory never mixes two exports
+    and a refused export keeps the earlier one; each file is written under a temporary name
+    and renamed into place, so an interrupted export leaves no partial file.
 
     Args:
       formats: any of FORMATS; the SavedModel is always written (the others come from it).
@@ -99,9 +100,11 @@ def export_formats(model_dir: str, export_dir: str, formats: Sequence[str],
     from detr_tf.export import onnx_export, saved_model, tflite
 
     edge = _check_request(formats, tflite_modes, input_size, tflite.MODES)
-    _remove_previous(export_dir)
+    # Removed once the model is restored: a refused export (a bad binding or checkpoint)
+    # keeps the earlier one whole.
     saved = export.export_run(model_dir, export_dir, checkpoint,
-                              fixed_input_size=(input_size or "canvas") if edge else None)
+                              fixed_input_size=(input_size or "canvas") if edge else None,
+                              before_write=lambda: _remove_previous(export_dir))
     written = [saved]
     if "tflite" in formats:
         size = saved_model.fixed_input_size(saved)
