@@ -188,3 +188,17 @@ def test_a_run_that_draws_nothing_keeps_the_earlier_detections(images_dir, tmp_p
     (bad / "x.jpg").write_text("not an image")
     assert predict.predict_images(_standin_detector(), [bad / "x.jpg"], out) == []
     assert (out / predict.DETECTIONS_FILENAME).read_text() == earlier
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_a_16_bit_grey_image_is_read_scaled_not_clipped_white(tmp_path, fmt):
+    """PIL's convert('RGB') clips 16-bit grey values above 255: predict drew a white picture and
+    served a white TIFF to the model, while the converter (training) scales the values down."""
+    grey = (np.arange(40 * 50).reshape(40, 50) * 30).astype(np.uint16)  # 0 .. 59970
+    path = tmp_path / f"grey16.{fmt.lower()}"
+    Image.fromarray(grey).save(path, format=fmt)
+    encoded, rgb = predict.read_image_file(str(path))
+    served = tf.io.decode_image(encoded, channels=3, expand_animations=False).numpy()
+    expected = np.round(grey / 257.0)[..., None].repeat(3, -1)
+    for pixels in (np.asarray(rgb), served):
+        assert np.abs(pixels.astype(np.float64) - expected).max() <= 1

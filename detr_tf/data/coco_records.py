@@ -67,11 +67,11 @@ def exif_orientation(img: Image.Image) -> int:
 
 def _jpeg(img: Image.Image) -> bytes:
     out = io.BytesIO()
-    _rgb(img).save(out, format="JPEG", quality=95)
+    as_rgb(img).save(out, format="JPEG", quality=95)
     return out.getvalue()
 
 
-def _rgb(img: Image.Image) -> Image.Image:
+def as_rgb(img: Image.Image) -> Image.Image:
     """`img` as RGB. 16-bit grey (a 16-bit grayscale PNG) is scaled to 8 bits first, as
     TensorFlow's decoder scales it: PIL's own conversion clips every value above 255, which
     turns such an image white."""

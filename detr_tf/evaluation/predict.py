@@ -133,7 +133,8 @@ def read_image_file(path: str) -> Tuple[bytes, Image.Image]:
             image.load()
             # Upright, as a photo viewer shows it (and transformers' load_image reads it).
             turned = coco_records.exif_orientation(image) != 1
-            rgb = (ImageOps.exif_transpose(image) if turned else image).convert("RGB")
+            # As the converter reads it: a 16-bit grey image scaled to 8 bits, not clipped white.
+            rgb = coco_records.as_rgb(ImageOps.exif_transpose(image) if turned else image)
             if turned or image.format not in _SERVED_FORMATS:
                 png = io.BytesIO()
                 rgb.save(png, format="PNG")
