@@ -50,6 +50,11 @@ def resolve_steps_per_loop(steps_per_loop: Union[int, str]) -> int:
     return steps_per_loop
 
 
+# Stats that count something per step, summed over a loop's steps rather than taken from its
+# last step: boxes cut by build_dataset.max_boxes in any of the steps are reported.
+SUMMED = ("targets_cut",)
+
+
 @dataclasses.dataclass
 class LoopOutcome:
     """What one DeviceLoop call did.
@@ -58,7 +63,8 @@ class LoopOutcome:
       steps: steps run (fewer than asked when nan_policy='stop' ended the loop early).
       non_finite: steps whose loss or gradients were not finite (their update was skipped).
       first_non_finite: 0-based index, within this loop, of the first such step; -1 if none.
-      stats: the last step's logging values (loss terms, grad_norm, ...).
+      stats: the last step's logging values (loss terms, grad_norm, ...); SUMMED ones are the
+        sum over the loop's steps.
     """
     steps: int
     non_finite: int
@@ -129,7 +135,11 @@ class DeviceLoop:
             bad = tf.logical_not(stats["_ok"])
             first = tf.where(tf.logical_and(bad, first < 0), i, first)
             non_finite += tf.cast(bad, tf.int32)
-            last = tf.stack([tf.cast(stats[k], tf.float64) for k in self._names])  # [S]
+            new = tf.stack([tf.cast(stats[k], tf.float64) for k in self._names])  # [S]
+            # SUMMED stats count over the loop's steps (the first step finds `last` empty).
+            summed = tf.constant([k in SUMMED for k in self._names])
+            earlier = tf.pad(last, [[0, tf.size(new) - tf.size(last)]])
+            last = tf.where(summed, new + earlier, new)
             return i + 1, non_finite, first, last
 
         zero = tf.constant(0, tf.int32)
