@@ -86,7 +86,9 @@ def _assert_same_training(ref_dir, other_dir, rtol=1e-5):
     ref, other = np.load(ref_dir / "result.npz"), np.load(other_dir / "result.npz")
     # Same global batch -> same loss at every step (float32 reduction order aside).
     np.testing.assert_allclose(other["losses"], ref["losses"], rtol=rtol)
-    names = [k for k in ref.files if k != "losses" and not k.startswith("step1/")]
+    # The boxes cut by build_dataset.max_boxes: every replica's and micro-batch's, counted.
+    np.testing.assert_array_equal(other["cuts"], ref["cuts"])
+    names = [k for k in ref.files if k not in ("losses", "cuts") and not k.startswith("step1/")]
     _assert_same_weights({k: ref[k] for k in names}, {k: other[k] for k in other.files},
                          {k: ref["step1/" + k] for k in names})
 
@@ -175,6 +177,7 @@ def _preempt_then_resume(launch, out, reference):
 
 def test_mirrored_two_replicas_equals_one_device(engine_runs):
     _assert_same_training(engine_runs / "default", engine_runs / "mirrored")
+    assert np.load(engine_runs / "default" / "result.npz")["cuts"].sum() > 0
 
 
 @pytest.fixture(scope="module")

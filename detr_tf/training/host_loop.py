@@ -159,9 +159,10 @@ class _Throughput:
         if cut and not self.cut_noted:
             self.cut_noted = True
             print(f"detr_tf: step {step}: {cut} target boxes beyond build_dataset.max_boxes were "
-                  "cut from the batch; their objects stay in the images and are trained as "
+                  "cut from the batches; their objects stay in the images and are trained as "
                   "background. Raise build_dataset.max_boxes (a mosaic holds the boxes of four "
-                  "images); metrics.jsonl's targets_cut counts them at each logged step.",
+                  "images); metrics.jsonl's targets_cut counts them in each logged row's last "
+                  "host visit (train.steps_per_loop steps).",
                   flush=True)
 
     def log(self, step: int, steps: int, elapsed: float, outcome: LoopOutcome,

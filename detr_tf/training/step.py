@@ -226,15 +226,17 @@ class StepBuilder:
         k = float(len(micro_batches))
         grads = [g / k for g in grad_sum] if k > 1 else grad_sum
         losses = {name: v / k for name, v in loss_sum.items()} if k > 1 else loss_sum
-        grads = engine.all_reduce_mean(grads)
-        losses = engine.all_reduce_mean(losses)
-        loss_finite = tf.math.is_finite(losses["loss"])
-        stats = dict(losses)
-        stats["loss_finite"] = loss_finite
-        if all("cut" in targets for _, targets in micro_batches):
-            # Target boxes beyond build_dataset.max_boxes, on this replica (the trainer names them).
-            stats["targets_cut"] = tf.cast(
+        counted = all("cut" in targets for _, targets in micro_batches)
+        if counted:  # target boxes beyond build_dataset.max_boxes (the trainer names them)
+            losses["targets_cut"] = tf.cast(
                 tf.add_n([tf.reduce_sum(t["cut"]) for _, t in micro_batches]), tf.float32)
+        grads = engine.all_reduce_mean(grads)
+        losses = engine.all_reduce_mean(losses)  # one collective for the losses and the count
+        stats = dict(losses)
+        if counted:  # every replica's: the mean times the replicas
+            stats["targets_cut"] = losses.pop("targets_cut") * float(engine.num_replicas)
+        loss_finite = tf.math.is_finite(losses["loss"])
+        stats["loss_finite"] = loss_finite
         if self.fused is not None:
             stats["applied"], stats["grad_norm"] = engine.merge_call(
                 self.fused, (grads, loss_finite))
