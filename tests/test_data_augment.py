@@ -200,3 +200,34 @@ def test_color_jitter_identity_at_zero_and_grey_stays_grey_under_saturation_and_
     out = augment.color_jitter(grey, seed, brightness=0.0, contrast=0.0, saturation=0.5,
                                hue=0.2).numpy()
     np.testing.assert_allclose(out, grey.numpy(), atol=0.05)
+
+
+def _smooth_image(rng, h, w):
+    """uint8 [h, w, 3] with texture at several scales (pure noise would exaggerate any filter)."""
+    coarse = rng.uniform(0, 255, (h // 16 + 2, w // 16 + 2, 3))
+    up = tf.image.resize(coarse[None], [h, w], method="bicubic")[0].numpy()
+    return np.clip(up + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (1200, 800), (300, 500)])
+def test_the_stretched_eval_resize_is_pils_and_scales_boxes_per_axis(hw):
+    """stretch + antialias: what transformers' RTDetrImageProcessor gives the model (PIL's
+    bilinear, antialiased when shrinking, to 640 x 640), within a fraction of a grey level."""
+    from PIL import Image
+
+    h, w = hw
+    image = _smooth_image(np.random.default_rng(0), h, w)
+    boxes = np.array([[10, 20, w - 30, h - 5], [0, 0, w, h]], np.float32)
+    out, out_boxes, _ = augment.detr_eval_transform(
+        tf.constant(image), tf.constant(boxes), tf.zeros([2], tf.int32), max_size=640,
+        stretch=True, antialias=True)
+    pil = np.asarray(Image.fromarray(image).resize((640, 640), Image.BILINEAR), np.float64)
+    assert out.shape == (640, 640, 3)
+    assert np.abs(out.numpy() - pil).mean() < 0.5
+    sx, sy = 640 / w, 640 / h
+    np.testing.assert_allclose(out_boxes.numpy(), boxes * [sx, sy, sx, sy], rtol=1e-6)
+    if max(h, w) > 640:  # shrinking: without the filter, PIL is several grey levels away
+        plain, _, _ = augment.detr_eval_transform(tf.constant(image), tf.constant(boxes),
+                                                  tf.zeros([2], tf.int32), max_size=640,
+                                                  stretch=True)
+        assert np.abs(plain.numpy() - pil).mean() > 2.0

@@ -255,5 +255,5 @@ def test_detection_traces_the_model_and_postprocessing_without_autograph():
     # Only the serving function and its preprocessing, around the user's function.
     ours = {s for s in seen if s.startswith("detr_tf.")}
     assert ours == {f"detr_tf.evaluation.export.DetectionModule.{name}"
-                    for name in ("_serve_images", "_preprocess_batch")}, ours
+                    for name in ("_serve_images", "_serve", "_preprocess_batch")}, ours
     assert any(s.endswith("own_preprocess") for s in seen), seen

@@ -131,3 +131,34 @@ def test_export_settings_out_of_range_are_refused_before_the_model_is_restored(t
             export.export_run(str(tmp_path / "no_run"), str(tmp_path / "out"))
     finally:
         gin.clear_config()
+
+
+def test_a_stretched_antialiased_eval_resize_is_made_static_for_tflite_and_onnx():
+    """detr_eval_transform.stretch/antialias (transformers' RT-DETR resize): every pixel of the
+    canvas is the image's; the fixed-shape form the TFLite and ONNX files are converted from
+    takes images of the stretched size, resized by the caller as the preprocessing resizes, and
+    another input size, which would need the filter inside the file, is refused naming the
+    size to give."""
+    import gin
+    import numpy as np
+    import tensorflow as tf
+
+    from detr_tf.evaluation import fixed_input, preprocess
+
+    gin.clear_config()
+    try:
+        gin.parse_config(["detr_eval_transform.max_size = 64",
+                          "detr_eval_transform.stretch = True",
+                          "detr_eval_transform.antialias = True"])
+        fn = preprocess.eval_preprocess_fn(canvas=(64, 64))
+        image = np.random.default_rng(1).integers(0, 256, (150, 90, 3), np.uint8)
+        ref, mask = (t.numpy() for t in fn(tf.constant(image)))
+        assert mask.all()
+        static = fixed_input.fixed_preprocess(fn, (64, 64))  # the size the resize gives
+        got, _ = static(tf.image.resize(image[None], [64, 64], antialias=True))
+        np.testing.assert_allclose(got.numpy()[0], ref, atol=1e-3)
+        # Another input size would resize inside the file, with a filter TFLite has no op for.
+        with pytest.raises(ValueError, match="give --input_size=64,64"):
+            fixed_input.fixed_preprocess(fn, (150, 90))
+    finally:
+        gin.clear_config()

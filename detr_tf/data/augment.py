@@ -63,7 +63,7 @@ def resized_shape(height: tf.Tensor, width: tf.Tensor, short_side: tf.Tensor,
 
 
 def resize(image: tf.Tensor, boxes: tf.Tensor, short_side: tf.Tensor,
-           max_size: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
+           max_size: int = 0, antialias: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
     """Bilinear resize by the `resized_shape` rule.
 
     Args:
@@ -71,13 +71,14 @@ def resize(image: tf.Tensor, boxes: tf.Tensor, short_side: tf.Tensor,
       boxes: [N, 4] absolute xyxy.
       short_side: int scalar.
       max_size: cap on the longer side, 0 for none.
+      antialias: low-pass filter when shrinking (PIL's and torchvision's bilinear do).
 
     Returns:
       image [H', W', 3] float32, boxes [N, 4] scaled to the new size.
     """
     shape = tf.shape(image)
     new_size = resized_shape(shape[0], shape[1], short_side, max_size)
-    out = tf.image.resize(image, new_size, method="bilinear")
+    out = tf.image.resize(image, new_size, method="bilinear", antialias=antialias)
     scale = tf.cast(new_size, tf.float32) / tf.cast(shape[:2], tf.float32)  # [sy, sx]
     return out, boxes * tf.stack([scale[1], scale[0], scale[1], scale[0]])
 
@@ -219,11 +220,23 @@ def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
 
 @gin.configurable(denylist=["image", "boxes", "labels"])
 def detr_eval_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
-                        short_side: int = 800,
-                        max_size: int = 1333) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """The DETR eval resize (shorter side 800, longer at most 1333). Shapes as the train one."""
-    image, boxes = resize(tf.cast(image, tf.float32), boxes, short_side, max_size)
-    return image, boxes, labels
+                        short_side: int = 800, max_size: int = 1333, stretch: bool = False,
+                        antialias: bool = False) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The DETR eval resize (shorter side 800, longer at most 1333). Shapes as the train one.
+
+    stretch: resize to max_size x max_size whatever the aspect ratio, as RT-DETR's and D-FINE's
+      own pipelines and transformers' RTDetrImageProcessor do (their Hub weights saw such
+      images); the model's boxes, relative to the image, come back in its own pixels all the
+      same. antialias: filter when shrinking, as PIL and torchvision do (docs/WEIGHTS.md).
+    """
+    image = tf.cast(image, tf.float32)
+    if not stretch:
+        image, boxes = resize(image, boxes, short_side, max_size, antialias)
+        return image, boxes, labels
+    new_size = tf.constant([max_size, max_size])
+    scale = tf.cast(new_size, tf.float32) / tf.cast(tf.shape(image)[:2], tf.float32)
+    image = tf.image.resize(image, new_size, method="bilinear", antialias=antialias)
+    return image, boxes * tf.stack([scale[1], scale[0], scale[1], scale[0]]), labels
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

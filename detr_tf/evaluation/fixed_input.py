@@ -62,22 +62,33 @@ def fixed_preprocess(preprocess_fn: Callable, input_size: Sequence[int]) -> Stat
     canvas_h, canvas_w = ref_mask.shape
     mask = tf.constant(ref_mask[None])  # [1, Hc, Wc]
 
-    def static(images: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        x = tf.cast(images, tf.float32)  # [1, H, W, 3]
-        if (rows, cols) != (height, width):
-            x = tf.image.resize(x, [rows, cols], method="bilinear")
-        x = augment.normalize_image(x)
-        x = tf.pad(x, [[0, 0], [0, canvas_h - rows], [0, canvas_w - cols], [0, 0]])
-        return x, mask  # [1, Hc, Wc, 3], [1, Hc, Wc]
+    def static_form(antialias: bool) -> StaticPreprocess:
+        def static(images: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+            x = tf.cast(images, tf.float32)  # [1, H, W, 3]
+            if (rows, cols) != (height, width):
+                x = tf.image.resize(x, [rows, cols], method="bilinear", antialias=antialias)
+            x = augment.normalize_image(x)
+            x = tf.pad(x, [[0, 0], [0, canvas_h - rows], [0, canvas_w - cols], [0, 0]])
+            return x, mask  # [1, Hc, Wc, 3], [1, Hc, Wc]
+        return static
 
-    got = static(tf.constant(probe[None]))[0][0].numpy()
-    worst = float(np.max(np.abs(got - ref_image)))
-    if worst > 1e-3:
-        raise ValueError(f"fixed_preprocess: the static resize/normalize/pad differs from the "
-                         f"export's preprocessing by up to {worst:.3g} on a {height}x{width} "
-                         "image; only the eval pipeline's kind of preprocessing can be made "
-                         "static")
-    return static
+    worst = []
+    for antialias in (False, True):  # the eval resize's, as detr_eval_transform.antialias binds
+        static = static_form(antialias)
+        got = static(tf.constant(probe[None]))[0][0].numpy()
+        worst.append(float(np.max(np.abs(got - ref_image))))
+        if worst[-1] <= 1e-3:
+            if antialias and (rows, cols) != (height, width):
+                # tf.image.resize's filter is ScaleAndTranslate, which TFLite has no op for.
+                raise ValueError(
+                    f"fixed_preprocess: the eval resize is antialiased "
+                    f"(detr_eval_transform.antialias), which TFLite and ONNX have no op for; "
+                    f"give --input_size={rows},{cols}, the size it resizes to, and resize each "
+                    "image to that size (antialiased) before calling the exported model")
+            return static
+    raise ValueError(f"fixed_preprocess: the static resize/normalize/pad differs from the "
+                     f"export's preprocessing by up to {min(worst):.3g} on a {height}x{width} "
+                     "image; only the eval pipeline's kind of preprocessing can be made static")
 
 
 def fixed_signature(detect_preprocessed: Callable, preprocess_fn: Callable,
