@@ -260,3 +260,13 @@ def test_iscrowd_and_area_written_as_text_or_null_are_read_as_numbers(tmp_path):
     assert [(a["iscrowd"], a["area"]) for a in stats.annotations] == [(0, 8.0), (1, 8.0),
                                                                       (0, 6.5)]
     assert _read_all(stats.files)[1]["is_crowd"].tolist() == [False, True, False]
+
+
+def test_a_file_that_is_no_image_is_named_by_its_size_not_by_a_memory_address(tmp_path):
+    from detr_tf.data import coco_records
+
+    path = tmp_path / "notes.jpg"
+    path.write_text("not an image, despite its name\n")
+    data, _, _, _, status, reason = coco_records.read_image(str(path))
+    assert data is None and status == "corrupt"
+    assert reason == "no image format recognised in 31 bytes", reason

@@ -11,7 +11,7 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 # The image files a dataset folder and tools/predict.py take: PIL reads them all.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -51,6 +51,8 @@ def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
             if fmt in ("JPEG", "PNG") and mode in ("RGB", "L"):
                 return data, fmt.lower(), height, width, "ok", unapplied
             return _jpeg(img), "jpeg", height, width, "reencoded", unapplied
+    except UnidentifiedImageError:  # its message names the in-memory copy, not the file
+        return None, "", 0, 0, "corrupt", f"no image format recognised in {len(data)} bytes"
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         return None, "", 0, 0, "corrupt", str(e) or type(e).__name__
 
