@@ -26,6 +26,7 @@ setup(
         "Pillow>=10",
         "tqdm>=4.66",
         "safetensors>=0.4",
+        "pyyaml>=6",  # YOLO datasets' data.yaml (docs/FINETUNING.md)
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"] + EXPORT,

@@ -1,4 +1,4 @@
-"""Tiny datasets in the three layouts the custom-data module detects, for the tests.
+"""Tiny datasets in three of the layouts the custom-data module detects, for the tests.
 
 Every image is a flat-colour JPEG with one or two filled rectangles; the boxes given to each
 layout are those rectangles, in that layout's own convention (COCO xywh 0-based, VOC 1-based

@@ -9,8 +9,9 @@ category ids, and the train images' sizes. Everything the configs need (NUM_CLAS
 sizes, the image sizes in `custom_plan`) is read from it; the user counts nothing.
 
 The cache lives in `cache_dir/<name>-<hash of DATA_DIR's absolute path>/<fingerprint>/`. The
-fingerprint hashes what the conversion read: the annotation files (size, mtime and content)
-and the image directories' listings, subfolders included (names, sizes, mtimes); a changed
+fingerprint hashes what the conversion read: the annotation files (size, mtime and content;
+for VOC's XML and YOLO's label .txt files, size and mtime; YOLO's data.yaml, content too) and
+the image directories' listings, subfolders included (names, sizes, mtimes); a changed
 dataset gets a new fingerprint, is converted again, and the stale copy is removed. As for the
 shapes dataset, a conversion is written in a private `.partial-PID` directory and renamed into
 place when complete, so concurrent first runs never read half-written files.
@@ -32,6 +33,7 @@ from detr_tf.data import cache_dirs, coco_records, custom_layouts as layouts
 from detr_tf.data import json_files
 
 _IMAGES_PER_SHARD = 1000
+_NOTES_SHOWN = 10  # bad YOLO label lines named; the rest are counted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +51,11 @@ class CustomDataset:
 
     Attributes:
       data_dir: absolute DATA_DIR.
-      kind: 'roboflow', 'coco' or 'voc'.
+      kind: 'roboflow', 'coco', 'voc' or 'yolo'.
       root: the cache directory of this version of the data.
       class_names: by class index; category_ids: the dataset's id of each class index.
-      splits: 'train', 'eval' (and 'test' for a Roboflow export with both valid/ and test/).
+      splits: 'train', 'eval' (and 'test' for a Roboflow export with both valid/ and test/, or
+        a YOLO data.yaml with both val and test).
       train_sizes: [(height, width)] of the train images.
       max_objects: the most non-crowd boxes in one train image.
     """
@@ -103,15 +106,29 @@ def _image_listing(image_dir: str) -> list:
     return sorted(listing)
 
 
+def _label_listing(image_dir: str) -> list:
+    """[label path, size, mtime] (or [label path]: none, so no objects) of each YOLO image."""
+    listing = []
+    for rel in layouts.yolo_images(image_dir):
+        path = layouts.yolo_label_path(os.path.join(image_dir, rel))
+        stamp = _file_stamp(path, False)[1:] if os.path.isfile(path) else []
+        listing.append([os.path.relpath(path, image_dir)] + stamp)
+    return listing
+
+
 def fingerprint(layout: layouts.Layout) -> str:
     """Hash of what the conversion reads (annotation files, image listings) and of
     CONVERSION_FORMAT; 16 hex digits."""
     h = hashlib.sha256(f"{layout.kind}/{CONVERSION_FORMAT}".encode())
+    if layout.config_file:  # YOLO's data.yaml: the class names
+        h.update(json.dumps(_file_stamp(layout.config_file, content=True)).encode())
     for name in sorted(layout.splits):
         split = layout.splits[name]
         parts = [name]
         if split.annotations:
             parts.append(_file_stamp(split.annotations, content=True))
+        elif layout.kind == "yolo":
+            parts += _label_listing(split.image_dir)
         else:
             parts.append(list(split.voc_ids))
             parts += [_file_stamp(os.path.join(split.voc_annotations_dir, i + ".xml"), False)
@@ -172,11 +189,30 @@ def _absolute(image: dict, image_dir: str) -> dict:
     return image
 
 
+def _say_label_notes(notes: List[str]) -> None:
+    """Names the first bad YOLO label lines (file:line: value), counting the rest."""
+    for note in notes[:_NOTES_SHOWN]:
+        print(f"custom data: {note}", flush=True)
+    if len(notes) > _NOTES_SHOWN:
+        print(f"custom data: ... and {len(notes) - _NOTES_SHOWN} more such label lines",
+              flush=True)
+
+
+def _yolo_dicts(layout: layouts.Layout) -> Dict[str, dict]:
+    notes: List[str] = []
+    cocos = {n: layouts.yolo_to_coco(s, layout.class_names, notes)
+             for n, s in layout.splits.items()}
+    _say_label_notes(notes)
+    return cocos
+
+
 def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
     """Split name -> COCO dict with absolute file names and the train split's categories."""
     if layout.kind == "voc":
         names = layouts.voc_class_names([layout.splits["train"]])
         cocos = {n: layouts.voc_to_coco(s, names) for n, s in layout.splits.items()}
+    elif layout.kind == "yolo":
+        cocos = _yolo_dicts(layout)
     else:
         cocos = {n: _load_coco(s) for n, s in layout.splits.items()}
     # Roboflow's dataset-name placeholder is Roboflow's: other layouts keep every category.
@@ -189,6 +225,9 @@ def _split_dicts(layout: layouts.Layout) -> Dict[str, dict]:
         _say_unknown_categories(name, coco, categories)
         coco["categories"] = categories
     return cocos
+
+
+_SOURCES = {"voc": "Pascal VOC XML", "yolo": "YOLO labels"}  # layouts without a COCO json
 
 
 def _with_size(image: dict, sizes: Dict[int, Tuple[int, int]]) -> dict:
@@ -207,7 +246,7 @@ def _convert(layout: layouts.Layout, work: str) -> dict:
                "categories": cocos["train"]["categories"]}
     for name, coco in cocos.items():  # refused in the user's terms before anything is written
         coco_converter.check_coco(coco, layout.splits[name].annotations or
-                                  f"{layout.data_dir} (Pascal VOC XML, {name} split)")
+                                  f"{layout.data_dir} ({_SOURCES[layout.kind]}, {name} split)")
     for name, coco in cocos.items():
         ann_path = os.path.join(work, f"instances_{name}.json")
         with open(ann_path, "w") as f:
@@ -226,8 +265,9 @@ def _convert(layout: layouts.Layout, work: str) -> dict:
         with open(ann_path, "w") as f:
             json.dump(coco, f)
         if stats.counts["images_written"] == 0:
+            source = layout.splits[name].annotations or _SOURCES[layout.kind]
             raise ValueError(f"{layout.data_dir}: no usable image in the {name} split "
-                             f"(annotations {layout.splits[name].annotations or 'VOC XML'}); "
+                             f"(annotations {source}); "
                              "see the conversion summary above.")
         summary["splits"][name] = {"num_examples": stats.counts["images_written"],
                                    "counts": stats.counts}
@@ -305,6 +345,8 @@ def custom_dataset(data_dir: str = gin.REQUIRED,
     layout = layouts.detect_layout(data_dir)
     stamps = tuple(tuple(_file_stamp(s.annotations, False)) if s.annotations else s.voc_ids
                    for _, s in sorted(layout.splits.items()))
+    if layout.config_file:
+        stamps += (tuple(_file_stamp(layout.config_file, False)),)
     key = (layout.data_dir, os.path.expanduser(cache_dir), stamps)
     if key not in _PREPARED:
         _PREPARED[key] = prepare_custom_dataset(data_dir, cache_dir)
