@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from detr_tf.data import custom, custom_layouts
+from detr_tf.data import custom, custom_layouts, custom_yolo
 from tests import custom_data_helpers as helpers
 
 # (split, image name, (height, width), label text or None for no .txt)
@@ -28,7 +28,7 @@ def _write(root, layout="roboflow", labels=LABELS, yaml_text=None):
         path = os.path.join(root, *parts, name)
         helpers.write_image(path, h, w, [])
         if text is not None:
-            label = custom_layouts.yolo_label_path(path)
+            label = custom_yolo.yolo_label_path(path)
             os.makedirs(os.path.dirname(label), exist_ok=True)
             with open(label, "w") as f:
                 f.write(text)

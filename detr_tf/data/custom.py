@@ -30,7 +30,7 @@ import gin
 
 from detr_tf import config
 from detr_tf.data import cache_dirs, coco_records, custom_layouts as layouts
-from detr_tf.data import json_files
+from detr_tf.data import custom_yolo, json_files
 
 _IMAGES_PER_SHARD = 1000
 _NOTES_SHOWN = 10  # bad YOLO label lines named; the rest are counted
@@ -109,8 +109,8 @@ def _image_listing(image_dir: str) -> list:
 def _label_listing(image_dir: str) -> list:
     """[label path, size, mtime] (or [label path]: none, so no objects) of each YOLO image."""
     listing = []
-    for rel in layouts.yolo_images(image_dir):
-        path = layouts.yolo_label_path(os.path.join(image_dir, rel))
+    for rel in custom_yolo.yolo_images(image_dir):
+        path = custom_yolo.yolo_label_path(os.path.join(image_dir, rel))
         stamp = _file_stamp(path, False)[1:] if os.path.isfile(path) else []
         listing.append([os.path.relpath(path, image_dir)] + stamp)
     return listing
@@ -200,7 +200,7 @@ def _say_label_notes(notes: List[str]) -> None:
 
 def _yolo_dicts(layout: layouts.Layout) -> Dict[str, dict]:
     notes: List[str] = []
-    cocos = {n: layouts.yolo_to_coco(s, layout.class_names, notes)
+    cocos = {n: custom_yolo.yolo_to_coco(s, layout.class_names, notes)
              for n, s in layout.splits.items()}
     _say_label_notes(notes)
     return cocos
