@@ -162,3 +162,33 @@ def test_a_stretched_antialiased_eval_resize_is_made_static_for_tflite_and_onnx(
             fixed_input.fixed_preprocess(fn, (150, 90))
     finally:
         gin.clear_config()
+
+
+def test_an_export_refused_for_its_input_size_keeps_the_earlier_exports_files(monkeypatch,
+                                                                               tmp_path):
+    """The fixed form's refusal (an antialiased resize to another size than --input_size) comes
+    when the signatures are traced: the earlier export's files are removed only after it, not
+    once the model is restored (a refused re-export deleted the earlier .onnx and .tflite)."""
+    import types
+
+    import gin
+
+    from detr_tf.evaluation import restore
+
+    monkeypatch.setattr(restore, "load_trained_model", lambda model_dir, checkpoint: (
+        None, "ckpt-1"))
+    monkeypatch.setattr(restore, "inference_model", lambda model: model)
+    monkeypatch.setattr(export.run_lib, "assemble", lambda: types.SimpleNamespace(
+        eval_info=lambda: types.SimpleNamespace(buckets=[(64, 64)])))
+    removed = []
+    gin.clear_config()
+    try:
+        gin.parse_config(["detr_eval_transform.max_size = 64",
+                          "detr_eval_transform.stretch = True",
+                          "detr_eval_transform.antialias = True"])
+        with pytest.raises(ValueError, match="give --input_size=64,64"):
+            export.export_run("run", str(tmp_path / "out"), fixed_input_size=(150, 90),
+                              before_write=lambda: removed.append("earlier files"))
+    finally:
+        gin.clear_config()
+    assert removed == [] and not (tmp_path / "out").exists()

@@ -242,13 +242,14 @@ EXPORT_RULES = {"max_detections": ac.integer(1),
                 "score_threshold": ac.number(0.0, 1.0, high_open=False)}
 
 
-@gin.configurable(module="detr_tf.evaluation", denylist=["model", "export_dir"])
+@gin.configurable(module="detr_tf.evaluation", denylist=["model", "export_dir", "before_write"])
 def export_saved_model(model: tf.Module,
                        export_dir: Union[str, os.PathLike],
                        preprocess_fn: Optional[PreprocessFn] = None,
                        max_detections: int = 100,
                        score_threshold: float = 0.0,
-                       fixed_input_size: Optional[Sequence[int]] = None) -> str:
+                       fixed_input_size: Optional[Sequence[int]] = None,
+                       before_write: Optional[Callable[[], None]] = None) -> str:
     """Writes a SavedModel with the `serving_default` and `serving_images` signatures.
 
     Args:
@@ -259,6 +260,8 @@ def export_saved_model(model: tf.Module,
       score_threshold: minimum score of a returned detection.
       fixed_input_size: (H, W) of the `serving_fixed` signature (fixed_input.py) that TFLite
         and ONNX are converted from; None: no such signature.
+      before_write: called once every signature is traced (a preprocessing the fixed form
+        refuses has been refused), before anything is written.
 
     Returns:
       export_dir as a string. Load with `tf.saved_model.load(export_dir)` and call
@@ -271,6 +274,8 @@ def export_saved_model(model: tf.Module,
                              fixed_input_size=fixed_input_size)
     export_dir = os.fspath(export_dir)
     signatures = module.signatures()  # traced first: a model may create its variables there
+    if before_write is not None:
+        before_write()
     tf.saved_model.save(_Served(module), export_dir, signatures=signatures)
     return export_dir
 
@@ -302,8 +307,9 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
       export_dir: where the SavedModel is written.
       fixed_input_size: (H, W) of the `serving_fixed` signature, or 'canvas' for the eval
         canvas's size; None: no such signature.
-      before_write: called once the model is restored, before anything is written (a refused
-        export leaves export_dir as it was).
+      before_write: called once the model is restored and its signatures are traced (the
+        fixed form's refusals made), before anything is written (a refused export leaves
+        export_dir as it was).
 
     Other export settings (max_detections, score_threshold) come from Gin
     (`export_saved_model.*`).
@@ -317,10 +323,8 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     preprocess_fn = preprocess.eval_preprocess_fn(info.buckets)
     if fixed_input_size == "canvas":
         fixed_input_size = preprocess_fn.canvas_size
-    if before_write is not None:
-        before_write()
     out = export_saved_model(model, export_dir, preprocess_fn=preprocess_fn,
-                             fixed_input_size=fixed_input_size)
+                             fixed_input_size=fixed_input_size, before_write=before_write)
     names = [SERVING_DEFAULT, SERVING_IMAGES] + (
         [fixed_input.SERVING_FIXED] if fixed_input_size is not None else [])
     print(f"export: wrote SavedModel to {out} (signatures: {', '.join(names)})", flush=True)
