@@ -96,9 +96,10 @@ NO_DN_NOISE = ["DenoisingQueries.box_noise_scale = 0.0",
                "DenoisingQueries.label_noise_ratio = 0.0"]
 OFF_THE_GRID = ["train.model_fn = @references_off_the_grid",
                 "references_off_the_grid.model_fn = @build_rtdetr"]
-# The default variant's one target slot cuts boxes of the shapes images' 1-6: each engine must
-# count them alike over its replicas and micro-batches (targets_cut).
-VARIANTS = {"": ("tiny.gin", ["build_dataset.max_boxes = 1"]),
+# The default variant's three target slots cut boxes of the shapes images' 1-6: each engine must
+# count them alike over its replicas and micro-batches (targets_cut). Not one slot: replicas
+# would then hold equal box counts, and a normalizer left un-all-reduced would go unnoticed.
+VARIANTS = {"": ("tiny.gin", ["build_dataset.max_boxes = 3"]),
             "tf_keras": ("tiny.gin", ["build_optimizers.fused = False"]),
             "group_dn": ("tiny.gin", [
                 "build_model.transformer = @AnchorTransformer()",
