@@ -451,3 +451,17 @@ def test_an_image_entry_without_a_file_name_is_refused_naming_it(tmp_path, entry
     with pytest.raises(ValueError, match=r"instances_train2017.json: images\[0\] lacks 'id' or "
                                          r"a 'file_name' string"):
         custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+
+
+def test_an_eval_json_whose_categories_have_no_names_is_accepted(tmp_path):
+    """A category without a 'name' contradicts no train name (COCO jsons may leave names out,
+    and the evaluation reads such jsons): it was refused as "category id 1 is None there"."""
+    root = helpers.make_coco(str(tmp_path / "coco"))
+    path = os.path.join(root, "annotations", "instances_val2017.json")
+    with open(path) as f:
+        coco = json.load(f)
+    coco["categories"] = [{"id": c["id"]} for c in coco["categories"]]
+    with open(path, "w") as f:
+        json.dump(coco, f)
+    dataset = custom.prepare_custom_dataset(root, str(tmp_path / "cache"))
+    assert all(c.get("name") for c in dataset.categories)

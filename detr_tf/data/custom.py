@@ -169,10 +169,12 @@ def _say_unknown_categories(split: str, coco: dict, categories: List[dict]) -> N
 def _check_same_names(layout: layouts.Layout, split: str, coco: dict, categories: List[dict]):
     """Refuses a split whose json gives a category id of the train split another name: its
     boxes are read by id, so they would silently become the train split's class of that id
-    (jsons exported one split at a time often number the classes in their own order)."""
-    train = {c.get("id"): c.get("name") for c in categories}
+    (jsons exported one split at a time often number the classes in their own order). A
+    category without a name (COCO jsons may leave it out) contradicts none."""
+    train = {c.get("id"): c.get("name") for c in categories if c.get("name") is not None}
     for c in coco.get("categories", []):
-        if c.get("id") in train and str(c.get("name")) != str(train[c.get("id")]):
+        if (c.get("id") in train and c.get("name") is not None
+                and str(c.get("name")) != str(train[c.get("id")])):
             raise ValueError(
                 f"{layout.splits[split].annotations}: category id {c.get('id')} is "
                 f"{c.get('name')!r} there but {train[c.get('id')]!r} in "
