@@ -25,6 +25,9 @@ GLOBAL_BATCH, NUM_BATCHES = 4, 16
 _RNG = np.random.RandomState(1)
 IMAGES = _RNG.randn(NUM_BATCHES, GLOBAL_BATCH, 8, 8, 3).astype(np.float32)
 TARGETS = _RNG.randn(NUM_BATCHES, GLOBAL_BATCH, 2).astype(np.float32)
+# Boxes each image lost to the target slots (pipeline.pad_targets' `cut`), 0-2 by position: the
+# replicas' slices hold different counts, which the step must sum over all of them.
+CUTS = (np.arange(NUM_BATCHES * GLOBAL_BATCH) % 3).reshape(NUM_BATCHES, GLOBAL_BATCH)
 
 
 class ToyModel(tf_keras.Model):
@@ -75,7 +78,8 @@ def toy_dataset_fn(nan_at_step=None):
         # One pipeline feeds every local replica in turn: batch k's slice r at k * replicas + r.
         images = IMAGES.reshape(-1, per, 8, 8, 3)
         features = {"images": images, "pixel_mask": np.ones(images.shape[:3], bool)}
-        ds = tf.data.Dataset.from_tensor_slices((features, {"y": targets.reshape(-1, per, 2)}))
+        ds = tf.data.Dataset.from_tensor_slices((features, {
+            "y": targets.reshape(-1, per, 2), "cut": CUTS.reshape(-1, per).astype(np.int32)}))
         return ds.skip(seed * replicas)
 
     return dataset_fn
@@ -126,7 +130,9 @@ def one_step_per_loop(tmp_path_factory):
     return model_dir, evals
 
 
-def assert_same_run(ref_dir, other_dir, steps, rtol=1e-6):
+def assert_same_run(ref_dir, other_dir, steps, rtol=1e-6, cuts=False):
+    """Same weights at `steps`, same logged losses; with `cuts`, the same targets_cut (runs of
+    one steps_per_loop: a logged row holds its device loop's sum)."""
     for step in steps:
         ref, other = weights(ref_dir, step), weights(other_dir, step)
         assert len(ref) >= 8 and set(ref) == set(other)
@@ -138,6 +144,8 @@ def assert_same_run(ref_dir, other_dir, steps, rtol=1e-6):
     for step in ref:
         np.testing.assert_allclose([other[step]["loss"], other[step]["grad_norm"]],
                                    [ref[step]["loss"], ref[step]["grad_norm"]], rtol=rtol)
+        # Every replica's cut boxes, counted as one device counts its whole batch's.
+        assert not cuts or other[step]["targets_cut"] == ref[step]["targets_cut"], step
 
 
 @pytest.mark.parametrize("engine, jit", [("default", "loss"), ("mirrored", "loss"),
