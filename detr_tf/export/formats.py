@@ -5,15 +5,17 @@
     EXPORT_DIR/detector_<mode>.tflite    one per TFLite mode (tflite.MODES)
     EXPORT_DIR/detector.onnx
 """
-import contextlib
 import os
 import re
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from detr_tf import atomic_files
+
 FORMATS = ("saved_model", "tflite", "onnx")
 CALIBRATION_IMAGES = 64  # representative images for full-integer int8
+PARTIAL = ".partial"  # a file being written, under its name plus this (removed on failure)
 
 
 def tflite_path(export_dir: str, mode: str) -> str:
@@ -110,13 +112,13 @@ def export_formats(model_dir: str, export_dir: str, formats: Sequence[str],
         size = saved_model.fixed_input_size(saved)
         for mode in tflite_modes or ("float32",):
             calibration = (lambda: validation_inputs(size)) if mode == "int8" else None
-            with _in_place(tflite_path(export_dir, mode)) as partial:
+            with atomic_files.replaced(tflite_path(export_dir, mode), PARTIAL) as partial:
                 with open(partial, "wb") as f:
                     f.write(tflite.convert(saved, mode, calibration))
             written.append(tflite_path(export_dir, mode))
             print(f"export: wrote {written[-1]}", flush=True)
     if "onnx" in formats:
-        with _in_place(onnx_path(export_dir)) as partial:
+        with atomic_files.replaced(onnx_path(export_dir), PARTIAL) as partial:
             onnx_export.convert(saved, partial)
         written.append(onnx_path(export_dir))
         print(f"export: wrote {written[-1]}", flush=True)
@@ -147,18 +149,7 @@ def _remove_previous(export_dir: str) -> None:
     if not os.path.isdir(export_dir):
         return
     for name in sorted(os.listdir(export_dir)):
-        if re.fullmatch(r"detector(_\w+\.tflite|\.onnx)(\.partial)?", name):
+        if re.fullmatch(r"detector(_\w+\.tflite|\.onnx)(\.partial)?", name):  # PARTIAL too
             os.remove(os.path.join(export_dir, name))
             print(f"export: removed {name}, of an earlier export", flush=True)
 
-
-@contextlib.contextmanager
-def _in_place(path: str) -> Iterator[str]:
-    """A temporary name to write `path` under, renamed to it when the writing succeeded."""
-    partial = path + ".partial"
-    try:
-        yield partial
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
