@@ -21,7 +21,7 @@ Note = Tuple[str, str]  # (counter, one line naming the file, the annotation and
 # The EXIF tag a camera records how the stored pixels are to be turned for display; values 5-8
 # turn them by 90 degrees, swapping width and height.
 EXIF_ORIENTATION = 0x0112
-_TURNED = (5, 6, 7, 8)
+TURNED = (5, 6, 7, 8)
 
 
 def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
@@ -43,7 +43,7 @@ def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
             img.load()  # forces a full decode: a truncated file fails here
             fmt, mode, (width, height) = img.format, img.mode, img.size
             orientation = exif_orientation(img)
-            if orientation in _TURNED and width != height and json_size == (width, height):
+            if orientation in TURNED and width != height and json_size == (width, height):
                 upright = ImageOps.exif_transpose(img)
                 return (_jpeg(upright), "jpeg", width, height, "reoriented",
                         f"EXIF orientation {orientation}")
@@ -55,6 +55,16 @@ def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
         return None, "", 0, 0, "corrupt", f"no image format recognised in {len(data)} bytes"
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         return None, "", 0, 0, "corrupt", str(e) or type(e).__name__
+
+
+def image_files(folder: str) -> List[str]:
+    """The image files under `folder` (subfolders included: a json's file_name may name one
+    there, 'sub/a.jpg'), as paths relative to it, sorted."""
+    found = []
+    for here, _, names in os.walk(folder):
+        found += [os.path.relpath(os.path.join(here, n), folder) for n in names
+                  if n.lower().endswith(IMAGE_EXTENSIONS)]
+    return sorted(found)
 
 
 def exif_orientation(img: Image.Image) -> int:

@@ -93,23 +93,19 @@ def _file_stamp(path: str, content: bool) -> list:
 CONVERSION_FORMAT = 3
 
 
-def _image_listing(image_dir: str) -> list:
-    """[path relative to image_dir, size, mtime] of every image under it, subfolders included:
-    a json's file_name may name one there ('sub/a.jpg')."""
+def _image_listing(image_dir: str, images: List[str]) -> list:
+    """[path relative to image_dir, size, mtime] of each of `images` (coco_records.image_files)."""
     listing = []
-    for folder, _, names in os.walk(image_dir):
-        for name in names:
-            if name.lower().endswith(coco_records.IMAGE_EXTENSIONS):
-                st = os.stat(os.path.join(folder, name))
-                rel = os.path.relpath(os.path.join(folder, name), image_dir)
-                listing.append([rel, st.st_size, st.st_mtime_ns])
-    return sorted(listing)
+    for rel in images:
+        st = os.stat(os.path.join(image_dir, rel))
+        listing.append([rel, st.st_size, st.st_mtime_ns])
+    return listing
 
 
-def _label_listing(image_dir: str) -> list:
+def _label_listing(image_dir: str, images: List[str]) -> list:
     """[label path, size, mtime] (or [label path]: none, so no objects) of each YOLO image."""
     listing = []
-    for rel in custom_yolo.yolo_images(image_dir):
+    for rel in images:
         path = custom_yolo.yolo_label_path(os.path.join(image_dir, rel))
         stamp = _file_stamp(path, False)[1:] if os.path.isfile(path) else []
         listing.append([os.path.relpath(path, image_dir)] + stamp)
@@ -124,16 +120,17 @@ def fingerprint(layout: layouts.Layout) -> str:
         h.update(json.dumps(_file_stamp(layout.config_file, content=True)).encode())
     for name in sorted(layout.splits):
         split = layout.splits[name]
+        images = coco_records.image_files(split.image_dir)  # one walk of the folder
         parts = [name]
         if split.annotations:
             parts.append(_file_stamp(split.annotations, content=True))
         elif layout.kind == "yolo":
-            parts += _label_listing(split.image_dir)
+            parts += _label_listing(split.image_dir, images)
         else:
             parts.append(list(split.voc_ids))
             parts += [_file_stamp(os.path.join(split.voc_annotations_dir, i + ".xml"), False)
                       for i in split.voc_ids]
-        parts += _image_listing(split.image_dir)
+        parts += _image_listing(split.image_dir, images)
         h.update(json.dumps(parts).encode())
     return h.hexdigest()[:16]
 

@@ -16,7 +16,6 @@ from detr_tf.data.custom_layouts import Layout, SplitFiles
 
 YOLO_YAMLS = ("data.yaml", "data.yml")
 YOLO_TOLERANCE = 1e-3  # normalized values this far outside [0, 1] are rounding, not mistakes
-_YOLO_SPLITS = (("train", ("train",)), ("eval", ("val", "test")))
 
 
 def _yaml_error(path: str, text: str) -> ValueError:
@@ -116,15 +115,6 @@ def yolo_label_path(image_path: str) -> str:
     return os.path.splitext(sb.join(image_path.rsplit(sa, 1)))[0] + ".txt"
 
 
-def yolo_images(image_dir: str) -> List[str]:
-    """Image files under `image_dir` (subfolders included), relative to it, sorted."""
-    found = []
-    for folder, _, files in os.walk(image_dir):
-        found += [os.path.relpath(os.path.join(folder, f), image_dir) for f in files
-                  if f.lower().endswith(coco_records.IMAGE_EXTENSIONS)]
-    return sorted(found)
-
-
 def _displayed_size(path: str) -> Tuple[int, int]:
     """(height, width) as a viewer shows the image (a 90-degree EXIF orientation swaps them:
     Ultralytics normalizes the labels by that size); (0, 0) when PIL cannot open it (the
@@ -132,7 +122,7 @@ def _displayed_size(path: str) -> Tuple[int, int]:
     try:
         with Image.open(path) as img:
             width, height = img.size
-            turned = coco_records.exif_orientation(img) in (5, 6, 7, 8)
+            turned = coco_records.exif_orientation(img) in coco_records.TURNED
     except (OSError, ValueError, Image.DecompressionBombError):
         return 0, 0
     return (width, height) if turned else (height, width)
@@ -182,9 +172,10 @@ def read_yolo_labels(path: str, num_classes: int, height: int, width: int,
                 notes.append(f"{path}:{number}: {why}: the line is dropped")
                 continue
             cls, xs, ys = parsed
-            if _outside(xs + ys):
+            outside = _outside(xs + ys)
+            if outside:
                 notes.append(f"{path}:{number}: {line.strip()!r} reaches outside [0, 1] "
-                             f"({_outside(xs + ys)}): the box is clipped to the image")
+                             f"({outside}): the box is clipped to the image")
             x0, x1, y0, y1 = min(xs) * width, max(xs) * width, min(ys) * height, max(ys) * height
             boxes.append((cls, [x0, y0, x1 - x0, y1 - y0]))
     return boxes
@@ -194,7 +185,7 @@ def yolo_to_coco(split: SplitFiles, class_names: Sequence[str], notes: List[str]
     """A YOLO split as a COCO dict: class id k is category id k + 1 (named by data.yaml);
     boxes in pixels of each image's real size. Bad label lines are named in `notes`."""
     images, annotations = [], []
-    for image_id, rel in enumerate(yolo_images(split.image_dir), start=1):
+    for image_id, rel in enumerate(coco_records.image_files(split.image_dir), start=1):
         path = os.path.join(split.image_dir, rel)
         height, width = _displayed_size(path)
         images.append({"id": image_id, "file_name": rel, "height": height, "width": width})
