@@ -8,6 +8,8 @@ quickstart's end-of-training hooks (COCO evaluation, prediction images, next ste
 every new user takes is exercised too. Each script runs in a subprocess, as a user runs it, and
 is judged by its exit status, its files and its message.
 """
+import contextlib
+import io
 import json
 import os
 import re
@@ -19,6 +21,8 @@ import gin
 import numpy as np
 import pytest
 import tensorflow as tf
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
 
 from detr_tf import config
 from detr_tf import cli, machine
@@ -137,6 +141,19 @@ def test_eval_writes_exactly_the_six_metrics(trained_for_eval):
     # COCO results format over the 16 val images: every detection names a shapes category.
     assert detections and {d["category_id"] for d in detections} <= {1, 2, 3, 4}
     assert all(len(d["bbox"]) == 4 for d in detections)
+    # What it printed and wrote is pycocotools' own COCOeval of the detections it wrote.
+    annotations = next((model_dir.parent / "shapes_cache").glob("shapes_*")) / "instances_val.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO(str(annotations))
+        coco_eval = COCOeval(coco_gt, coco_gt.loadRes(str(model_dir / "eval" / "detections.json")),
+                             iouType="bbox")
+        coco_eval.evaluate()
+        coco_eval.accumulate()
+        coco_eval.summarize()
+    for name, value in zip(("AP", "AP50", "AP75", "APs", "APm", "APl"), coco_eval.stats):
+        assert metrics[name] == pytest.approx(max(value, 0.0), abs=1e-12), name
+        shown = "n/a" if value < 0 else f"{100 * value:6.2f}"
+        assert re.search(rf"^{name} +{re.escape(shown)}", result.stdout, re.M), name
 
 
 @pytest.fixture(scope="module")
