@@ -116,7 +116,9 @@ def test_an_undecodable_image_is_skipped_and_named(tmp_path, capsys):
     evaluator = CocoEvaluator(str(ann), label_map=[1])
     evaluate.evaluate_model(OracleModel(), dataset, evaluator, log_every=0)
     assert evaluator.num_images == 2 and evaluator.not_evaluated == [2]
-    assert "skipped 1 annotated image(s)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipped 1 annotated image(s)" in out
+    assert "image ids 2 (2.jpg);" in out
 
 
 class _CountingOracle(OracleModel):

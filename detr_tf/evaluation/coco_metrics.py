@@ -371,6 +371,12 @@ class CocoEvaluator:
         (category_id, name, AP, AP50 as fractions or null where undefined, boxes)."""
         coco_io.write_json(path, self.per_class)
 
+    def image_files(self, image_ids: Sequence[int]) -> List[str]:
+        """Each image's 'file_name' in the ground-truth json, '' where it has none (as with
+        ground truth from targets)."""
+        images = {} if self._coco_gt is None else self._coco_gt.imgs
+        return [str(images.get(int(i), {}).get("file_name", "")) for i in image_ids]
+
     # ---------------------------------------------------------------------------------- writing
     def write_detections(self, path: Union[str, os.PathLike]) -> None:
         """Writes the detections as a COCO results json (loadable by `COCO.loadRes`)."""

@@ -116,12 +116,8 @@ def evaluate_model(model: Any,
 
     metrics = evaluator.evaluate()
     print(f"eval: {evaluator.num_images} images in {time.time() - start:.0f}s")
-    missed = evaluator.not_evaluated
-    if missed and max_batches is None:
-        shown = ", ".join(map(str, missed[:20])) + (", ..." if len(missed) > 20 else "")
-        print(f"eval: skipped {len(missed)} annotated image(s) that the eval records did not "
-              f"yield (undecodable images, or records missing): image ids {shown}; the metrics "
-              "cover the images read", flush=True)
+    if max_batches is None:
+        _report_skipped(evaluator)
     print(evaluator.table(metrics), flush=True)
     print(evaluator.per_class_table(), flush=True)
     if output_dir is not None:
@@ -132,6 +128,19 @@ def evaluate_model(model: Any,
         print(f"eval: wrote {os.path.join(output_dir, METRICS_FILENAME)}, "
               f"{PER_CLASS_FILENAME} and {DETECTIONS_FILENAME}")
     return metrics
+
+
+def _report_skipped(evaluator: coco_metrics.CocoEvaluator) -> None:
+    """Names the annotated images the eval records did not yield, by id and file."""
+    missed = evaluator.not_evaluated
+    if not missed:
+        return
+    shown = ", ".join(f"{i} ({name})" if name else str(i) for i, name in
+                      zip(missed[:20], evaluator.image_files(missed[:20])))
+    print(f"eval: skipped {len(missed)} annotated image(s) that the eval records did not "
+          f"yield (undecodable images, or records missing): image ids {shown}"
+          f"{', ...' if len(missed) > 20 else ''}; the metrics cover the images read",
+          flush=True)
 
 
 def _evaluator(info: Any) -> coco_metrics.CocoEvaluator:
