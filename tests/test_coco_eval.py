@@ -1,6 +1,7 @@
 """evaluate_model over a tf.data pipeline with a padded last batch and an oracle model."""
 import json
 
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -50,7 +51,8 @@ def _dataset(num_images=5, batch_size=2):
 def test_oracle_scores_one_and_files_are_written(tmp_path, capsys):
     evaluator = CocoEvaluator(None)
     metrics = evaluate.evaluate_model(OracleModel(), _dataset(), evaluator,
-                                       output_dir=tmp_path / "eval", log_every=1)
+                                       output_dir=tmp_path / "eval", log_every=1,
+                                       num_classes=NUM_CLASSES)
     assert evaluator.num_images == 5  # the padding image (id -1) is not evaluated
     for name in ("AP", "AP50", "AP75", "APl"):
         assert metrics[name] == pytest.approx(1.0), name
@@ -64,6 +66,49 @@ def test_oracle_scores_one_and_files_are_written(tmp_path, capsys):
     np.testing.assert_allclose(max(first, key=lambda r: r["score"])["bbox"], [20, 45, 80, 150],
                                atol=1e-3)
     assert "AP50" in capsys.readouterr().out
+
+
+class SigmoidOracle(OracleModel):
+    """OracleModel's detections from a per-class sigmoid head: NUM_CLASSES logits, no
+    no-object (its no-object query scores low on every class instead)."""
+
+    def call(self, images, pixel_mask, training=False):
+        out = super().call(images, pixel_mask, training)
+        return dict(out, pred_logits=out["pred_logits"][..., :NUM_CLASSES])
+
+
+@pytest.fixture
+def sigmoid_topk():
+    with gin.unlock_config():
+        gin.parse_config(["postprocess_outputs.method = @sigmoid_topk_postprocess",
+                          "sigmoid_topk_postprocess.num_top = 6"])
+    yield
+    gin.clear_config()
+
+
+def test_a_sigmoid_head_is_scored_by_the_sigmoid_top_k(sigmoid_topk):
+    evaluator = CocoEvaluator(None)
+    metrics = evaluate.evaluate_model(SigmoidOracle(), _dataset(), evaluator, log_every=0,
+                                      num_classes=NUM_CLASSES)
+    assert metrics["AP"] == pytest.approx(1.0)
+
+
+def test_a_sigmoid_head_under_the_softmax_is_refused():
+    # The softmax would take class 2 for no-object: the second box would never be reported.
+    with pytest.raises(ValueError, match=r"gives 3 class logits for the data's 3 classes, but "
+                       r"postprocess_outputs.method is DETR's softmax .* needs 4; bind "
+                       r"postprocess_outputs.method = @sigmoid_topk_postprocess"):
+        evaluate.evaluate_model(SigmoidOracle(), _dataset(), CocoEvaluator(None), log_every=0,
+                                num_classes=NUM_CLASSES)
+
+
+def test_a_softmax_head_under_the_sigmoid_top_k_is_refused(sigmoid_topk):
+    # The top-k would score no-object as a class of its own, labelled past the data's classes.
+    with pytest.raises(ValueError, match=r"gives 4 class logits for the data's 3 classes, but "
+                       r"postprocess_outputs.method is sigmoid_topk_postprocess, which needs 3; "
+                       r"leave postprocess_outputs.method unbound"):
+        evaluate.evaluate_model(OracleModel(), _dataset(), CocoEvaluator(None), log_every=0,
+                                num_classes=NUM_CLASSES)
 
 
 def test_max_batches_and_feature_dict_layout():

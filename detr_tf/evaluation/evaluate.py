@@ -54,15 +54,17 @@ def unpack_batch(element: Any) -> Batch:
         f"evaluate_model for this pipeline's layout")
 
 
-# model -> {jit_compile: its traced eval step}: a run that evaluates every N steps traces once.
-_STEPS: "weakref.WeakKeyDictionary[Any, Dict[bool, Callable]]" = weakref.WeakKeyDictionary()
+# model -> {(jit_compile, num_classes): its traced eval step}: a run that evaluates every N
+# steps traces once.
+_STEPS: "weakref.WeakKeyDictionary[Any, Dict[tuple, Callable]]" = weakref.WeakKeyDictionary()
 
 
-def _eval_step(model: Any, jit_compile: bool) -> Callable:
+def _eval_step(model: Any, jit_compile: bool, num_classes: Optional[int] = None) -> Callable:
     """The model's eval step, made once per model: model + post-processing in one tf.function.
     It holds the model weakly, so the cache does not keep a model alive."""
     steps = _STEPS.setdefault(model, {})
-    if jit_compile not in steps:
+    key = (jit_compile, num_classes)
+    if key not in steps:
         ref = weakref.ref(model)
 
         # Without XLA one trace serves every canvas (reduce_retracing leaves H and W unknown
@@ -71,10 +73,11 @@ def _eval_step(model: Any, jit_compile: bool) -> Callable:
         @tf.function(jit_compile=jit_compile, autograph=False, reduce_retracing=not jit_compile)
         def step(images, pixel_mask, orig_size):
             outputs = ref()(images, pixel_mask, training=False)
-            return pp.postprocess_outputs(outputs, orig_size, box_format="xywh")
+            return pp.postprocess_outputs(outputs, orig_size, box_format="xywh",
+                                          num_classes=num_classes)
 
-        steps[jit_compile] = step
-    return steps[jit_compile]
+        steps[key] = step
+    return steps[key]
 
 
 def evaluate_model(model: Any,
@@ -84,7 +87,8 @@ def evaluate_model(model: Any,
                    unpack: Callable[[Any], Batch] = unpack_batch,
                    max_batches: Optional[int] = None,
                    jit_compile: bool = False,
-                   log_every: int = 50) -> Dict[str, float]:
+                   log_every: int = 50,
+                   num_classes: Optional[int] = None) -> Dict[str, float]:
     """Runs `model` over `dataset`, feeds the evaluator, returns the COCO metrics.
 
     Args:
@@ -98,11 +102,13 @@ def evaluate_model(model: Any,
       max_batches: stop after this many batches (a quick partial evaluation).
       jit_compile: XLA-compile the model + postprocess step.
       log_every: print progress every this many batches (0: never).
+      num_classes: the data's classes: a model whose class head does not fit the bound
+        post-processing is refused (`postprocess.check_class_head`); None: not checked.
 
     Returns:
       {'AP', 'AP50', 'AP75', 'APs', 'APm', 'APl'} as fractions in [0, 1].
     """
-    step = _eval_step(model, jit_compile)
+    step = _eval_step(model, jit_compile, num_classes)
     start = time.time()
     for n, element in enumerate(dataset):
         if max_batches is not None and n >= max_batches:
@@ -177,7 +183,8 @@ def coco_evaluate(model: tf_keras.Model, model_dir: str, step: Optional[int] = N
         print(f"eval: step {step}", flush=True)
     return evaluate_model(model, dataset, _evaluator(info),
                           output_dir=os.path.join(model_dir, subdir),
-                          max_batches=max_batches, jit_compile=jit_compile)
+                          max_batches=max_batches, jit_compile=jit_compile,
+                          num_classes=info.num_classes)
 
 
 def evaluate_run(model_dir: str, checkpoint: Optional[str] = None,

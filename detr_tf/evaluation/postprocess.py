@@ -10,7 +10,7 @@ Labels are the model's class indices (0..C-1). The dataset's category id of inde
 DatasetInfo.category_ids[c] (its label map): the evaluator and tools/predict.py map it, the
 exported model does not.
 """
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import gin
 import numpy as np
@@ -96,20 +96,47 @@ def sigmoid_topk_postprocess(pred_logits: tf.Tensor, pred_boxes: tf.Tensor,
             "boxes": _to_pixels(boxes, target_sizes, box_format)}
 
 
-@gin.configurable(denylist=["outputs", "target_sizes", "box_format"])
+@gin.configurable(denylist=["outputs", "target_sizes", "box_format", "num_classes"])
 def postprocess_outputs(outputs: Dict[str, tf.Tensor], target_sizes: tf.Tensor,
                         box_format: str = "xyxy",
-                        method: Callable[..., Dict[str, tf.Tensor]] = postprocess
-                        ) -> Dict[str, tf.Tensor]:
+                        method: Callable[..., Dict[str, tf.Tensor]] = postprocess,
+                        num_classes: Optional[int] = None) -> Dict[str, tf.Tensor]:
     """The detections of a model's outputs, by the post-processing the model needs.
 
     Evaluation, prediction and export call this; a model file binds `method` (DETR's softmax
     `postprocess` by default; `@sigmoid_topk_postprocess` for focal-loss models).
 
+    Args:
+      num_classes: the data's classes, when known: a class head that does not fit `method`
+        is refused (`check_class_head`) rather than scored wrong.
+
     Returns:
       scores [B, N], labels [B, N], boxes [B, N, 4] as `method` gives them.
     """
+    if num_classes is not None:
+        check_class_head(method, outputs["pred_logits"].shape[-1], num_classes)
     return method(outputs["pred_logits"], outputs["pred_boxes"], target_sizes, box_format)
+
+
+def check_class_head(method: Callable, num_logits: Optional[int], num_classes: int) -> None:
+    """Raises ValueError when DETR's softmax or the sigmoid top-k meets a class head it does
+    not fit. Either would run and give wrong detections in silence: the softmax on per-class
+    sigmoid logits takes the last class for no-object and never reports it, the sigmoid top-k
+    on softmax logits scores no-object as a class of its own. Other methods are not checked.
+    """
+    kinds = {postprocess: ("DETR's softmax (no-object last)", num_classes + 1),
+             sigmoid_topk_postprocess: ("sigmoid_topk_postprocess", num_classes)}
+    if method not in kinds or num_logits is None or num_logits == kinds[method][1]:
+        return
+    name, expected = kinds[method]
+    fix = ("bind postprocess_outputs.method = @sigmoid_topk_postprocess"
+           if num_logits == num_classes else
+           "leave postprocess_outputs.method unbound (DETR's softmax)"
+           if num_logits == num_classes + 1 else "check the model's num_classes")
+    raise ValueError(
+        f"postprocess_outputs: the model gives {num_logits} class logits for the data's "
+        f"{num_classes} classes, but postprocess_outputs.method is {name}, which needs "
+        f"{expected}; {fix}")
 
 
 def xyxy_to_xywh(boxes: tf.Tensor) -> tf.Tensor:

@@ -38,7 +38,8 @@ def evaluate_source(model: tf_keras.Model, source: Any, output_dir: str, batch_s
                                              category_names=names,
                                              label_map=list(info.category_ids))
     return evaluate.evaluate_model(model, dataset, evaluator, output_dir=output_dir,
-                                    max_batches=max_batches, log_every=0)
+                                    max_batches=max_batches, log_every=0,
+                                    num_classes=info.num_classes)
 
 
 @gin.configurable(denylist=["model", "model_dir", "step"])
