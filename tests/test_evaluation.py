@@ -265,6 +265,23 @@ def test_writes_results_and_metrics_json(tmp_path):
     assert "AP50" in table and "100.00" in table and "n/a" in table
 
 
+def test_a_write_that_fails_midway_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
+    path = _coco_json(tmp_path, _IMAGES, _GT_ANNS, _CATS)
+    evaluator = CocoEvaluator(path)
+    _perfect_predictions(evaluator)
+    out = tmp_path / "eval" / "detections.json"
+    evaluator.write_detections(out)
+    before = out.read_text()
+    # A value json cannot write, after a thousand it has already written: the write fails
+    # midway, as one killed or out of disk space does.
+    bad = evaluator.coco_results() * 1000 + [{"score": object()}]
+    monkeypatch.setattr(evaluator, "coco_results", lambda: bad)
+    with pytest.raises(TypeError):
+        evaluator.write_detections(out)
+    assert out.read_text() == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["detections.json"]
+
+
 def test_false_positive_on_an_image_without_ground_truth_hand_computed():
     # Image 21 has one GT box; image 22 has none. By score: a detection on image 22 (0.9, a
     # false positive), then an exact hit on image 21 (0.8). P/R points: (P=0, R=0), (P=0.5,

@@ -11,16 +11,21 @@ from typing import Any, Dict, Union
 
 from pycocotools.coco import COCO
 
+from detr_tf import atomic_files
 from detr_tf.data import json_files
 
 
 def write_json(path: Union[str, os.PathLike], payload: Any) -> None:
-    """Writes `payload` as json, creating the directory."""
-    directory = os.path.dirname(os.fspath(path))
+    """Writes `payload` as json, creating the directory. The file is replaced whole
+    (`atomic_files.replaced`): an evaluation killed or failing while it writes COCO's
+    detections (a hundred megabytes) leaves the earlier file as it was, never half of one."""
+    path = os.fspath(path)
+    directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f)
+    with atomic_files.replaced(path) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
 
 
 def quiet(verbose: bool):
