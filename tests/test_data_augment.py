@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from detr_tf.data import augment
+from detr_tf.data import augment, mixing
 
 
 def _rand_boxes(rng, n, h, w):
@@ -231,3 +231,31 @@ def test_the_stretched_eval_resize_is_pils_and_scales_boxes_per_axis(hw):
                                                   tf.zeros([2], tf.int32), max_size=640,
                                                   stretch=True)
         assert np.abs(plain.numpy() - pil).mean() > 2.0
+
+
+def test_resized_boxes_stay_inside_the_new_image_exactly():
+    """A box reaching the image's edge reaches the resized image's edge, not a float32 rounding
+    step past it (146 px -> 1333 px overshoots by 1e-4 without the clip), in the aspect-keeping
+    resize, the stretched eval resize and mixup's resize of its second image."""
+    rng = np.random.default_rng(4)
+    sizes = [(146, 300), (300, 146)] + [tuple(int(v) for v in rng.integers(40, 1500, 2))
+                                        for _ in range(40)]
+    for h, w in sizes:
+        img = tf.zeros([h, w, 1])
+        inner = [0.25 * w, 0.5 * h, 0.75 * w, h]
+        boxes = np.array([[0, 0, w, h], inner], np.float32)
+        short = int(rng.choice(augment.DETR_SCALES))
+        outs = [augment.resize(img, tf.constant(boxes), short, 1333),
+                augment.detr_eval_transform(img, tf.constant(boxes), tf.zeros([2], tf.int32),
+                                            max_size=1333, stretch=True)[:2]]
+        first = (tf.zeros([1333, 1333, 1]), tf.zeros([0, 4]), tf.zeros([0], tf.int32))
+        image, mixed, _ = mixing.mixup(first, (img, tf.constant(boxes), tf.constant([1, 2])),
+                                       0.5)
+        outs.append((image, mixed))
+        for out, out_boxes in outs:
+            new_h, new_w = out.shape[:2]
+            sx, sy = np.float64(new_w) / w, np.float64(new_h) / h
+            want = boxes.astype(np.float64) * [sx, sy, sx, sy]
+            got = out_boxes.numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+            assert np.all(got >= 0) and np.all(got <= [new_w, new_h, new_w, new_h]), (h, w, got)

@@ -62,6 +62,22 @@ def resized_shape(height: tf.Tensor, width: tf.Tensor, short_side: tf.Tensor,
     return tf.cast(tf.stack([new_h, new_w]), tf.int32)
 
 
+def scale_boxes(boxes: tf.Tensor, old_hw: tf.Tensor, new_hw: tf.Tensor) -> tf.Tensor:
+    """Boxes [N, 4] absolute xyxy in an image of old_hw (h, w) -> the same boxes in that image
+    stretched to new_hw, each side by its own ratio.
+
+    The ratios are rounded to float32, so a box reaching the old image's edge can come out a
+    rounding step past the new one (in float32, 146 * (1333 / 146) > 1333); the boxes are
+    clipped to the new image so that they stay inside it.
+    """
+    old = tf.cast(old_hw, tf.float32)
+    new = tf.cast(new_hw, tf.float32)
+    ratio = new / old  # [sy, sx]
+    scaled = boxes * tf.cast(tf.stack([ratio[1], ratio[0], ratio[1], ratio[0]]), boxes.dtype)
+    return tf.clip_by_value(scaled, 0.0, tf.cast(tf.stack([new[1], new[0], new[1], new[0]]),
+                                                 boxes.dtype))
+
+
 def resize(image: tf.Tensor, boxes: tf.Tensor, short_side: tf.Tensor,
            max_size: int = 0, antialias: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
     """Bilinear resize by the `resized_shape` rule.
@@ -79,8 +95,7 @@ def resize(image: tf.Tensor, boxes: tf.Tensor, short_side: tf.Tensor,
     shape = tf.shape(image)
     new_size = resized_shape(shape[0], shape[1], short_side, max_size)
     out = tf.image.resize(image, new_size, method="bilinear", antialias=antialias)
-    scale = tf.cast(new_size, tf.float32) / tf.cast(shape[:2], tf.float32)  # [sy, sx]
-    return out, boxes * tf.stack([scale[1], scale[0], scale[1], scale[0]])
+    return out, scale_boxes(boxes, shape[:2], new_size)
 
 
 def random_resize(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor,
@@ -234,9 +249,9 @@ def detr_eval_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
         image, boxes = resize(image, boxes, short_side, max_size, antialias)
         return image, boxes, labels
     new_size = tf.constant([max_size, max_size])
-    scale = tf.cast(new_size, tf.float32) / tf.cast(tf.shape(image)[:2], tf.float32)
+    boxes = scale_boxes(boxes, tf.shape(image)[:2], new_size)
     image = tf.image.resize(image, new_size, method="bilinear", antialias=antialias)
-    return image, boxes * tf.stack([scale[1], scale[0], scale[1], scale[0]]), labels
+    return image, boxes, labels
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

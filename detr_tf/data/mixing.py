@@ -14,6 +14,8 @@ from typing import Sequence, Tuple
 import gin
 import tensorflow as tf
 
+from detr_tf.data import augment
+
 Instance = Tuple[tf.Tensor, tf.Tensor, tf.Tensor]  # image, boxes, labels
 
 
@@ -21,11 +23,10 @@ def scale_instance(image: tf.Tensor, boxes: tf.Tensor, factor: tf.Tensor
                    ) -> Tuple[tf.Tensor, tf.Tensor]:
     """Bilinear resize by `factor` (sides rounded, at least 1 pixel); boxes follow each side's
     exact ratio. image [H, W, 3] -> float32 [H', W', 3]; boxes [N, 4] -> [N, 4]."""
-    hw = tf.cast(tf.shape(image)[:2], tf.float32)
-    new_hw = tf.maximum(tf.cast(tf.round(hw * factor), tf.int32), 1)
-    ratio = tf.cast(new_hw, tf.float32) / hw  # [sy, sx]
+    hw = tf.shape(image)[:2]
+    new_hw = tf.maximum(tf.cast(tf.round(tf.cast(hw, tf.float32) * factor), tf.int32), 1)
     out = tf.image.resize(tf.cast(image, tf.float32), new_hw, method="bilinear")
-    return out, boxes * tf.stack([ratio[1], ratio[0], ratio[1], ratio[0]])
+    return out, augment.scale_boxes(boxes, hw, new_hw)
 
 
 def mosaic_layout(center: tf.Tensor, sizes: tf.Tensor, output_size: int
@@ -172,12 +173,11 @@ def mixup(first: Instance, second: Instance, ratio: tf.Tensor) -> Instance:
     image, boxes, labels = first
     other, other_boxes, other_labels = second
     hw = tf.shape(image)[:2]
-    ratio_hw = tf.cast(hw, tf.float32) / tf.cast(tf.shape(other)[:2], tf.float32)
+    other_boxes = augment.scale_boxes(tf.cast(other_boxes, boxes.dtype), tf.shape(other)[:2], hw)
     other = tf.image.resize(tf.cast(other, tf.float32), hw, method="bilinear")
-    other_boxes = other_boxes * tf.stack([ratio_hw[1], ratio_hw[0], ratio_hw[1], ratio_hw[0]])
     ratio = tf.cast(ratio, tf.float32)
     blended = ratio * tf.cast(image, tf.float32) + (1.0 - ratio) * other
-    return (blended, tf.concat([boxes, tf.cast(other_boxes, boxes.dtype)], 0),
+    return (blended, tf.concat([boxes, other_boxes], 0),
             tf.concat([labels, other_labels], 0))
 
 
