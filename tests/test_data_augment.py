@@ -259,3 +259,67 @@ def test_resized_boxes_stay_inside_the_new_image_exactly():
             got = out_boxes.numpy()
             np.testing.assert_allclose(got, want, rtol=1e-6)
             assert np.all(got >= 0) and np.all(got <= [new_w, new_h, new_w, new_h]), (h, w, got)
+
+
+def _reference_size(h, w, size, max_size):
+    """The reference DETR's size rule (get_size_with_aspect_ratio), in Python floats."""
+    if max_size:
+        short, long = float(min(h, w)), float(max(h, w))
+        if long / short * size > max_size:
+            size = int(round(max_size * short / long))
+    if (w <= h and w == size) or (h <= w and h == size):
+        return h, w
+    return (int(size * h / w), size) if w < h else (size, int(size * w / h))
+
+
+def test_resized_shape_matches_the_reference_rule_on_random_sizes():
+    rng = np.random.default_rng(5)
+    hw = rng.integers(1, 3000, (3000, 2))
+    short = rng.choice(list(augment.DETR_SCALES) + [400, 500, 600], 3000)
+    for cap in (0, 640, 1333):
+        got = augment.resized_shape(tf.constant(hw[:, 0]), tf.constant(hw[:, 1]),
+                                    tf.constant(short), cap).numpy()
+        want = [_reference_size(int(h), int(w), int(s), cap) for (h, w), s in zip(hw, short)]
+        np.testing.assert_array_equal(got.T, want)
+
+
+def _coordinate_image(h, w):
+    """float32 [h, w, 3]: channel 0 holds each pixel centre's x, channel 1 its y."""
+    ys, xs = np.meshgrid(np.arange(h) + 0.5, np.arange(w) + 0.5, indexing="ij")
+    return np.stack([xs, ys, np.zeros_like(xs)], -1).astype(np.float32)
+
+
+def _input_coordinate(profile):
+    """(a, b) with input coordinate = a * output coordinate + b, fitted on the interior pixel
+    centres of one row or column of a transformed `_coordinate_image` channel (bilinear
+    resampling keeps a linear ramp linear away from the borders)."""
+    centres = np.arange(len(profile)) + 0.5
+    inner = slice(2, len(profile) - 2)
+    return np.polyfit(centres[inner], profile[inner].astype(np.float64), 1)
+
+
+@pytest.mark.parametrize("trial", range(16))
+def test_train_transform_boxes_follow_the_pixels(trial):
+    """Whatever the flip, resizes and crop drawn, each kept box is its input box carried by the
+    map the pixels went through (read off an image that holds its own coordinates), clipped
+    to the output image; every box with area left in the output is kept, with its label."""
+    rng = np.random.default_rng(200 + trial)
+    h, w = (int(v) for v in rng.integers(60, 200, 2))
+    xy = rng.uniform(0, 1, (8, 2, 2)) * [w, h]
+    boxes = np.concatenate([xy.min(1), xy.max(1)], -1).astype(np.float32)
+    boxes[0] = [0, 0, w, h]
+    labels = np.arange(8, dtype=np.int32)
+    image, got, got_labels = (t.numpy() for t in augment.detr_train_transform(
+        tf.constant(_coordinate_image(h, w)), tf.constant(boxes), tf.constant(labels),
+        tf.constant([trial, 7]), **SMALL))
+    out_h, out_w = image.shape[:2]
+    ax, bx = _input_coordinate(image[out_h // 2, :, 0])
+    ay, by = _input_coordinate(image[:, out_w // 2, 1])
+    xs = (boxes[:, [0, 2]].astype(np.float64) - bx) / ax  # flipped: a < 0
+    ys = (boxes[:, [1, 3]].astype(np.float64) - by) / ay
+    want = np.clip(np.stack([xs.min(1), ys.min(1), xs.max(1), ys.max(1)], -1), 0,
+                   [out_w, out_h, out_w, out_h])
+    np.testing.assert_allclose(got, want[got_labels], atol=1e-3)
+    has_area = (want[:, 2] - want[:, 0] > 1e-3) & (want[:, 3] - want[:, 1] > 1e-3)
+    assert set(np.flatnonzero(has_area)) <= set(got_labels.tolist())
+    assert np.all(np.diff(got_labels) > 0)  # input order kept
