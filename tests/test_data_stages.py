@@ -27,6 +27,28 @@ def test_boundaries_in_images():
     assert off.boundaries(10.0) == (stages.NEVER,) * 3
 
 
+@pytest.mark.parametrize("stop_epoch", [None, 4.0])
+def test_the_tail_stops_mosaic_and_mixup_whatever_stop_epoch_says(stop_epoch):
+    """DEIM's no-augmentation epochs have no mosaic: a window that would reach past the tail
+    (or has no end) ends at it, in the boundaries, the partners read and `apply`."""
+    s = stages.TrainStages(mosaic_prob=1.0, mixup_prob=1.0, start_epoch=1, stop_epoch=stop_epoch,
+                           tail_epoch=3, tail_transform=_flip)
+    assert s.boundaries(10.0) == (10, 30, 30)
+    got = list(s.inputs(_fake_partners, 10.0, 25).take(10).as_numpy_iterator())
+    real = [g["partners"]["images"].shape[1:3] == (2, 3) for g in got]
+    assert real == [True] * 5 + [False] * 5
+    partners = next(iter(stages.partner_batches(_fake_partners())))
+    image = tf.reshape(tf.range(5 * 4 * 3, dtype=tf.float32), [5, 4, 3])
+    for index, shape in ((29, (640, 640, 3)), (30, (5, 4, 3)), (45, (5, 4, 3))):
+        extra = {"index": tf.constant(index, tf.int64), "partners": partners}
+        out, _, out_labels = s.apply(_identity, image, tf.constant([[0.0, 0.0, 4.0, 5.0]]),
+                                     tf.constant([1]), tf.constant([1, 2], tf.int64), extra, 10.0)
+        assert out.shape == shape
+        if index >= 30:  # the tail's own transform on the image alone
+            np.testing.assert_array_equal(out.numpy(), image.numpy()[:, ::-1])
+            np.testing.assert_array_equal(out_labels.numpy(), [1])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(mosaic_prob=1.5), "mosaic_prob=1.5"),
     (dict(mixup_prob=-0.1), "mixup_prob=-0.1"),

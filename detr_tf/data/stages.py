@@ -35,9 +35,10 @@ class TrainStages:
       mixup_prob: probability that an image inside the window (a mosaic or not) is blended
         with a partner (`mixing.random_mixup`).
       start_epoch: mosaic and mixup start at this epoch (DEIM: 4).
-      stop_epoch: and stop here (DEIM: 29); None: never.
-      tail_epoch: from this epoch on `tail_transform` replaces the train transform (DEIM's
-        no-augmentation epochs, e.g. 50 of 58); None: never.
+      stop_epoch: and stop here (DEIM: 29); None: at the tail, or never without one.
+      tail_epoch: from this epoch on `tail_transform` replaces the train transform and
+        mosaic and mixup stop whatever stop_epoch says (DEIM's no-augmentation epochs, e.g.
+        50 of 58); None: never.
       tail_transform: (image, boxes, labels, seed) -> (image, boxes, labels), e.g.
         `@tail/detr_train_transform` bound without crops or colour changes.
     """
@@ -63,14 +64,16 @@ class TrainStages:
         self.tail_transform = tail_transform
 
     def boundaries(self, examples_per_epoch: float) -> Tuple[int, int, int]:
-        """(mix_start, mix_stop, tail_start) image indices of one pipeline's stream."""
+        """(mix_start, mix_stop, tail_start) image indices of one pipeline's stream; the mix
+        window ends at the tail at the latest (DEIM's last epochs have no mosaic either)."""
         def index(epoch):
             return NEVER if epoch is None else int(math.ceil(epoch * examples_per_epoch))
 
         mixes = self.mosaic_prob > 0 or self.mixup_prob > 0
+        tail = index(self.tail_epoch)
         start = index(self.start_epoch) if mixes else NEVER
-        stop = index(self.stop_epoch) if mixes else NEVER
-        return start, max(start, stop), index(self.tail_epoch)
+        stop = min(index(self.stop_epoch), tail) if mixes else NEVER
+        return start, max(start, stop), tail
 
     def inputs(self, read_partners: Callable[[], tf.data.Dataset], examples_per_epoch: float,
                first_index: int) -> tf.data.Dataset:
