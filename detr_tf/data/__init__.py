@@ -9,6 +9,7 @@ The trainer's entry points (both Gin-configurable, see pipeline.py):
                                              annotations_file, buckets)
 
 Sources are injected by Gin: gin_configs/data/coco_tfrecord.gin, coco_tfds.gin, shapes.gin.
-Modules: tfexample (codec), label_map, sources, augment, mixing (mosaic, mixup), stages (their
-epoch schedule), buckets, pipeline, coco_converter, shapes (synthetic dataset), benchmark.
+Modules: tfexample (codec), label_map, sources, augment (DETR's recipe), rtdetr_augment
+(RT-DETR's), mixing (mosaic, mixup), stages (their epoch schedule), buckets, pipeline,
+coco_converter, shapes (synthetic dataset), benchmark.
 """
