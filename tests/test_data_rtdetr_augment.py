@@ -224,3 +224,32 @@ def test_build_dataset_with_the_rtdetr_transform(tmp_path):
                               1)
         assert np.all(xyxy >= -1e-6) and np.all(xyxy <= 1 + 1e-6)
         assert np.all(boxes[:, 2:] * 128 >= 1 - 1e-4)
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (1500, 900)])
+def test_the_final_resize_is_pils_stretch_to_the_square(hw):
+    """With the random ops off, the transform is the reference's Resize([S, S]) on a PIL image:
+    bilinear, antialiased when shrinking, aspect not kept; boxes scaled per axis."""
+    import gin
+    from PIL import Image
+
+    h, w = hw
+    rng = np.random.default_rng(6)
+    coarse = rng.uniform(0, 255, (h // 16 + 2, w // 16 + 2, 3))
+    image = np.clip(tf.image.resize(coarse[None], [h, w], method="bicubic")[0].numpy()
+                    + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+    boxes = np.array([[10, 20, w - 30, h - 5], [0, 0, w, h]], np.float32)
+    with gin.unlock_config():
+        for name in ("random_photometric_distort.p", "random_zoom_out.p", "random_iou_crop.p"):
+            gin.bind_parameter(name, 0.0)
+    try:
+        out, got, labels = ra.rtdetr_train_transform(
+            tf.constant(image), tf.constant(boxes), tf.constant([1, 2]), tf.constant([0, 0]),
+            size=320, flip_prob=0.0)
+    finally:
+        gin.clear_config()
+    pil = np.asarray(Image.fromarray(image).resize((320, 320), Image.BILINEAR), np.float64)
+    assert np.abs(out.numpy() - pil).mean() < 0.5
+    sx, sy = 320 / w, 320 / h
+    np.testing.assert_allclose(got.numpy(), boxes * [sx, sy, sx, sy], rtol=1e-5)
+    np.testing.assert_array_equal(labels.numpy(), [1, 2])

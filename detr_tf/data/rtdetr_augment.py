@@ -213,10 +213,14 @@ def sanitize_boxes(boxes: tf.Tensor, labels: tf.Tensor, height: tf.Tensor, width
 @gin.configurable(denylist=["image", "boxes", "labels", "seed"])
 def rtdetr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
                            seed: tf.Tensor, size: int = 640, flip_prob: float = 0.5,
-                           min_size: float = 1.0) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+                           min_size: float = 1.0, antialias: bool = True
+                           ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """RT-DETR's train augmentation: `random_photometric_distort`, `random_zoom_out`,
     `random_iou_crop` (each configured by its own bindings), `sanitize_boxes`, a flip, a
     bilinear resize to size x size and `sanitize_boxes` again.
+
+    antialias: filter when shrinking, as the reference's PIL resize does (a zoomed-out canvas
+      can be four times the image's side: without it, shrinking it aliases).
 
     Returns:
       image float32 [size, size, 3], boxes [M, 4] absolute xyxy in it, labels [M].
@@ -231,6 +235,6 @@ def rtdetr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor
     image, boxes = tf.cond(flip, lambda: augment.hflip(image, boxes), lambda: (image, boxes))
     new_size = tf.constant([size, size])
     boxes = augment.scale_boxes(boxes, shape[:2], new_size)
-    image = tf.image.resize(image, new_size, method="bilinear")
+    image = tf.image.resize(image, new_size, method="bilinear", antialias=antialias)
     boxes, labels = sanitize_boxes(boxes, labels, size, size, min_size)
     return image, boxes, labels
