@@ -235,10 +235,13 @@ def test_build_dataset_with_the_rtdetr_transform(tmp_path):
 
 @pytest.mark.parametrize("hw", [(480, 640), (1500, 900)])
 def test_the_final_resize_is_pils_stretch_to_the_square(hw):
-    """With the random ops off, the transform is the reference's Resize([S, S]) on a PIL image:
-    bilinear, antialiased when shrinking, aspect not kept; boxes scaled per axis."""
+    """With the random ops off (in a scope, as DEIM's plain tail binds them), the transform is
+    the reference's Resize([S, S]) on a PIL image: bilinear, antialiased when shrinking, aspect
+    not kept; boxes scaled per axis."""
     import gin
     from PIL import Image
+
+    from detr_tf.data import stages
 
     h, w = hw
     rng = np.random.default_rng(6)
@@ -246,13 +249,20 @@ def test_the_final_resize_is_pils_stretch_to_the_square(hw):
     image = np.clip(tf.image.resize(coarse[None], [h, w], method="bicubic")[0].numpy()
                     + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
     boxes = np.array([[10, 20, w - 30, h - 5], [0, 0, w, h]], np.float32)
-    with gin.unlock_config():
-        for name in ("random_photometric_distort.p", "random_zoom_out.p", "random_iou_crop.p"):
-            gin.bind_parameter(name, 0.0)
+    gin.clear_config()
     try:
-        out, got, labels = ra.rtdetr_train_transform(
-            tf.constant(image), tf.constant(boxes), tf.constant([1, 2]), tf.constant([0, 0]),
-            size=320, flip_prob=0.0)
+        gin.parse_config("""
+            TrainStages.tail_epoch = 1
+            TrainStages.tail_transform = @tail/rtdetr_train_transform
+            tail/rtdetr_train_transform.size = 320
+            tail/rtdetr_train_transform.flip_prob = 0.0
+            tail/random_photometric_distort.p = 0.0
+            tail/random_zoom_out.p = 0.0
+            tail/random_iou_crop.p = 0.0
+        """)
+        tail = stages.TrainStages().tail_transform
+        out, got, labels = tail(tf.constant(image), tf.constant(boxes), tf.constant([1, 2]),
+                                tf.constant([0, 0]))
     finally:
         gin.clear_config()
     pil = np.asarray(Image.fromarray(image).resize((320, 320), Image.BILINEAR), np.float64)
