@@ -421,3 +421,35 @@ def test_two_stage_checkpoint_reinitialises_both_class_layers(tmp_path):
     assert len(report.loaded) == len(model.variables) - 4  # two kernels, two biases
     for a, b in zip(before, values(model.proposals.class_embed.variables)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_denoising_checkpoint_with_other_classes_reinitialises_the_label_embedding(tmp_path):
+    """A DN-DETR run's checkpoint (detr_r50_dn.gin) fine-tuned onto 3 classes: the denoising
+    label embedding has one row per class, so it starts afresh with the class head; every other
+    variable, the query embedding included, comes from the file."""
+    def dn_detr(num_classes):
+        model = build_model(
+            num_classes=num_classes, num_queries=4, hidden_dim=32, denoising=True,
+            backbone=ResNet(block=BasicBlock, layers=(1, 1, 1), width=8),
+            position_embedding=PositionEmbeddingSine(16),
+            transformer=AnchorTransformer(d_model=32, num_heads=4, num_encoder_layers=1,
+                                          num_decoder_layers=2, dim_feedforward=64))
+        model(tf.zeros([1, 64, 64, 3]), tf.ones([1, 64, 64], tf.bool))
+        return model
+
+    saved = dn_detr(7)
+    _save_run(saved, tmp_path)
+    model = dn_detr(3)
+    fresh = model.class_embed.variables + model.denoising.label_embed.variables
+    before = values(fresh)
+    report = weights.load_pretrained(model, str(tmp_path))
+    group = "class head and denoising label embedding"
+    assert list(report.reinitialized) == [group] and report.not_loaded == []
+    assert model.denoising.label_embed.embeddings.shape == (3, 32)
+    for a, b in zip(before, values(fresh)):
+        np.testing.assert_array_equal(a, b)
+    fresh_refs = {v.ref() for v in fresh}
+    kept = [(v, s) for v, s in zip(model.variables, saved.variables) if v.ref() not in fresh_refs]
+    assert len(kept) == len(report.loaded) == len(model.variables) - len(fresh)
+    for v, s in kept:
+        np.testing.assert_array_equal(v.numpy(), s.numpy(), err_msg=v.name)

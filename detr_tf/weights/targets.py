@@ -80,16 +80,23 @@ def torch_targets(model: tf_keras.Model) -> Dict[str, Target]:
 
 def head_groups(model: tf_keras.Model) -> Dict[str, List[tf.Variable]]:
     """The variables re-initialised together when the file's class or query count differs:
-    'class head' (class_embed and the two-stage proposals' class layer) and 'query embedding'."""
+    'class head' (class_embed, the two-stage proposals' class layer and, with denoising
+    queries, their label embedding, one row per class: the group is then named after both) and
+    'query embedding'."""
     if isinstance(model, DFINE):
         return dfine_targets.head_groups(model)
     if isinstance(model, RTDETR):
         return rtdetr_targets.head_groups(model)
     if _is_deformable(model):
         return deformable_targets.head_groups(model)
-    groups = {"class head": list(model.class_embed.variables)}
+    heads = list(model.class_embed.variables)
     if model.proposals is not None:
-        groups["class head"] += list(model.proposals.class_embed.variables)
+        heads += list(model.proposals.class_embed.variables)
+    if model.denoising is None:
+        groups = {"class head": heads}
+    else:
+        groups = {"class head and denoising label embedding":
+                  heads + list(model.denoising.label_embed.variables)}
     if model.query_embed is not None:
         groups["query embedding"] = list(model.query_embed.variables)
     return groups
