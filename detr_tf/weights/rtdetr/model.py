@@ -35,13 +35,32 @@ def torch_targets(model) -> Dict[str, Target]:
             **decoder.hf_targets(model, v2=True)}
 
 
+def _class_layers(model) -> list:
+    """Every layer whose weights have one row or column per class (or per class and box
+    coordinate): the decoder's class heads, the query selection's score heads (Relation-DETR's
+    hybrid one too), Rank-DETR's rank-adaptive offsets, and Co-DETR's auxiliary ATSS class conv
+    and R-CNN class and per-class box layers."""
+    dec = model.decoder
+    layers = list(dec.class_embed) + [dec.enc_score_head]
+    if dec.num_hybrid_queries:
+        layers.append(dec.hybrid_score_head)
+    if dec.rank_class_head is not None:
+        layers.append(dec.rank_class_head)
+    if model.co_atss is not None:
+        layers.append(model.co_atss.head.atss_cls)
+    if model.co_rcnn is not None:
+        roi = model.co_rcnn.roi_head
+        layers += [roi.fc_cls] + ([roi.fc_reg] if roi.num_boxes > 1 else [])
+    return layers
+
+
 def head_groups(model) -> Dict[str, List[tf.Variable]]:
     """Re-initialised together when the file's class count differs (fine-tuning on other
-    classes): every class layer (the decoder's, the query selection's) and the denoising label
-    embedding, the group named after both so the report says it. 'query embedding': the
-    learned content queries, if any."""
+    classes): every class layer (`_class_layers`) and the denoising label embedding, the group
+    named after both so the report says it. 'query embedding': the learned content queries, if
+    any."""
     dec = model.decoder
-    heads = [v for head in list(dec.class_embed) + [dec.enc_score_head] for v in head.variables]
+    heads = [v for layer in _class_layers(model) for v in layer.variables]
     if model.denoising is None:
         groups = {"class heads": heads}
     else:
