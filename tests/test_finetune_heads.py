@@ -78,6 +78,11 @@ def test_a_checkpoint_onto_other_classes_loads_all_but_the_class_layers(gin_file
     report = weights.load_pretrained(mine, str(tmp_path))
     assert list(report.reinitialized) == [name] and report.not_loaded == []
     assert f"re-initialised {name}: the file's " in str(report)
+    # Every tensor of the file is accounted for once: loaded, or named as re-initialised.
+    dropped = report.reinitialized_keys[name]
+    assert sorted(report.loaded + dropped) == sorted(targets.checkpoint_targets(mine))
+    assert report.unused == [] and len(dropped) == len(group)
+    assert f"in the file, not used, {name} re-initialised ({len(dropped)})" in str(report)
     for saved, var in zip(coco.variables, mine.variables):
         if var.ref() in fresh:
             np.testing.assert_array_equal(var.numpy(), fresh[var.ref()], err_msg=var.name)

@@ -181,6 +181,12 @@ def test_other_class_and_query_counts_reinitialise_the_heads():
         np.testing.assert_array_equal(a, b)
     assert len(report.loaded) == len(model.variables) - len(heads)
     assert "re-initialised class head" in str(report)
+    # The file's tensors left out are named, not reported as "not used: none".
+    assert report.reinitialized_keys == {"class head": ["class_embed.bias", "class_embed.weight"],
+                                         "query embedding": ["query_embed.weight"]}
+    text = " ".join(str(report).split())
+    assert "not used, class head re-initialised (2): class_embed.bias, class_embed.weight" in text
+    assert "in the file, not used: none" not in text
     # Everything else came from the file: the input projection, for one.
     file = load_file(str(FIXTURES / "detr_reference.safetensors"))
     np.testing.assert_array_equal(model.input_proj.kernel.numpy()[0, 0],

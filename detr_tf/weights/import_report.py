@@ -28,6 +28,7 @@ class ImportReport:
       unused: file keys not assigned (all matched by a skip pattern, or the import failed).
       not_loaded: model variables left at their initial values.
       reinitialized: {group: why}, e.g. the class head when the class counts differ.
+      reinitialized_keys: {group: the file keys it leaves unused}.
       skip: the skip patterns in force (the user's and the layout's own).
       aliases: {loaded name the file does not hold under that name: (the file key read
         instead, why: "the file's metadata" or a tie rule)}; see detr_tf/weights/ties.py.
@@ -40,6 +41,7 @@ class ImportReport:
     unused: List[str] = dataclasses.field(default_factory=list)
     not_loaded: List[str] = dataclasses.field(default_factory=list)
     reinitialized: Dict[str, str] = dataclasses.field(default_factory=dict)
+    reinitialized_keys: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
     skip: List[str] = dataclasses.field(default_factory=list)
     aliases: Dict[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)
     checked: List[str] = dataclasses.field(default_factory=list)
@@ -56,7 +58,9 @@ class ImportReport:
         for key in self.unused:
             pattern = next((p for p in self.skip if fnmatch.fnmatchcase(key, p)), None)
             by_pattern.setdefault(pattern, []).append(key)
-        if not self.unused:
+        for group, keys in self.reinitialized_keys.items():
+            lines += _listing(f"in the file, not used, {group} re-initialised", keys, limit=8)
+        if not self.unused and not self.reinitialized_keys:
             lines += _listing("in the file, not used", [])
         for pattern, keys in by_pattern.items():
             why = f"skipped by {pattern!r}" if pattern else "skipped by a model-name pattern"

@@ -109,21 +109,26 @@ def _check_constants(source, constants, skip, path) -> List[str]:
 
 def _plan(source, table, groups, skip, allow_head_reinit, path, constants=()):
     """Decides every tensor's fate. Returns (assignments, unused keys, skipped keys and
-    names, reinitialised groups); raises on shape mismatches. The names in `constants` were
-    checked (`_check_constants`) and are neither assigned nor unused."""
+    names, reinitialised groups, {reinitialised group: the file keys it leaves unused});
+    raises on shape mismatches. The names in `constants` were checked (`_check_constants`) and
+    are neither assigned nor unused."""
     group_of = {v.ref(): g for g, vs in groups.items() for v in vs}
     plan, unused, skipped, reinit, errors = {}, [], set(), {}, []
+    keys_of = {}  # {group: file keys whose variable is in it}
     for name, (key, value) in sorted(source.items()):
         target = table.get(name)
         if _matches((key, name), skip):
             unused.append(key)
             skipped.update((key, name))
-        elif name in constants:
             continue
-        elif target is None:
+        if name in constants:
+            continue
+        if target is None:
             unused.append(key)
-        elif tuple(value.shape) != target.torch_shape:
-            group = group_of.get(target.variable.ref())
+            continue
+        group = group_of.get(target.variable.ref())
+        keys_of.setdefault(group, []).append(key)
+        if tuple(value.shape) != target.torch_shape:
             if group and allow_head_reinit and _count_only(value.shape, target.torch_shape):
                 if group not in reinit or value.ndim > 1:  # the kernel's shapes say most
                     reinit[group] = (f"the file's {key} has shape {tuple(value.shape)}, the "
@@ -140,7 +145,7 @@ def _plan(source, table, groups, skip, allow_head_reinit, path, constants=()):
     for group in reinit:  # a re-initialised group is left whole at its initial values
         refs = {v.ref() for v in groups[group]}
         plan = {n: v for n, v in plan.items() if table[n].variable.ref() not in refs}
-    return plan, unused, skipped, reinit
+    return plan, unused, skipped, reinit, {g: keys_of[g] for g in reinit}
 
 
 def _left_at_init(model, table, plan, reinit_refs) -> Tuple[List[str], List[str]]:
@@ -242,8 +247,8 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     # family or size differs in many shapes, and the two names say why.
     named = f"{path!r} ({src.format}) into the configured {type(model).__name__}"
     checked = _check_constants(src.tensors, constants, skip, named)
-    plan, unused, skipped, reinit = _plan(src.tensors, src.table, groups, skip,
-                                          allow_head_reinit, named, constants)
+    plan, unused, skipped, reinit, dropped = _plan(src.tensors, src.table, groups, skip,
+                                                   allow_head_reinit, named, constants)
     reinit_refs = {v.ref() for g in reinit for v in groups[g]}
     not_loaded, absent = _left_at_init(model, src.table, plan, reinit_refs)
     unexpected = [k for k in unused if k not in skipped and not _matches([k], skip)]
@@ -258,5 +263,6 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
         var.assign(np.asarray(value, dtype=var.dtype.as_numpy_dtype))
     aliases = {n: a for n, a in (src.ties.aliases if src.ties else {}).items() if n in plan}
     return ImportReport(path=path, format=src.format, loaded=sorted(plan), unused=unused,
-                        not_loaded=not_loaded, reinitialized=reinit, skip=skip,
+                        not_loaded=not_loaded, reinitialized=reinit,
+                        reinitialized_keys=dropped, skip=skip,
                         aliases=dict(sorted(aliases.items())), checked=checked)
