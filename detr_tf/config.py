@@ -154,6 +154,22 @@ def _register_configurables() -> None:
         importlib.import_module(info.name)
 
 
+# The data blocks that replace an experiment file's data: they work only after it.
+_DATA_BLOCKS = ("custom_data.gin", "custom.gin")
+
+
+def _data_block_order(paths: Sequence[str]) -> str:
+    """A hint when a data block (data/custom_data.gin, data/custom.gin) is given before
+    another file, whose own data bindings (and their required paths) then win."""
+    for i, path in enumerate(paths[:-1]):
+        parent, name = os.path.split(str(path))
+        if name in _DATA_BLOCKS and os.path.basename(parent) == "data":
+            return (f"; note: data/{name} comes before {os.path.basename(str(paths[-1]))}, "
+                    "whose data bindings then replace it: give the experiment file first and "
+                    f"data/{name} after it")
+    return ""
+
+
 def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = (),
                      finalize: bool = True, defer_required: bool = False) -> list[str]:
     """Parses gin files and bindings strictly: unknown names are errors.
@@ -213,7 +229,8 @@ def parse_gin_config(gin_files: Sequence[str] = (), gin_params: Iterable[str] = 
             name = missing.group(1)
             raise ConfigError(
                 f"{name} is required ({where} set it to %gin.REQUIRED): give it with "
-                f"--gin_param=\"{name}='...'\"; the file's header comment says what it is") from e
+                f"--gin_param=\"{name}='...'\"; the file's header comment says what it is"
+                + _data_block_order(paths)) from e
         if "Unable to open file" in str(e):
             raise ConfigError(
                 f"{e}\n  An include is looked up in the working directory, then in "

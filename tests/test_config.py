@@ -99,3 +99,19 @@ def test_required_macro_names_the_macro_and_how_to_set_it():
                             finalize=False)
     assert gin.query_parameter("%BACKBONE_WEIGHTS") == "/w/r50.pth"
     assert str(gin.query_parameter("train.init_weights")) == "%BACKBONE_WEIGHTS"
+
+
+def test_a_data_block_before_the_experiment_file_says_to_give_it_after():
+    """data/custom_data.gin replaces an experiment file's COCO data only when it comes after
+    it; before it, the experiment file's required COCO paths win, and the error says why."""
+    given = ["DATA_DIR = '/data/mine'"]
+    with pytest.raises(config.ConfigError, match=r"COCO_TRAIN_PATTERN is required .*note: "
+                       r"data/custom_data.gin comes before rtdetr_r18vd.gin.*give the "
+                       r"experiment file first and data/custom_data.gin after it"):
+        config.parse_gin_config(["data/custom_data.gin", "rtdetr_r18vd.gin"], given)
+    with pytest.raises(config.ConfigError) as e:  # a COCO path really missing: no note
+        config.parse_gin_config(["rtdetr_r18vd.gin"], [])
+    assert "COCO_TRAIN_PATTERN is required" in str(e.value) and "note" not in str(e.value)
+    config.parse_gin_config(["rtdetr_r18vd.gin", "data/custom_data.gin"], given, finalize=False)
+    assert gin.query_parameter("%DATA_DIR") == "/data/mine"
+    gin.clear_config()
