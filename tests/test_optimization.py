@@ -169,30 +169,6 @@ def test_dynamic_loss_scale_halves_on_overflow_and_grows_after_interval():
     assert history == [8.0, 4.0, 4.0, 8.0, 8.0, 4.0]
 
 
-def test_ema_warm_up_uses_the_reference_decay_at_each_global_step(tmp_path):
-    """The tf_keras optimizers' path (ExponentialMovingAverage.update) against RT-DETR's
-    ModelEMA in float64: decay * (1 - exp(-updates / warmups)), updates counting this one, here
-    the global step before its increment plus one; the EMA's checkpoint keys stay the same."""
-    weights = tf.Variable(np.zeros(3), dtype=tf.float64)
-    step = tf.Variable(0, dtype=tf.int64)
-    ema = optimization.ExponentialMovingAverage([weights], 0.9999, warmup_steps=4, step=step)
-    want = np.zeros(3)
-    for s, value in enumerate((1.0, 3.0, -2.0, 5.0)):
-        weights.assign(np.full(3, value))
-        ema.update()
-        d = 0.9999 * (1 - np.exp(-(s + 1) / 4))
-        want = d * want + (1 - d) * value
-        np.testing.assert_allclose(ema.shadow[0].numpy(), want, rtol=1e-12)
-        step.assign_add(1)
-    # 0.9999 alone would have kept the average within 0.002 of its start, 0.
-    assert abs(ema.shadow[0].numpy()[0]) > 1.0
-    path = tf.train.Checkpoint(ema=ema).save(str(tmp_path / "ckpt"))
-    assert [n for n, _ in tf.train.list_variables(path) if n.startswith("ema/")] == [
-        "ema/shadow/0/.ATTRIBUTES/VARIABLE_VALUE"]
-    with pytest.raises(ValueError, match="warmup_steps=4 needs a step counter"):
-        optimization.ExponentialMovingAverage([weights], 0.9999, warmup_steps=4)
-
-
 def test_ema_update_swap_and_restore_for_eval(tmp_path):
     model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
     model.backbone = model.layers[0]  # restore_for_eval only needs a built model

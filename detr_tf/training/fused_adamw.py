@@ -220,9 +220,9 @@ class FusedUpdate:
         for (group, iterations, ms, vs, ws), grads in zip(groups, per_group):
             new_weights += _apply_group(group, iterations, ms, vs, ws, grads, ok)
         if self.ema is not None:
+            decay = self.ema.decay
             for shadow, var in self._ema_pairs(local):
                 old = shadow.read_value()
-                decay = self.ema.rate(old.dtype, local)
                 blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
                 shadow.assign(tf.where(ok, blended, old))
 
@@ -232,8 +232,7 @@ class FusedUpdate:
             _apply_group_kernels(group, iterations, ms, vs, ws, grads)
         if self.ema is not None:
             for shadow, var in self._ema_pairs(local):
-                decay = self.ema.rate(shadow.dtype, local)
-                shadow.assign_sub((1.0 - decay) * (shadow - local(var)))
+                shadow.assign_sub((1.0 - self.ema.decay) * (shadow - local(var)))
         return tf.constant(True)
 
     def _ema_pairs(self, local):

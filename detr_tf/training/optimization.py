@@ -296,25 +296,9 @@ class ExponentialMovingAverage(tf.Module):
     reading the checkpoint's keys look for them.
     """
 
-    def __init__(self, variables: Sequence[tf.Variable], decay: float = 0.9998,
-                 warmup_steps: int = 0, step: Optional[tf.Variable] = None):
-        """Args:
-          variables: the model's trainable weights.
-          decay: the decay once warmed up.
-          warmup_steps: W > 0: the update at global step s (0-based) uses
-            decay * (1 - exp(-(s + 1) / W)), RT-DETR's and D-FINE's warm-up, so the average
-            follows the weights early on: a fine-tuning run's new class head would otherwise
-            stay near its initial values in the average for ~1 / (1 - decay) steps.
-          step: the trainer's global step, read before its increment (needed with W > 0);
-            not checkpointed here (the trainer checkpoints it).
-        """
+    def __init__(self, variables: Sequence[tf.Variable], decay: float = 0.9998):
         super().__init__(name="ema")
         self.decay = float(decay)
-        self.warmup_steps = int(warmup_steps)
-        if self.warmup_steps < 0 or (self.warmup_steps and step is None):
-            raise ValueError(f"ExponentialMovingAverage: warmup_steps={warmup_steps} needs a "
-                             "step counter and must be >= 0")
-        self._step = _NotCheckpointed([step])
         self._model = _NotCheckpointed(variables)
         self.shadow = [
             tf.Variable(v.read_value(), trainable=False, name=v.name.split(":")[0] + "/ema",
@@ -326,22 +310,12 @@ class ExponentialMovingAverage(tf.Module):
         """The model variables the averages follow, in the order of `shadow`."""
         return self._model.items
 
-    def rate(self, dtype: tf.DType, read: Callable[[tf.Variable], Any] = lambda v: v):
-        """The decay of the update made now: `decay`, or in the warm-up form (`__init__`) a
-        tensor of `dtype`, computed in float64; `read` reads the step variable (a replica's
-        local copy)."""
-        if not self.warmup_steps:
-            return self.decay
-        count = tf.cast(read(self._step.items[0]), tf.float64) + 1.0
-        return tf.cast(self.decay * (1.0 - tf.exp(-count / self.warmup_steps)), dtype)
-
     def update(self, distribution: Optional[tf.distribute.Strategy] = None) -> None:
-        """Cross-replica context: shadow = d * shadow + (1 - d) * weights, d = `rate`."""
+        """Cross-replica context: shadow = decay * shadow + (1 - decay) * weights."""
         distribution = distribution or tf.distribute.get_strategy()
 
         def blend(shadow, value):
-            decay = self.rate(shadow.dtype)
-            return shadow.assign(decay * shadow + (1.0 - decay) * value)
+            return shadow.assign(self.decay * shadow + (1.0 - self.decay) * value)
 
         for shadow, var in zip(self.shadow, self.model_variables):
             distribution.extended.update(shadow, blend, args=(var,), group=False)
