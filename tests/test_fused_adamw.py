@@ -26,9 +26,10 @@ def _problem(steps=5, seed=0, dtype=np.float32):
     return weights, grads
 
 
-def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None):
+def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None, ema_warmup=0):
     """torch.optim.AdamW (foreach=False, amsgrad=False) in float64, behind a global-norm clip
-    (tf.clip_by_global_norm's form) and the skip of non-finite steps; optional EMA."""
+    (tf.clip_by_global_norm's form) and the skip of non-finite steps; optional EMA, with
+    RT-DETR's ModelEMA ramp decay * (1 - exp(-updates / warmups)) when ema_warmup > 0."""
     w = [x.astype(np.float64) for x in weights]
     m = [np.zeros_like(x) for x in w]
     v = [np.zeros_like(x) for x in w]
@@ -52,11 +53,12 @@ def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None):
             denom = np.sqrt(v[i]) / np.sqrt(1 - B2 ** t) + EPS
             w[i] = w[i] - step_size * m[i] / denom
         if ema_decay is not None:
-            ema = [ema_decay * e + (1 - ema_decay) * x for e, x in zip(ema, w)]
+            d = ema_decay * (1 - np.exp(-t / ema_warmup)) if ema_warmup else ema_decay
+            ema = [d * e + (1 - d) * x for e, x in zip(ema, w)]
     return w, m, v, ema, t
 
 
-def _build(weights, clip, ema_decay=None, compiled=True):
+def _build(weights, clip, ema_decay=None, compiled=True, ema_warmup=0):
     variables = [tf.Variable(x) for x in weights]
     groups = [fused_adamw.AdamWGroup(lr, weight_decay=WD, beta_1=B1, beta_2=B2, epsilon=EPS,
                                      jit_compile=compiled, name=f"g{k}")
@@ -64,8 +66,9 @@ def _build(weights, clip, ema_decay=None, compiled=True):
     split = [variables[:1], variables[1:]]
     for group, vars_ in zip(groups, split):
         group.build(vars_)
-    ema = (optimization.ExponentialMovingAverage(variables, ema_decay)
-           if ema_decay else None)
+    ema = (optimization.ExponentialMovingAverage(
+        variables, ema_decay, ema_warmup, counter=groups[1].iterations if ema_warmup else None)
+        if ema_decay else None)
     step = tf.Variable(0, dtype=tf.int64)
     update = fused_adamw.FusedUpdate(groups, split, clip, ema=ema, global_step=step)
     return variables, groups, ema, step, update
@@ -77,13 +80,20 @@ def _run(update, grads_per_step):
             for grads in grads_per_step]
 
 
+# Without and with the EMA's ramp (a short one, so that its steps differ from the decay).
+RAMPS = pytest.mark.parametrize("ema_warmup", [0, 3], ids=["ema", "ema_ramp"])
+
+
 @FORMS
-def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients(compiled):
+@RAMPS
+def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients(compiled, ema_warmup):
     # float64 variables: float32 weights near 1 round updates of ~lr by ~1e-7 per step.
     weights, grads = _problem(dtype=np.float64)
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled,
+                                                  ema_warmup=ema_warmup)
     results = _run(update, grads)
-    w, m, v, ema_want, t = _numpy_adamw(weights, grads, CLIP, ema_decay=0.9)
+    w, m, v, ema_want, t = _numpy_adamw(weights, grads, CLIP, ema_decay=0.9,
+                                        ema_warmup=ema_warmup)
     assert [bool(ok) for ok, _ in results] == [True, True, False, True, True]
     assert int(step.numpy()) == 5 and [int(g.iterations.numpy()) for g in groups] == [t, t]
     moved = [np.abs(x - y).max() for x, y in zip(w, weights)]
@@ -129,17 +139,19 @@ def test_fused_update_matches_torch_optim_adamw(compiled):
 
 
 @FORMS
-def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path, compiled):
+@RAMPS
+def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path, compiled, ema_warmup):
     weights, grads = _problem(steps=4, seed=2)
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5, compiled=compiled)
+    kw = dict(ema_decay=0.5, compiled=compiled, ema_warmup=ema_warmup)
+    variables, groups, ema, step, update = _build(weights, CLIP, **kw)
     _run(update, grads)
     straight = [x.numpy() for x in variables + ema.shadow]
 
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5, compiled=compiled)
+    variables, groups, ema, step, update = _build(weights, CLIP, **kw)
     _run(update, grads[:2])
     items = dict(v=variables, b=groups[0], o=groups[1], ema=ema, step=step)
     path = tf.train.Checkpoint(**items).save(str(tmp_path / "ckpt"))
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.5, compiled=compiled)
+    variables, groups, ema, step, update = _build(weights, CLIP, **kw)
     items = dict(v=variables, b=groups[0], o=groups[1], ema=ema, step=step)
     tf.train.Checkpoint(**items).restore(path).assert_consumed()
     assert int(step.numpy()) == 2 and int(groups[1].iterations.numpy()) == 2
@@ -149,13 +161,19 @@ def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path, compiled):
 
 
 @FORMS
-def test_mirrored_two_replicas_update_equals_one_device(compiled):
+@RAMPS
+def test_mirrored_two_replicas_update_equals_one_device(compiled, ema_warmup):
     weights, grads = _problem(steps=3, seed=3)
     grads = [g for g in grads if all(np.isfinite(x).all() for x in g)]
     halves = [[[g * 0.5, g * 1.5] for g in step_grads] for step_grads in grads]  # mean = g
-    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled)
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled,
+                                                  ema_warmup=ema_warmup)
     _run(update, grads)
     want = [x.numpy() for x in variables + ema.shadow]
+    _, _, _, ema_want, _ = _numpy_adamw(weights, grads, CLIP, ema_decay=0.9,
+                                        ema_warmup=ema_warmup)
+    for got, ref in zip(ema.shadow, ema_want):
+        np.testing.assert_allclose(got.numpy(), ref, rtol=1e-6)
 
     # Reduction to one device, not collectives: collective ops of a second MirroredStrategy in
     # the same process (the trainer tests') would meet this one's collective instance keys.
@@ -163,7 +181,7 @@ def test_mirrored_two_replicas_update_equals_one_device(compiled):
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
         variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9,
-                                                      compiled=compiled)
+                                                      compiled=compiled, ema_warmup=ema_warmup)
 
     @tf.function
     def train_step(per_replica):

@@ -5,6 +5,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.training import checkpointing, fused_adamw, optimization, state, trainer
+from tests.detr_standin import StandInDetr
 
 
 def test_step_decay_schedule_with_warmup():
@@ -192,6 +193,46 @@ def test_ema_update_swap_and_restore_for_eval(tmp_path):
         np.testing.assert_allclose(v.numpy(), s0 + 1.0, rtol=1e-6)
     with pytest.raises(FileNotFoundError, match="no checkpoint found"):
         checkpointing.restore_for_eval(fresh, model_dir=str(tmp_path / "empty"))
+
+
+def test_ema_ramp_follows_the_optimizers_applied_updates_and_stays_out_of_its_checkpoint(
+        tmp_path):
+    """RT-DETR's ModelEMA: the n-th update (1-based, counted after the optimizer's step) blends
+    with decay * (1 - exp(-n / warmups)); the tf_keras optimizers' path (ema.update)."""
+    decay, warmups = 0.9, 2
+    var = tf.Variable(np.array([1.0, -2.0], np.float32))
+    opt = tf_keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.0)
+    ema = optimization.ExponentialMovingAverage([var], decay, warmups, counter=opt.iterations)
+    want = var.numpy().astype(np.float64)
+    for n in range(1, 5):
+        opt.apply_gradients([(tf.constant([1.0, -1.0]), var)])
+        ema.update()
+        d = decay * (1.0 - np.exp(-n / warmups))
+        want = d * want + (1.0 - d) * var.numpy().astype(np.float64)
+        np.testing.assert_allclose(ema.shadow[0].numpy(), want, rtol=1e-6)
+    path = tf.train.Checkpoint(ema=ema).save(str(tmp_path / "ckpt"))
+    assert [k for k, _ in tf.train.list_variables(path) if k.startswith("ema/")] == [
+        "ema/shadow/0/.ATTRIBUTES/VARIABLE_VALUE"]
+    with pytest.raises(ValueError, match="counter"):
+        optimization.ExponentialMovingAverage([var], decay, warmups)
+
+
+class _StandInWithBackbone(StandInDetr):
+    def __init__(self):
+        super().__init__()
+        self.backbone = self.conv
+
+
+def test_the_runs_ema_ramps_over_the_main_groups_applied_updates():
+    # train.ema_warmup_steps reaches the EMA, counting the updates the EMA is applied on.
+    made = state.create_state(_StandInWithBackbone, (32, 32), steps_per_epoch=10,
+                              precision="float32", ema_decay=0.9, total_steps=100,
+                              ema_warmup_steps=7)
+    assert made.ema.warmup_steps == 7 and made.ema.counter is made.optimizers[1].iterations
+    plain = state.create_state(_StandInWithBackbone, (32, 32), steps_per_epoch=10,
+                               precision="float32", ema_decay=0.9, total_steps=100)
+    assert plain.ema.warmup_steps == 0 and plain.ema.counter is None
+    np.testing.assert_allclose(float(plain.ema.decay_at(1)), 0.9, rtol=1e-7)
 
 
 class _FormerEma(optimization.ExponentialMovingAverage):

@@ -220,9 +220,10 @@ class FusedUpdate:
         for (group, iterations, ms, vs, ws), grads in zip(groups, per_group):
             new_weights += _apply_group(group, iterations, ms, vs, ws, grads, ok)
         if self.ema is not None:
-            decay = self.ema.decay
+            count = self._ema_count(local)
             for shadow, var in self._ema_pairs(local):
                 old = shadow.read_value()
+                decay = self.ema.decay_at(count, old.dtype)
                 blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
                 shadow.assign(tf.where(ok, blended, old))
 
@@ -231,9 +232,17 @@ class FusedUpdate:
         for (group, iterations, ms, vs, ws), grads in zip(groups, per_group):
             _apply_group_kernels(group, iterations, ms, vs, ws, grads)
         if self.ema is not None:
+            count = self._ema_count(local)
             for shadow, var in self._ema_pairs(local):
-                shadow.assign_sub((1.0 - self.ema.decay) * (shadow - local(var)))
+                rate = 1.0 - self.ema.decay_at(count, shadow.dtype)
+                shadow.assign_sub(rate * (shadow - local(var)))
         return tf.constant(True)
+
+    def _ema_count(self, local):
+        """The EMA ramp's count of applied updates, this one included (read after the groups'
+        `iterations` moved), or 0 without a ramp."""
+        counter = self.ema.counter
+        return local(counter).read_value() if counter is not None else 0
 
     def _ema_pairs(self, local):
         """(local shadow copy, model variable) pairs of the EMA."""

@@ -289,17 +289,39 @@ class ExponentialMovingAverage(tf.Module):
     `shadow` holds one variable per tracked model variable; it is checkpointed under the name
     `ema`, and `swap()` exchanges model and EMA values (call it twice to undo).
 
+    With `warmup_steps`, the n-th update (1-based) blends with decay * (1 - exp(-n /
+    warmup_steps)), the ramp of RT-DETR's and D-FINE's ModelEMA: early averages follow the
+    weights instead of holding on to the initial ones for ~1 / (1 - decay) steps. n is read
+    from `counter`, the optimizer's count of applied updates (checkpointed with the optimizer,
+    so a resumed run continues the ramp where it stopped); the EMA is updated on exactly those
+    steps.
+
     The model's own variables are kept out of the EMA's checkpoint dependencies. A checkpoint
     saves a variable reached from two objects once, under its shortest path, and
     `ema/<list>/<i>` is shorter than a model's own paths, so the trainable weights would be
     saved under the EMA's name instead of `model/...`, where the weight importer and anyone
-    reading the checkpoint's keys look for them.
+    reading the checkpoint's keys look for them. The counter is kept out for the same reason.
+
+    Args:
+      variables: the model variables to average.
+      decay: the decay (after the ramp, with warmup_steps).
+      warmup_steps: the ramp's time constant in updates; 0: `decay` from the first update.
+      counter: int variable holding the number of updates applied so far, including the one
+        being blended (required with warmup_steps).
     """
 
-    def __init__(self, variables: Sequence[tf.Variable], decay: float = 0.9998):
+    def __init__(self, variables: Sequence[tf.Variable], decay: float = 0.9998,
+                 warmup_steps: int = 0, counter: Optional[tf.Variable] = None):
         super().__init__(name="ema")
         self.decay = float(decay)
+        self.warmup_steps = int(warmup_steps)
+        if self.warmup_steps < 0:
+            raise ValueError(f"ExponentialMovingAverage.warmup_steps={warmup_steps} is negative")
+        if self.warmup_steps and counter is None:
+            raise ValueError("ExponentialMovingAverage.warmup_steps needs the counter of "
+                             "applied updates it ramps over")
         self._model = _NotCheckpointed(variables)
+        self._counter = _NotCheckpointed([counter] if counter is not None else [])
         self.shadow = [
             tf.Variable(v.read_value(), trainable=False, name=v.name.split(":")[0] + "/ema",
                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -310,12 +332,28 @@ class ExponentialMovingAverage(tf.Module):
         """The model variables the averages follow, in the order of `shadow`."""
         return self._model.items
 
+    @property
+    def counter(self) -> Optional[tf.Variable]:
+        """The count of applied updates the ramp reads (None without a ramp)."""
+        return self._counter.items[0] if self._counter.items else None
+
+    def decay_at(self, updates, dtype=tf.float32) -> tf.Tensor:
+        """The decay of update number `updates` (1-based), in `dtype`."""
+        decay = tf.constant(self.decay, dtype)
+        if not self.warmup_steps:
+            return decay
+        n = tf.cast(updates, dtype)
+        return decay * (1.0 - tf.exp(-n / tf.constant(self.warmup_steps, dtype)))
+
     def update(self, distribution: Optional[tf.distribute.Strategy] = None) -> None:
-        """Cross-replica context: shadow = decay * shadow + (1 - decay) * weights."""
+        """Cross-replica context, after the optimizer's update: shadow = d * shadow +
+        (1 - d) * weights, with d = `decay_at(counter)`."""
         distribution = distribution or tf.distribute.get_strategy()
+        count = self.counter.read_value() if self.counter is not None else 0
 
         def blend(shadow, value):
-            return shadow.assign(self.decay * shadow + (1.0 - self.decay) * value)
+            d = self.decay_at(count, shadow.dtype)
+            return shadow.assign(d * shadow + (1.0 - d) * value)
 
         for shadow, var in zip(self.shadow, self.model_variables):
             distribution.extended.update(shadow, blend, args=(var,), group=False)

@@ -111,7 +111,7 @@ class TrainState:
 
 def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tuple[int, int]],
                  steps_per_epoch: int, precision: str, ema_decay: Optional[float],
-                 total_steps: Optional[int] = None) -> TrainState:
+                 total_steps: Optional[int] = None, ema_warmup_steps: int = 0) -> TrainState:
     """Builds the model and the optimizer state (call inside the engine's scope).
 
     The trainer's state, and the benchmarks' (detr_tf/benchmarks/ours.py), so that what is
@@ -126,8 +126,11 @@ def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tu
     for opt, vars_ in zip(optimizers, split_variables(model)):
         opt.build(vars_)
     loss_scale = optimization.DynamicLossScale() if precision == "mixed_float16" else None
-    ema = (optimization.ExponentialMovingAverage(model.trainable_variables, ema_decay)
-           if ema_decay else None)
+    # The EMA ramp counts the main group's applied updates: the steps the EMA is updated on.
+    ema = (optimization.ExponentialMovingAverage(
+        model.trainable_variables, ema_decay, ema_warmup_steps,
+        counter=optimizers[1].iterations if ema_warmup_steps else None)
+        if ema_decay else None)
     return TrainState(model, optimizers, global_step, loss_scale, ema)
 
 

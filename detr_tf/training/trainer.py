@@ -92,6 +92,7 @@ TRAIN_RULES = {
     "train_examples": ac.optional(ac.integer(1)), "cpu_devices": ac.integer(0),
     "clip_norm": ac.number(what="a number (<= 0: no clipping)"),
     "grad_accum_steps": ac.integer(1), "ema_decay": ac.optional(ac.number(0, 1)),
+    "ema_warmup_steps": ac.integer(0),
     "checkpoint_every": ac.integer(1), "keep_checkpoints": ac.integer(1),
     "log_every": ac.integer(1), "eval_every": ac.optional(ac.integer(1)), "seed": ac.integer(),
     "deterministic": ac.FLAG, "init_weights": ac.optional(ac.text("a path", nonempty=True)),
@@ -119,6 +120,7 @@ def train(model_dir: str,
           clip_norm: float = 0.1,
           grad_accum_steps: int = 1,
           ema_decay: Optional[float] = None,
+          ema_warmup_steps: int = 0,
           checkpoint_every: int = 1000,
           keep_checkpoints: int = 3,
           log_every: int = 50,
@@ -165,6 +167,9 @@ def train(model_dir: str,
       clip_norm: max global gradient norm (DETR: 0.1); <= 0 disables.
       grad_accum_steps: micro-batches accumulated per optimizer step.
       ema_decay: keep an EMA of the weights (used for evaluation) when set, e.g. 0.9998.
+      ema_warmup_steps: with ema_decay, the n-th applied update averages with
+        ema_decay * (1 - exp(-n / ema_warmup_steps)) (RT-DETR: 2000, D-FINE: 1000);
+        0: ema_decay from the first update.
       checkpoint_every: steps between checkpoints (one is also written at the end and on SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
       log_every: steps between TensorBoard / metrics.jsonl records.
@@ -218,8 +223,8 @@ def train(model_dir: str,
     steps_per_loop = resolve_steps_per_loop(steps_per_loop)
     writer = MetricsWriter(model_dir, enabled=engine.is_chief)
     state, builder = _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps,
-                            precision, ema_decay, jit, clip_norm, grad_accum_steps,
-                            auto_jit=bool(jit_why))
+                            precision, (ema_decay, ema_warmup_steps), jit, clip_norm,
+                            grad_accum_steps, auto_jit=bool(jit_why))
     # What 'auto' chose, and why: on the run's first line and atop operative_config.gin.
     chosen = {"precision": hardware.describe(precision, precision_why),
               "jit": hardware.describe(builder.jit, builder.jit_why or jit_why)}
@@ -254,14 +259,16 @@ def train(model_dir: str,
                    watch)
 
 
-def _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps, precision, ema_decay,
+def _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps, precision, ema,
            jit, clip_norm, grad_accum_steps, auto_jit=False):
-    """The run's state (model, optimizers, step, loss scale, EMA) and its step, in the engine's
-    scope; fails before any compile when the classes disagree."""
+    """The run's state (model, optimizers, step, loss scale, EMA: `ema` is (decay, warmup
+    steps)) and its step, in the engine's scope; fails before any compile when the classes
+    disagree."""
+    ema_decay, ema_warmup_steps = ema
     with engine.scope():
         state = state_lib.create_state(
             model_fn, state_lib.smallest_canvas(getattr(info, "buckets", None)),
-            steps_per_epoch or 1, precision, ema_decay, num_steps)
+            steps_per_epoch or 1, precision, ema_decay, num_steps, ema_warmup_steps)
         check_classes(state.model, criterion, info)
         builder = StepBuilder(engine, state.model, criterion, state.optimizers, jit, clip_norm,
                               grad_accum_steps, state.loss_scale, state.ema, state.global_step,
