@@ -66,8 +66,11 @@ def _build(weights, clip, ema_decay=None, compiled=True, ema_warmup=0):
     split = [variables[:1], variables[1:]]
     for group, vars_ in zip(groups, split):
         group.build(vars_)
+    # One batch-norm-like statistic beside the weights, which the EMA averages too.
+    stat = tf.Variable(np.ones(3, weights[0].dtype))
     ema = (optimization.ExponentialMovingAverage(
-        variables, ema_decay, ema_warmup, counter=groups[1].iterations if ema_warmup else None)
+        variables, ema_decay, ema_warmup, counter=groups[1].iterations if ema_warmup else None,
+        statistics=[stat])
         if ema_decay else None)
     step = tf.Variable(0, dtype=tf.int64)
     update = fused_adamw.FusedUpdate(groups, split, clip, ema=ema, global_step=step)
@@ -76,8 +79,23 @@ def _build(weights, clip, ema_decay=None, compiled=True, ema_warmup=0):
 
 def _run(update, grads_per_step):
     strategy = tf.distribute.get_strategy()
-    return [update(strategy, [tf.constant(g) for g in grads], tf.constant(True))
-            for grads in grads_per_step]
+    results = []
+    for grads in grads_per_step:
+        _forward_moves_statistics(update.ema, grads)
+        results.append(update(strategy, [tf.constant(g) for g in grads], tf.constant(True)))
+    return results
+
+
+def _forward_moves_statistics(ema, grads):
+    """What a step's forward pass does to a batch norm's moving statistics: a new value (here
+    one that depends on the step)."""
+    for _, stat in (ema.statistic_pairs() if ema is not None else []):
+        stat.assign(np.nan_to_num(grads[0]).astype(stat.dtype.as_numpy_dtype) * 1e9)
+
+
+def _ema_state(ema):
+    """The EMA's averages: the weights', then the statistic's."""
+    return ema.shadow + ema.statistics
 
 
 # Without and with the EMA's ramp (a short one, so that its steps differ from the decay).
@@ -113,6 +131,34 @@ def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients(compiled, 
     assert np.abs(eps_hat - w[1]).max() > 10 * np.abs(variables[1].numpy() - w[1]).max()
 
 
+@FORMS
+def test_fused_update_averages_statistics_on_applied_steps_only(compiled):
+    """A batch norm's moving statistic, moved by each step's forward pass, is averaged with the
+    ramp like the weights (the reference's EMA of the state dict), and kept on a skipped step."""
+    weights, grads = _problem(dtype=np.float64)
+    variables = [tf.Variable(x) for x in weights]
+    groups = [fused_adamw.AdamWGroup(lr, weight_decay=WD, jit_compile=compiled, name=f"g{k}")
+              for k, lr in enumerate(LRS)]
+    split = [variables[:1], variables[1:]]
+    for group, vars_ in zip(groups, split):
+        group.build(vars_)
+    stat = tf.Variable(np.ones(3))
+    ema = optimization.ExponentialMovingAverage(variables, 0.9, 3, counter=groups[1].iterations,
+                                                statistics=[stat])
+    update = fused_adamw.FusedUpdate(groups, split, CLIP, ema=ema)
+    want, t = np.ones(3), 0
+    for k, step_grads in enumerate(grads):
+        stat.assign(np.arange(3.0) * (k + 2))  # what this step's forward pass left
+        ok, _ = update(tf.distribute.get_strategy(), [tf.constant(g) for g in step_grads],
+                       tf.constant(True))
+        if all(np.isfinite(g).all() for g in step_grads):
+            t += 1
+            d = 0.9 * (1 - np.exp(-t / 3))
+            want = d * want + (1 - d) * np.arange(3.0) * (k + 2)
+        assert bool(ok) == (k != 2)  # step 2's gradients are not finite
+        np.testing.assert_allclose(ema.statistics[0].numpy(), want, rtol=1e-12)
+
+
 @pytest.mark.torch
 @FORMS
 def test_fused_update_matches_torch_optim_adamw(compiled):
@@ -145,7 +191,7 @@ def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path, compiled, ema_w
     kw = dict(ema_decay=0.5, compiled=compiled, ema_warmup=ema_warmup)
     variables, groups, ema, step, update = _build(weights, CLIP, **kw)
     _run(update, grads)
-    straight = [x.numpy() for x in variables + ema.shadow]
+    straight = [x.numpy() for x in variables + _ema_state(ema)]
 
     variables, groups, ema, step, update = _build(weights, CLIP, **kw)
     _run(update, grads[:2])
@@ -156,7 +202,7 @@ def test_fused_state_resumes_exactly_from_a_checkpoint(tmp_path, compiled, ema_w
     tf.train.Checkpoint(**items).restore(path).assert_consumed()
     assert int(step.numpy()) == 2 and int(groups[1].iterations.numpy()) == 2
     _run(update, grads[2:])
-    for a, b in zip(straight, [x.numpy() for x in variables + ema.shadow]):
+    for a, b in zip(straight, [x.numpy() for x in variables + _ema_state(ema)]):
         np.testing.assert_array_equal(a, b)
 
 
@@ -169,7 +215,7 @@ def test_mirrored_two_replicas_update_equals_one_device(compiled, ema_warmup):
     variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9, compiled=compiled,
                                                   ema_warmup=ema_warmup)
     _run(update, grads)
-    want = [x.numpy() for x in variables + ema.shadow]
+    want = [x.numpy() for x in variables + _ema_state(ema)]
     _, _, _, ema_want, _ = _numpy_adamw(weights, grads, CLIP, ema_decay=0.9,
                                         ema_warmup=ema_warmup)
     for got, ref in zip(ema.shadow, ema_want):
@@ -191,12 +237,13 @@ def test_mirrored_two_replicas_update_equals_one_device(compiled, ema_warmup):
                 update, args=(reduced, tf.constant(True)))
         return strategy.run(replica_fn, args=(per_replica,))
 
-    for step_halves in halves:
+    for step_grads, step_halves in zip(grads, halves):
+        _forward_moves_statistics(ema, step_grads)
         per_replica = strategy.experimental_distribute_values_from_function(
             lambda ctx: [tf.constant(h[ctx.replica_id_in_sync_group]) for h in step_halves])
         train_step(per_replica)
     assert int(step.numpy()) == len(grads)
-    for var, w in zip(variables + ema.shadow, want):
+    for var, w in zip(variables + _ema_state(ema), want):
         for copy in strategy.experimental_local_results(var):
             np.testing.assert_allclose(copy.numpy(), w, rtol=1e-6)
 

@@ -281,3 +281,82 @@ def test_resolve_jit_and_bad_choices():
     assert trainer.resolve_jit("matcher") == "matcher"
     with pytest.raises(ValueError, match="train.jit='fast'"):
         trainer.resolve_jit("fast")
+
+
+def _bn_model():
+    net = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(2,)),
+                               tf_keras.layers.BatchNormalization(momentum=0.5)])
+    net.backbone = net.layers[0]
+    return net
+
+
+def _move_statistics(net, seed):
+    """A training-mode call: the batch norm's moving statistics move."""
+    net(tf.constant(np.random.default_rng(seed).normal(size=(8, 2)), tf.float32), training=True)
+
+
+def test_ema_averages_batch_norm_statistics_as_the_references_state_dict_ema(tmp_path):
+    """RT-DETR/D-FINE's ModelEMA averages every floating entry of the state dict, the batch
+    norms' running mean and variance included; evaluation then uses those averages."""
+    model = _bn_model()
+    stats = optimization.moving_statistics(model)
+    assert [v.name.split("/")[-1] for v in stats] == ["moving_mean:0", "moving_variance:0"]
+    opt = tf_keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.0)
+    ema = optimization.ExponentialMovingAverage(model.trainable_variables, 0.8, 3,
+                                                counter=opt.iterations, statistics=stats)
+    want = [v.numpy().astype(np.float64) for v in stats]
+    for n in range(1, 4):
+        _move_statistics(model, n)
+        opt.apply_gradients([(tf.ones_like(v), v) for v in model.trainable_variables])
+        ema.update()
+        d = 0.8 * (1.0 - np.exp(-n / 3))
+        want = [d * w + (1 - d) * v.numpy() for w, v in zip(want, stats)]
+    for shadow, w in zip(ema.statistics, want):
+        np.testing.assert_allclose(shadow.numpy(), w, rtol=1e-6)
+    path = tf.train.Checkpoint(model=model, ema=ema).save(str(tmp_path / "checkpoints" / "ckpt"))
+    fresh = _bn_model()
+    fresh(tf.zeros([1, 2]))
+    checkpointing.restore_for_eval(fresh, checkpoint=path, use_ema=True)
+    for v, w in zip(optimization.moving_statistics(fresh), want):
+        np.testing.assert_allclose(v.numpy(), w, rtol=1e-6)
+    checkpointing.restore_for_eval(fresh, checkpoint=path, use_ema=False)
+    for v, raw in zip(optimization.moving_statistics(fresh), stats):
+        np.testing.assert_array_equal(v.numpy(), raw.numpy())
+
+
+def _bn_state():
+    model = _bn_model()
+    model(tf.zeros([1, 2]))
+    step = tf.Variable(0, dtype=tf.int64)
+    opts = optimization.build_optimizers(steps_per_epoch=10, lr_drop_epochs=(),
+                                         step_counter=step)
+    for opt, vars_ in zip(opts, ([model.trainable_variables[0]], model.trainable_variables[1:])):
+        opt.build(vars_)
+    ema = optimization.ExponentialMovingAverage(
+        model.trainable_variables, 0.9, statistics=optimization.moving_statistics(model))
+    return state.TrainState(model, opts, step, None, ema)
+
+
+@pytest.mark.parametrize("layout", ["current", "before_statistics"])
+def test_a_run_resumes_its_ema_from_checkpoints_with_and_without_statistics(tmp_path, layout):
+    from detr_tf.training import distribution
+    saved = _bn_state()
+    _move_statistics(saved.model, 0)
+    for v in saved.ema.shadow + saved.ema.statistics:
+        v.assign(v + 0.25)
+    saved.global_step.assign(5)
+    ckpt = saved.checkpoint(ema_statistics=layout == "current")
+    tf.train.CheckpointManager(ckpt, str(tmp_path / "checkpoints"), 3).save(checkpoint_number=5)
+
+    fresh = _bn_state()
+    ckpt = fresh.checkpoint()
+    saver = checkpointing.CheckpointSaver(ckpt, str(tmp_path), True, 0)
+    assert state.resume(fresh, ckpt, saver, distribution.make_engine("default")) == 5
+    for a, b in zip(saved.model.variables + saved.ema.shadow, fresh.model.variables +
+                    fresh.ema.shadow):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # A checkpoint without averaged statistics resumes them from the model's own.
+    want = (saved.ema.statistics if layout == "current"
+            else optimization.moving_statistics(saved.model))
+    for a, b in zip(want, fresh.ema.statistics):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

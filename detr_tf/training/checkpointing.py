@@ -84,6 +84,11 @@ def has_ema(path: str) -> bool:
     return any(name.startswith("ema/") for name, _ in tf.train.list_variables(path))
 
 
+def has_ema_statistics(path: str) -> bool:
+    """Whether the checkpoint's EMA averages batch-norm statistics (written since it does)."""
+    return any(name.startswith("ema/statistics/") for name, _ in tf.train.list_variables(path))
+
+
 def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
                      checkpoint: Optional[str] = None, use_ema: bool = True) -> str:
     """Loads trained weights into a built `model` for evaluation, prediction or export.
@@ -100,7 +105,7 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
     Raises:
       FileNotFoundError: no checkpoint in model_dir, or the given one does not exist.
     """
-    from detr_tf.training.optimization import ExponentialMovingAverage
+    from detr_tf.training.optimization import ExponentialMovingAverage, moving_statistics
 
     path = checkpoint or (latest_checkpoint(model_dir) if model_dir else None)
     if not path:
@@ -110,7 +115,8 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
     restore_ema = use_ema and has_ema(path)
     items = {"model": model}
     if restore_ema:
-        ema = ExponentialMovingAverage(model.trainable_variables)
+        statistics = moving_statistics(model) if has_ema_statistics(path) else ()
+        ema = ExponentialMovingAverage(model.trainable_variables, statistics=statistics)
         items["ema"] = ema
     status = checkpoint_restore.restore(tf.train.Checkpoint(**items), path, model_dir)
     checkpoint_restore.assert_matched(status.expect_partial(), path, model_dir)

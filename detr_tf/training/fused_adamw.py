@@ -226,6 +226,10 @@ class FusedUpdate:
                 decay = self.ema.decay_at(count, old.dtype)
                 blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
                 shadow.assign(tf.where(ok, blended, old))
+            for shadow, stat in self._ema_statistics(local):
+                old = shadow.read_value()
+                rate = 1.0 - self.ema.decay_at(count, old.dtype)
+                shadow.assign(tf.where(ok, old - rate * (old - stat.read_value()), old))
 
     def _kernel_update(self, local, groups, per_group) -> tf.Tensor:
         """The branch taken when `ok`: in-place kernels, variable by variable."""
@@ -236,6 +240,9 @@ class FusedUpdate:
             for shadow, var in self._ema_pairs(local):
                 rate = 1.0 - self.ema.decay_at(count, shadow.dtype)
                 shadow.assign_sub(rate * (shadow - local(var)))
+            for shadow, stat in self._ema_statistics(local):
+                rate = 1.0 - self.ema.decay_at(count, shadow.dtype)
+                shadow.assign_sub(rate * (shadow - stat.read_value()))
         return tf.constant(True)
 
     def _ema_count(self, local):
@@ -248,6 +255,11 @@ class FusedUpdate:
         """(local shadow copy, model variable) pairs of the EMA."""
         return [(local(shadow), var) for shadow, var in
                 zip(self.ema.shadow, self.ema.model_variables)]
+
+    def _ema_statistics(self, local):
+        """(local shadow copy, local model statistic) pairs: the batch norms' moving statistics,
+        as this step's forward pass left them."""
+        return [(local(shadow), local(stat)) for shadow, stat in self.ema.statistic_pairs()]
 
 
 def _split_by_group(grads: Sequence[tf.Tensor], groups) -> List[Sequence[tf.Tensor]]:

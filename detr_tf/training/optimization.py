@@ -283,11 +283,22 @@ class _NotCheckpointed:
         self.items = list(items)
 
 
-class ExponentialMovingAverage(tf.Module):
-    """EMA of a model's trainable weights, for evaluation.
+def moving_statistics(model: tf.Module) -> List[tf.Variable]:
+    """The moving means and variances of the model's batch norms: state that training changes
+    without the optimizer (frozen norms' constants are left out)."""
+    return [v for layer in model.submodules
+            if isinstance(layer, tf_keras.layers.BatchNormalization)
+            for v in (layer.moving_mean, layer.moving_variance)]
 
-    `shadow` holds one variable per tracked model variable; it is checkpointed under the name
-    `ema`, and `swap()` exchanges model and EMA values (call it twice to undo).
+
+class ExponentialMovingAverage(tf.Module):
+    """EMA of a model's trainable weights and batch-norm statistics, for evaluation.
+
+    `shadow` holds one variable per tracked model variable, `statistics` (when given) one per
+    moving statistic; they are checkpointed under the name `ema`, and `swap()` exchanges model
+    and EMA values (call it twice to undo). The reference's ModelEMA averages the whole state
+    dict, buffers included: evaluating averaged weights with the raw model's batch statistics
+    would pair weights with statistics of other weights.
 
     With `warmup_steps`, the n-th update (1-based) blends with decay * (1 - exp(-n /
     warmup_steps)), the ramp of RT-DETR's and D-FINE's ModelEMA: early averages follow the
@@ -308,10 +319,12 @@ class ExponentialMovingAverage(tf.Module):
       warmup_steps: the ramp's time constant in updates; 0: `decay` from the first update.
       counter: int variable holding the number of updates applied so far, including the one
         being blended (required with warmup_steps).
+      statistics: non-trainable variables to average too (`moving_statistics(model)`).
     """
 
     def __init__(self, variables: Sequence[tf.Variable], decay: float = 0.9998,
-                 warmup_steps: int = 0, counter: Optional[tf.Variable] = None):
+                 warmup_steps: int = 0, counter: Optional[tf.Variable] = None,
+                 statistics: Sequence[tf.Variable] = ()):
         super().__init__(name="ema")
         self.decay = float(decay)
         self.warmup_steps = int(warmup_steps)
@@ -322,10 +335,18 @@ class ExponentialMovingAverage(tf.Module):
                              "applied updates it ramps over")
         self._model = _NotCheckpointed(variables)
         self._counter = _NotCheckpointed([counter] if counter is not None else [])
-        self.shadow = [
-            tf.Variable(v.read_value(), trainable=False, name=v.name.split(":")[0] + "/ema",
-                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            for v in self.model_variables]
+        self._stats = _NotCheckpointed(statistics)
+        self.shadow = [_shadow_of(v) for v in self.model_variables]
+        if statistics:  # absent otherwise: checkpoints of EMAs without them stay the same
+            self.statistics = [_shadow_of(v) for v in statistics]
+
+    def statistic_pairs(self) -> List[Tuple[tf.Variable, tf.Variable]]:
+        """(shadow, model statistic) pairs."""
+        return list(zip(getattr(self, "statistics", []), self._stats.items))
+
+    def pairs(self) -> List[Tuple[tf.Variable, tf.Variable]]:
+        """(shadow, model variable) pairs: the weights', then the statistics'."""
+        return list(zip(self.shadow, self.model_variables)) + self.statistic_pairs()
 
     @property
     def model_variables(self) -> List[tf.Variable]:
@@ -355,18 +376,37 @@ class ExponentialMovingAverage(tf.Module):
             d = self.decay_at(count, shadow.dtype)
             return shadow.assign(d * shadow + (1.0 - d) * value)
 
+        def follow(shadow, value):  # a statistic that did not move keeps its exact value
+            d = self.decay_at(count, shadow.dtype)
+            return shadow.assign_sub((1.0 - d) * (shadow - value))
+
         for shadow, var in zip(self.shadow, self.model_variables):
             distribution.extended.update(shadow, blend, args=(var,), group=False)
+        for shadow, var in self.statistic_pairs():
+            distribution.extended.update(shadow, follow, args=(var,), group=False)
 
     def reset(self) -> None:
         """Sets the averages to the model's current weights (after they were initialised from a
         file, the initialisers' values must not linger in the average)."""
-        for shadow, var in zip(self.shadow, self.model_variables):
+        for shadow, var in self.pairs():
+            shadow.assign(var.read_value())
+
+    def reset_statistics(self) -> None:
+        """Sets the statistics' averages to the model's current statistics (a checkpoint that
+        did not average them)."""
+        for shadow, var in self.statistic_pairs():
             shadow.assign(var.read_value())
 
     def swap(self) -> None:
-        """Exchanges the model's weights and the EMA weights (eager, cross-replica context)."""
-        for shadow, var in zip(self.shadow, self.model_variables):
+        """Exchanges the model's weights and statistics and the EMA's (eager, cross-replica
+        context)."""
+        for shadow, var in self.pairs():
             tmp = tf.identity(var.read_value())
             var.assign(shadow.read_value())
             shadow.assign(tmp)
+
+
+def _shadow_of(v: tf.Variable) -> tf.Variable:
+    """The EMA's copy of `v`, starting at its value."""
+    return tf.Variable(v.read_value(), trainable=False, name=v.name.split(":")[0] + "/ema",
+                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)

@@ -98,15 +98,25 @@ class TrainState:
     loss_scale: Optional[optimization.DynamicLossScale]
     ema: Optional[optimization.ExponentialMovingAverage]
 
-    def checkpoint(self) -> tf.train.Checkpoint:
+    def checkpoint(self, ema_statistics: bool = True) -> tf.train.Checkpoint:
+        """The run's checkpoint; `ema_statistics=False`: the layout of a checkpoint whose EMA
+        did not average the batch norms' statistics (written before it did)."""
         items = dict(model=self.model, backbone_optimizer=self.optimizers[0],
                      optimizer=self.optimizers[1], global_step=self.global_step,
                      dropout_rng=dropout_generators(self.model))
         if self.ema is not None:
-            items["ema"] = self.ema
+            items["ema"] = self.ema if ema_statistics else _WeightsOnly(self.ema)
         if self.loss_scale is not None:
             items["loss_scale"] = self.loss_scale
         return tf.train.Checkpoint(**items)
+
+
+class _WeightsOnly(tf.Module):
+    """An EMA's weight averages alone, under the EMA's own checkpoint names."""
+
+    def __init__(self, ema: optimization.ExponentialMovingAverage):
+        super().__init__(name="ema")
+        self.shadow = ema.shadow
 
 
 def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tuple[int, int]],
@@ -129,7 +139,8 @@ def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tu
     # The EMA ramp counts the main group's applied updates: the steps the EMA is updated on.
     ema = (optimization.ExponentialMovingAverage(
         model.trainable_variables, ema_decay, ema_warmup_steps,
-        counter=optimizers[1].iterations if ema_warmup_steps else None)
+        counter=optimizers[1].iterations if ema_warmup_steps else None,
+        statistics=optimization.moving_statistics(model))
         if ema_decay else None)
     return TrainState(model, optimizers, global_step, loss_scale, ema)
 
@@ -160,12 +171,18 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
             "every process of a run must see the same model_dir (a shared file system)")
     check_optimizer_kind(path, state.optimizers[1])
     model_dir = os.path.dirname(saver.directory)
+    old_ema = (state.ema is not None and state.ema.statistic_pairs()
+               and not checkpointing.has_ema_statistics(path))
+    if old_ema:  # written before the EMA averaged the batch norms' statistics
+        checkpoint = state.checkpoint(ema_statistics=False)
     status = checkpoint_restore.restore(checkpoint, path, model_dir)
     checkpoint_restore.assert_matched(status, path, model_dir)
     checkpoint_restore.assert_used(status, path, model_dir, roots=("model",))
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
+    if old_ema:
+        state.ema.reset_statistics()
     saver.saved_step = step
     return step
 
