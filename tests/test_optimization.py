@@ -35,10 +35,11 @@ def test_flat_cosine_schedule(warmup, flat, final):
     assert got[-1] == pytest.approx(4e-4 * final, rel=1e-6, abs=1e-12)  # the floor, after the end
 
 
-def _deim_flat_cosine(step, base, total, warmup, flat, tail, floor):
-    """DEIM's piecewise rate in float64 (warmup linear here), with step counts given."""
+def _deim_flat_cosine(step, base, total, warmup, flat, tail, floor, quadratic=False):
+    """DEIM's piecewise rate in float64, with step counts given; its quadratic warmup
+    init_lr * (step / warmup_iter) ** 2, or a linear one (step + 1) / warmup."""
     if step < warmup:
-        return base * (step + 1) / warmup
+        return base * (step / warmup) ** 2 if quadratic else base * (step + 1) / warmup
     if step < flat:
         return base
     if step >= total - tail:
@@ -47,20 +48,24 @@ def _deim_flat_cosine(step, base, total, warmup, flat, tail, floor):
     return floor + (base - floor) * 0.5 * (1 + np.cos(np.pi * t))
 
 
+@pytest.mark.parametrize("quadratic", [False, True], ids=["linear", "quadratic"])
 @pytest.mark.parametrize("warmup, flat, tail", [(10, 0.5, 8 / 58), (0, 0.25, 0.25), (30, 0.0, 0.1)])
-def test_flat_cosine_tail_at_every_step(warmup, flat, tail):
+def test_flat_cosine_tail_at_every_step(warmup, flat, tail, quadratic):
     """DEIM's shape: the floor is reached where the tail starts and held to the end."""
     total, base = 116, 5e-4
-    sched = optimization.FlatCosineSchedule(base, total, warmup, flat, 0.5, tail)
+    sched = optimization.FlatCosineSchedule(base, total, warmup, flat, 0.5, tail,
+                                            warmup="quadratic" if quadratic else "linear")
     steps = np.arange(total + 3)
     got = sched(tf.constant(steps)).numpy()
     flat_steps, tail_steps = max(round(flat * total), warmup), round(tail * total)
-    want = [_deim_flat_cosine(s, base, total, warmup, flat_steps, tail_steps, 0.5 * base)
-            for s in steps]
+    want = [_deim_flat_cosine(s, base, total, warmup, flat_steps, tail_steps, 0.5 * base,
+                              quadratic) for s in steps]
     np.testing.assert_allclose(got, want, rtol=2e-6)
     assert np.all(got[total - tail_steps:] == np.float32(0.5 * base))
     with pytest.raises(ValueError, match="tail_fraction=0.6"):
         optimization.FlatCosineSchedule(base, total, 0, 0.5, 0.5, 0.6)
+    with pytest.raises(ValueError, match="warmup='cubic'"):
+        optimization.FlatCosineSchedule(base, total, 0, warmup="cubic")
 
 
 def test_build_optimizers_takes_an_injected_schedule():

@@ -85,6 +85,9 @@ class StepDecaySchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
                     warmup_steps=self.warmup_steps)
 
 
+WARMUPS = ("linear", "quadratic")
+
+
 @gin.configurable(denylist=["base_lr", "total_steps"])
 class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup, a flat stretch at base_lr, then a half cosine down to
@@ -103,11 +106,13 @@ class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
       final_factor: the floor, as a fraction of base_lr.
       tail_fraction: fraction of total_steps at the end spent at the floor (DEIM's
         no_aug_epoch / epoches); the cosine reaches the floor where the tail starts.
+      warmup: 'linear': base_lr * (step + 1) / warmup_steps (RT-DETR's LinearWarmup);
+        'quadratic': base_lr * (step / warmup_steps) ** 2 (DEIM's flat-cosine warmup).
     """
 
     def __init__(self, base_lr: float, total_steps: int, warmup_steps: int = 0,
                  flat_fraction: float = 0.0, final_factor: float = 0.0,
-                 tail_fraction: float = 0.0):
+                 tail_fraction: float = 0.0, warmup: str = "linear"):
         if not total_steps or total_steps <= 0:
             raise ValueError(f"FlatCosineSchedule needs the run's step count, got {total_steps}")
         if not 0.0 <= flat_fraction < 1.0:
@@ -116,6 +121,9 @@ class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
             raise ValueError(f"FlatCosineSchedule.tail_fraction={tail_fraction} is not in "
                              f"[0, 1 - flat_fraction={1.0 - flat_fraction:g}): the cosine "
                              "needs a stretch between the flat part and the tail")
+        if warmup not in WARMUPS:
+            raise ValueError(f"FlatCosineSchedule.warmup={warmup!r} is not one of {WARMUPS}")
+        self.warmup = warmup
         self.base_lr = float(base_lr)
         self.total_steps = int(total_steps)
         self.warmup_steps = int(warmup_steps)
@@ -130,14 +138,18 @@ class FlatCosineSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
         cosine = 0.5 * (1.0 + tf.cos(math.pi * progress))
         lr = self.base_lr * (self.final_factor + (1.0 - self.final_factor) * cosine)
         if self.warmup_steps > 0:
-            warm = self.base_lr * tf.minimum((step + 1) / self.warmup_steps, 1.0)
+            if self.warmup == "quadratic":
+                warm = self.base_lr * tf.square(step / self.warmup_steps)
+            else:
+                warm = self.base_lr * tf.minimum((step + 1) / self.warmup_steps, 1.0)
             lr = tf.where(step < self.warmup_steps, warm, lr)
         return lr
 
     def get_config(self):
         return dict(base_lr=self.base_lr, total_steps=self.total_steps,
                     warmup_steps=self.warmup_steps, flat_steps=self.flat_steps,
-                    tail_steps=self.tail_steps, final_factor=self.final_factor)
+                    tail_steps=self.tail_steps, final_factor=self.final_factor,
+                    warmup=self.warmup)
 
 
 # build_optimizers' plain Gin-bound arguments, checked before it builds anything
