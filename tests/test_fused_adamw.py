@@ -26,10 +26,11 @@ def _problem(steps=5, seed=0, dtype=np.float32):
     return weights, grads
 
 
-def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None, ema_warmup=0):
+def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None, ema_warmup=0, no_decay=()):
     """torch.optim.AdamW (foreach=False, amsgrad=False) in float64, behind a global-norm clip
     (tf.clip_by_global_norm's form) and the skip of non-finite steps; optional EMA, with
-    RT-DETR's ModelEMA ramp decay * (1 - exp(-updates / warmups)) when ema_warmup > 0."""
+    RT-DETR's ModelEMA ramp decay * (1 - exp(-updates / warmups)) when ema_warmup > 0; the
+    variables numbered in no_decay in a parameter group of weight_decay 0."""
     w = [x.astype(np.float64) for x in weights]
     m = [np.zeros_like(x) for x in w]
     v = [np.zeros_like(x) for x in w]
@@ -46,7 +47,7 @@ def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None, ema_warmup=0):
         t += 1
         for i in range(len(w)):
             lr = lr_of[i]
-            w[i] = w[i] * (1 - lr * WD)
+            w[i] = w[i] * (1 - lr * (0.0 if i in no_decay else WD))
             m[i] = B1 * m[i] + (1 - B1) * g[i]
             v[i] = B2 * v[i] + (1 - B2) * g[i] * g[i]
             step_size = lr / (1 - B1 ** t)
@@ -58,14 +59,14 @@ def _numpy_adamw(weights, grads_per_step, clip, ema_decay=None, ema_warmup=0):
     return w, m, v, ema, t
 
 
-def _build(weights, clip, ema_decay=None, compiled=True, ema_warmup=0):
+def _build(weights, clip, ema_decay=None, compiled=True, ema_warmup=0, no_decay=()):
     variables = [tf.Variable(x) for x in weights]
     groups = [fused_adamw.AdamWGroup(lr, weight_decay=WD, beta_1=B1, beta_2=B2, epsilon=EPS,
                                      jit_compile=compiled, name=f"g{k}")
               for k, lr in enumerate(LRS)]
     split = [variables[:1], variables[1:]]
     for group, vars_ in zip(groups, split):
-        group.build(vars_)
+        group.build(vars_, no_decay=[variables[i] for i in no_decay])
     # One batch-norm-like statistic beside the weights, which the EMA averages too.
     stat = tf.Variable(np.ones(3, weights[0].dtype))
     ema = (optimization.ExponentialMovingAverage(
@@ -129,6 +130,24 @@ def test_fused_update_matches_float64_torch_adamw_with_tiny_gradients(compiled, 
     eps_hat = weights[1].astype(np.float64) * (1 - LRS[1] * WD) - LRS[1] * m[1] / (
         (1 - B1 ** t) * (np.sqrt(v[1]) + EPS * np.sqrt(1 - B2 ** t)) / np.sqrt(1 - B2 ** t))
     assert np.abs(eps_hat - w[1]).max() > 10 * np.abs(variables[1].numpy() - w[1]).max()
+
+
+@FORMS
+@pytest.mark.parametrize("no_decay", [(0,), (2,), (0, 1, 2)], ids=["backbone", "head", "all"])
+def test_variables_exempt_from_decay_follow_a_zero_decay_group(compiled, no_decay):
+    """RT-DETR/D-FINE's parameter groups with weight_decay 0 (norms, biases), beside decayed
+    variables of the same group."""
+    weights, grads = _problem(dtype=np.float64)
+    variables, _, _, _, update = _build(weights, CLIP, compiled=compiled, no_decay=no_decay)
+    _run(update, grads)
+    w, _, _, _, _ = _numpy_adamw(weights, grads, CLIP, no_decay=no_decay)
+    decayed, _, _, _, _ = _numpy_adamw(weights, grads, CLIP)
+    for k, var in enumerate(variables):
+        moved = np.abs(w[k] - weights[k]).max()
+        np.testing.assert_allclose(var.numpy() - weights[k], w[k] - weights[k],
+                                   rtol=1e-6, atol=1e-6 * moved)
+        if k in no_decay:  # the decay (lr * 0.1 per step) is far above the tolerance
+            assert np.abs(decayed[k] - w[k]).max() > 100 * np.abs(var.numpy() - w[k]).max()
 
 
 @FORMS

@@ -78,11 +78,17 @@ class AdamWGroup(tf.Module):
                                       name=f"{name}/iterations")
         self.m: List[tf.Variable] = []
         self.v: List[tf.Variable] = []
+        self.decays: List[bool] = []
 
-    def build(self, variables: Sequence[tf.Variable]) -> None:
-        """Creates the zero slots (call once, inside the engine's scope)."""
+    def build(self, variables: Sequence[tf.Variable],
+              no_decay: Sequence[tf.Variable] = ()) -> None:
+        """Creates the zero slots (call once, inside the engine's scope); the variables in
+        `no_decay` take no weight decay (the reference's parameter groups with
+        weight_decay 0)."""
         if self.m:
             raise ValueError(f"AdamWGroup {self.name!r} is already built")
+        exempt = {v.ref() for v in no_decay}
+        self.decays = [v.ref() not in exempt for v in variables]
 
         def slot(var, kind):
             return tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False,
@@ -276,11 +282,12 @@ def _apply_group(group: AdamWGroup, iterations, ms, vs, ws, grads, ok) -> List[t
     lr = group.rate(iterations)
     t = tf.cast(iterations + 1, tf.float32)
     new_weights = []
-    for w, m, v, g in zip(ws, ms, vs, grads):
+    for w, m, v, g, decays in zip(ws, ms, vs, grads, group.decays):
         old_w, old_m, old_v = w.read_value(), m.read_value(), v.read_value()
         dtype = old_w.dtype
         new_w, new_m, new_v = adamw_update(
-            old_w, old_m, old_v, tf.cast(g, dtype), tf.cast(lr, dtype), group.weight_decay,
+            old_w, old_m, old_v, tf.cast(g, dtype), tf.cast(lr, dtype),
+            group.weight_decay if decays else 0.0,
             group.beta_1, group.beta_2, group.epsilon, tf.cast(t, dtype))
         new_w = tf.where(ok, new_w, old_w)
         w.assign(new_w)
@@ -304,7 +311,9 @@ def _apply_group_kernels(group: AdamWGroup, iterations, ms, vs, ws, grads) -> No
             scalars[w.dtype] = _adam_scalars(group, lr, iterations + 1, w.dtype)
     if group.weight_decay:
         for dtype, s in scalars.items():
-            decay_in_place([w for w in ws if w.dtype == dtype], s["lr"] * group.weight_decay)
+            decayed = [w for w, d in zip(ws, group.decays) if d and w.dtype == dtype]
+            if decayed:
+                decay_in_place(decayed, s["lr"] * group.weight_decay)
     for w, m, v, g in zip(ws, ms, vs, grads):
         tf.raw_ops.ResourceApplyAdam(var=w.handle, m=m.handle, v=v.handle,
                                      grad=tf.cast(g, w.dtype), **scalars[w.dtype])

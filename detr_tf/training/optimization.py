@@ -190,8 +190,9 @@ def build_optimizers(steps_per_epoch: int, total_steps: Optional[int] = None,
     """Two AdamW parameter groups, (backbone, rest), sharing one schedule shape.
 
     PyTorch's AdamW (the reference) and tf_keras's AdamW both decay weights decoupled from the
-    gradient as w -= lr * wd * w, and the reference decays every parameter, so nothing is
-    excluded here either.
+    gradient as w -= lr * wd * w. DETR decays every parameter; the variables a recipe exempts
+    (RT-DETR's and D-FINE's norms and biases) are chosen by
+    detr_tf/training/decay_groups.py's `no_weight_decay` when the groups are built.
 
     Args:
       steps_per_epoch: optimizer steps per epoch, to place the epoch-based rate drops.

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpoint_restore, checkpointing, fused_adamw, hardware, optimization
+from detr_tf.training import (checkpoint_restore, checkpointing, decay_groups, fused_adamw,
+                              hardware, optimization)
 from detr_tf.training.step import split_variables
 
 
@@ -111,6 +112,19 @@ class TrainState:
         return tf.train.Checkpoint(**items)
 
 
+def build_groups(optimizers: Sequence[Any], variables: Sequence[Sequence[tf.Variable]],
+                 no_decay: Sequence[tf.Variable]) -> None:
+    """Builds each optimizer group on its variables, those in `no_decay` without weight
+    decay."""
+    for opt, vars_ in zip(optimizers, variables):
+        if isinstance(opt, fused_adamw.AdamWGroup):
+            opt.build(vars_, no_decay=no_decay)
+        else:
+            ids = {v.ref() for v in vars_}
+            opt.exclude_from_weight_decay(var_list=[v for v in no_decay if v.ref() in ids])
+            opt.build(vars_)
+
+
 class _WeightsOnly(tf.Module):
     """An EMA's weight averages alone, under the EMA's own checkpoint names."""
 
@@ -133,8 +147,7 @@ def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tu
     # The schedule reads the global step, which counts skipped steps too (OnStep).
     optimizers = optimization.build_optimizers(steps_per_epoch=steps_per_epoch,
                                                total_steps=total_steps, step_counter=global_step)
-    for opt, vars_ in zip(optimizers, split_variables(model)):
-        opt.build(vars_)
+    build_groups(optimizers, split_variables(model), decay_groups.no_weight_decay(model))
     loss_scale = optimization.DynamicLossScale() if precision == "mixed_float16" else None
     # The EMA ramp counts the main group's applied updates: the steps the EMA is updated on.
     ema = (optimization.ExponentialMovingAverage(
