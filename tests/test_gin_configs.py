@@ -82,3 +82,21 @@ def test_header_gives_command_and_required_values(name):
     assert f"--gin_file=gin_configs/{name}" in header, f"{name}: header lacks the command"
     for macro in required_macros(GIN_DIR / name):
         assert macro in header, f"{name}: required macro {macro} is not named in the header"
+
+
+@pytest.mark.parametrize("name, backbone_share", [
+    # RT-DETR's and RT-DETRv2-M/L's groups give the backbone lr 1e-5 of the main 1e-4;
+    # RT-DETRv2-S's config replaces the groups with one for its norms, so its backbone trains at
+    # the main rate.
+    ("rtdetr_r18vd.gin", 0.1), ("rtdetr_v2_r50vd.gin", 0.1), ("rtdetr_v2_r18vd.gin", 1.0)])
+def test_the_backbone_rate_is_the_references_share_of_the_main_rate(name, backbone_share):
+    path = GIN_DIR / name
+    bindings = [f"{m} = '/dummy/{m.lower()}'" for m in required_macros(path)]
+    gin.clear_config()
+    try:
+        config.parse_gin_config([str(path)], bindings, finalize=False)
+        main = gin.query_parameter("build_optimizers.learning_rate")
+        backbone = gin.query_parameter("build_optimizers.backbone_learning_rate")
+        assert backbone == pytest.approx(backbone_share * main, rel=1e-12)
+    finally:
+        gin.clear_config()
