@@ -306,3 +306,25 @@ def test_detr_float32_weight_decay_is_below_the_limit():
     rate = tf.cast(tf.constant(1e-4), tf.float32) * 1e-4
     assert float(rate) <= fused_adamw.decay_limit(tf.float32)
     assert fused_adamw.decay_limit(tf.float32) < 2e-8  # Deformable DETR's 2e-4 x 1e-4 runs
+
+
+@FORMS
+def test_the_ema_ramp_counts_each_step_of_a_device_loop(compiled):
+    """steps_per_loop > 1 runs several updates in one tf.function loop: each must read the count
+    its own step left (the reference updates the EMA after every step)."""
+    weights, grads = _problem(steps=4, seed=4)
+    grads = [g for g in grads if all(np.isfinite(x).all() for x in g)]
+    variables, groups, ema, step, update = _build(weights, CLIP, ema_decay=0.9,
+                                                  compiled=compiled, ema_warmup=2)
+    stacked = [tf.constant(np.stack([g[k] for g in grads])) for k in range(len(SHAPES))]
+
+    @tf.function
+    def loop():
+        for i in tf.range(len(grads)):
+            update(tf.distribute.get_strategy(), [s[i] for s in stacked], tf.constant(True))
+
+    loop()
+    _, _, _, ema_want, t = _numpy_adamw(weights, grads, CLIP, ema_decay=0.9, ema_warmup=2)
+    assert int(groups[1].iterations.numpy()) == t == len(grads)
+    for got, want in zip(ema.shadow, ema_want):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
