@@ -226,36 +226,42 @@ class FusedUpdate:
         for (group, iterations, ms, vs, ws), grads in zip(groups, per_group):
             new_weights += _apply_group(group, iterations, ms, vs, ws, grads, ok)
         if self.ema is not None:
-            count = self._ema_count(local)
+            rate = self._ema_rate(local)
             for shadow, var in self._ema_pairs(local):
                 old = shadow.read_value()
-                decay = self.ema.decay_at(count, old.dtype)
-                blended = decay * old + (1.0 - decay) * new_weights[position[var.ref()]]
+                r = rate(old.dtype)
+                blended = (1.0 - r) * old + r * new_weights[position[var.ref()]]
                 shadow.assign(tf.where(ok, blended, old))
             for shadow, stat in self._ema_statistics(local):
                 old = shadow.read_value()
-                rate = 1.0 - self.ema.decay_at(count, old.dtype)
-                shadow.assign(tf.where(ok, old - rate * (old - stat.read_value()), old))
+                shadow.assign(tf.where(ok, old - rate(old.dtype) * (old - stat.read_value()), old))
 
     def _kernel_update(self, local, groups, per_group) -> tf.Tensor:
         """The branch taken when `ok`: in-place kernels, variable by variable."""
         for (group, iterations, ms, vs, ws), grads in zip(groups, per_group):
             _apply_group_kernels(group, iterations, ms, vs, ws, grads)
         if self.ema is not None:
-            count = self._ema_count(local)
+            rate = self._ema_rate(local)
             for shadow, var in self._ema_pairs(local):
-                rate = 1.0 - self.ema.decay_at(count, shadow.dtype)
-                shadow.assign_sub(rate * (shadow - local(var)))
+                shadow.assign_sub(rate(shadow.dtype) * (shadow - local(var)))
             for shadow, stat in self._ema_statistics(local):
-                rate = 1.0 - self.ema.decay_at(count, shadow.dtype)
-                shadow.assign_sub(rate * (shadow - stat.read_value()))
+                shadow.assign_sub(rate(shadow.dtype) * (shadow - stat.read_value()))
         return tf.constant(True)
 
-    def _ema_count(self, local):
-        """The EMA ramp's count of applied updates, this one included (read after the groups'
-        `iterations` moved), or 0 without a ramp."""
+    def _ema_rate(self, local) -> Callable:
+        """dtype -> 1 - the EMA's decay for this update, computed once per dtype. The ramp's
+        count of applied updates includes this one (read after the groups' `iterations`
+        moved)."""
         counter = self.ema.counter
-        return local(counter).read_value() if counter is not None else 0
+        count = local(counter).read_value() if counter is not None else 0
+        rates = {}
+
+        def rate(dtype):
+            if dtype not in rates:
+                rates[dtype] = 1.0 - self.ema.decay_at(count, dtype)
+            return rates[dtype]
+
+        return rate
 
     def _ema_pairs(self, local):
         """(local shadow copy, model variable) pairs of the EMA."""
