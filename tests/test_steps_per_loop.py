@@ -267,6 +267,13 @@ def test_eval_every_without_an_eval_fn_is_named(tmp_path, capsys):
             in capsys.readouterr().out)
 
 
+def test_an_ema_ramp_without_an_ema_is_named(tmp_path, capsys):
+    result, _ = train(tmp_path, 2, steps_per_loop=1, ema_warmup_steps=2000)
+    assert result["step"] == 2
+    assert ("note: train.ema_warmup_steps = 2000 has no effect: the run keeps no EMA"
+            in capsys.readouterr().out)
+
+
 def test_loops_of_any_length_share_one_trace_and_stop_at_the_first_non_finite_step():
     # Loops of 2 steps or more share one while-loop trace; one step has its own (no loop).
     total = tf.Variable(0.0)

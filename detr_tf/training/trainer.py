@@ -200,6 +200,9 @@ def train(model_dir: str,
     if eval_every and eval_fn is None:
         print(f"detr_tf: note: train.eval_every = {eval_every} has no effect: the run has no "
               "train.eval_fn to evaluate with (e.g. @coco_evaluate)", flush=True)
+    if ema_warmup_steps and not ema_decay:
+        print(f"detr_tf: note: train.ema_warmup_steps = {ema_warmup_steps} has no effect: the "
+              "run keeps no EMA (set train.ema_decay)", flush=True)
     info = dataset_info_fn(is_training=True) if dataset_info_fn is not None else None
     if train_examples is None and info is not None:
         train_examples = info.num_examples
