@@ -101,7 +101,8 @@ def train(model_dir, num_steps, steps_per_loop, nan_at_step=None, **kwargs):
         dataset_fn=toy_dataset_fn(nan_at_step), global_batch_size=GLOBAL_BATCH,
         num_steps=num_steps, steps_per_loop=steps_per_loop,
         eval_fn=settings.pop("eval_fn", eval_fn),
-        dataset_info_fn=None, init_weights=None, after_train_fn=None, ema_decay=None,
+        dataset_info_fn=None, init_weights=None, after_train_fn=None,
+        ema_decay=settings.pop("ema_decay", None),
         grad_accum_steps=1, cpu_devices=2, precision="float32", clip_norm=0.1, **settings)
     return result, evals
 
@@ -265,6 +266,27 @@ def test_eval_every_without_an_eval_fn_is_named(tmp_path, capsys):
     assert result["step"] == 2
     assert ("note: train.eval_every = 1 has no effect: the run has no train.eval_fn"
             in capsys.readouterr().out)
+
+
+def test_the_runs_ema_follows_the_references_ramp_step_by_step(tmp_path):
+    """Each checkpoint's averages are d_n * the previous ones + (1 - d_n) * its weights, with
+    RT-DETR's d_n = decay * (1 - exp(-n / warmups)) at the n-th update (a checkpoint every step;
+    tests/test_fused_adamw.py checks the count inside a device loop)."""
+    decay, warmups, steps = 0.5, 2, 4
+    train(tmp_path, steps, steps_per_loop=1, ema_decay=decay,
+          ema_warmup_steps=warmups, checkpoint_every=1)
+    previous = None
+    for n in range(1, steps + 1):
+        reader = tf.train.load_checkpoint(str(tmp_path / "checkpoints" / f"ckpt-{n}"))
+        model = [reader.get_tensor(f"model/{layer}/{kind}/.ATTRIBUTES/VARIABLE_VALUE")
+                 for layer in ("backbone", "head") for kind in ("kernel", "bias")]
+        ema = [reader.get_tensor(f"ema/shadow/{i}/.ATTRIBUTES/VARIABLE_VALUE")
+               for i in range(len(model))]
+        if previous is not None:
+            d = decay * (1.0 - np.exp(-n / warmups))
+            for got, prev, w in zip(ema, previous, model):
+                np.testing.assert_allclose(got, d * prev + (1 - d) * w, rtol=1e-5, atol=1e-7)
+        previous = [e.astype(np.float64) for e in ema]
 
 
 def test_an_ema_ramp_without_an_ema_is_named(tmp_path, capsys):
