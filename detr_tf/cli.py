@@ -98,11 +98,29 @@ def define_gin_flags(example: str = "", saved_config_default: bool = False) -> N
         + (f", e.g. --gin_param='{example}'." if example else "."))
 
 
+class _UserPathParser(flags.ArgumentParser):
+    """A path flag's parser that expands a leading `~`: a shell leaves the `~` of
+    `--model_dir=~/runs/x` as it is, and the tool would make a directory named `~` in the
+    working directory."""
+
+    def parse(self, argument):
+        return os.path.expanduser(argument) if isinstance(argument, str) else argument
+
+    def flag_type(self):
+        return "string"
+
+
+def define_path_flag(name: str, help_text: str) -> None:
+    """A string flag holding a path, with `~` expanded (_UserPathParser); no default."""
+    flags.DEFINE(_UserPathParser(), name, None, help_text,
+                 serializer=flags.ArgumentSerializer())
+
+
 def define_run_flags(example: str = "") -> None:
     """The flags of a tool working on a trained run: the Gin flags (defaulting to the run's
     config.gin), --model_dir (required) and --checkpoint."""
     define_gin_flags(example, saved_config_default=True)
-    flags.DEFINE_string("model_dir", None, "The training run's directory.")
+    define_path_flag("model_dir", "The training run's directory.")
     flags.DEFINE_string("checkpoint", None, "A checkpoint prefix, one of its files, or a "
                         "name in MODEL_DIR/checkpoints such as ckpt-2000 (default: the latest "
                         "there).")
@@ -144,6 +162,8 @@ def check_output_dir(tool: str, flag: str, path: str) -> None:
     """Exits with one line when `path` cannot become the directory a tool writes into: it, or
     the nearest part of it that exists, is a file, or that part is not writable. Creates
     nothing, so a run that fails later leaves no empty directory behind."""
+    if not path:
+        sys.exit(f"{tool}: --{flag} is empty: give a directory path")
     existing = arg_checks.nearest_existing(path)
     if not os.path.isdir(existing):
         why = ("is a file" if existing == os.path.abspath(path)

@@ -88,6 +88,22 @@ def test_train_script_rejects_bad_config_without_traceback(tmp_path):
     assert "does_not_exist.gin" in missing.stderr and "Traceback" not in missing.stderr
 
 
+def test_train_names_a_model_dir_that_is_empty_or_a_file_and_expands_home(tmp_path,
+                                                                           monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for model_dir, said in [("", "--model_dir is empty"),
+                            (str(a_file), f"--model_dir='{a_file}' is a file"),
+                            # The shell leaves this `~` alone; the tool expands it.
+                            ("~/a_file", f"--model_dir='{a_file}' is a file"),
+                            (str(a_file / "run"), f"('{a_file}' is a file)")]:
+        proc = _run_train("--gin_file=tiny.gin", f"--model_dir={model_dir}")
+        assert proc.returncode == 1 and said in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert a_file.read_text() == "kept" and not (REPO / "~").exists()
+
+
 def test_required_macro_names_the_macro_and_how_to_set_it():
     # detr_r50.gin leaves the COCO paths and the ImageNet backbone to the user.
     data = [f"{m} = 'x'" for m in ("COCO_TRAIN_PATTERN", "COCO_VAL_PATTERN",
