@@ -309,6 +309,29 @@ def _run_training(model_dir: str) -> None:
         if "Required bindings" in str(e):
             sys.exit(f"train.py: gin configuration incomplete: {e}")
         raise
+    except KeyboardInterrupt:
+        _interrupted(model_dir)
+        raise
+
+
+def _interrupted(model_dir: str) -> None:
+    """Exits in one line, status 130, when a signal stopped the run without waiting for the
+    step: a second SIGTERM or SIGINT (the first lets the step end and saves it), or a SIGINT
+    before training began. Returns with DETR_TF_TRACEBACK set."""
+    if os.environ.get("DETR_TF_TRACEBACK"):
+        return
+    from detr_tf.training import checkpointing
+
+    try:
+        latest = checkpointing.latest_checkpoint(model_dir)
+    except OSError:  # files of no complete checkpoint: the rerun says so
+        latest = None
+    print(f"train.py: interrupted without waiting for the step to end (a second SIGTERM or "
+          f"SIGINT; the first saves the step); the steps after the last checkpoint are lost: "
+          + (f"a rerun resumes from {latest}" if latest else "no checkpoint was written"),
+          file=sys.stderr, flush=True)
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    sys.exit(130)
 
 
 def _lost_process(error: Any, model_dir: str) -> None:

@@ -5,6 +5,7 @@ data files first and then replaces the state file atomically, so a process kille
 leaves `latest_checkpoint` pointing at a complete checkpoint (tests/test_trainer.py kills runs to
 check this).
 """
+import contextlib
 import os
 import shutil
 import signal
@@ -128,11 +129,18 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
 
 class TerminationSignal:
     """Turns SIGTERM (and SIGINT) into a flag the training loop polls, so the loop can save a
-    checkpoint and exit cleanly between steps instead of dying mid-step."""
+    checkpoint and exit cleanly between steps instead of dying mid-step.
+
+    A second signal gives up waiting for the step: it raises KeyboardInterrupt (tools/train.py
+    turns it into one line), but not inside `holding()`, where it waits for the block's end so
+    that a checkpoint being written is written whole.
+    """
 
     def __init__(self):
         self._event = threading.Event()
         self._previous = {}
+        self._holding = False
+        self._held = False  # a second signal came while holding
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -142,8 +150,22 @@ class TerminationSignal:
 
     def _handle(self, signum, frame):
         if self._event.is_set():  # a second signal: give up waiting for the step
+            if self._holding:
+                self._held = True
+                return
             raise KeyboardInterrupt
         self._event.set()
+
+    @contextlib.contextmanager
+    def holding(self):
+        """A second signal inside the block raises KeyboardInterrupt only at its end."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self._held:
+            raise KeyboardInterrupt
 
     @property
     def received(self) -> bool:

@@ -212,18 +212,21 @@ def run_loop(device_loop: DeviceLoop, iterator, state: TrainState, engine,
             throughput.note_cut_targets(step, outcome)
             if (step % cfg.checkpoint_every == 0 or step == cfg.num_steps) and (
                     saver.saved_step != step):
-                saver.save(step)
+                with term.holding():
+                    saver.save(step)
             if (evaluates and engine.is_chief and step % cfg.eval_every == 0
                     and step != cfg.num_steps):
                 result.eval_metrics = evaluate(eval_fn, state, model_dir, step, writer)
             # Every process asks the others at every loop boundary, so a signal to any one of
             # them stops all at the same step, and all take part in the same last save.
             if engine.any_process(term.received):
-                path = (saver.save(step) if saver.saved_step != step
-                        else saver.checkpoint_path(step))
+                with term.holding():
+                    path = (saver.save(step) if saver.saved_step != step
+                            else saver.checkpoint_path(step))
                 _report_stop(engine, term.received, step, path)
                 result.terminated = True
                 return result
         if saver.saved_step != step:
-            saver.save(step)
+            with term.holding():
+                saver.save(step)
     return result

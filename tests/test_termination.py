@@ -1,0 +1,103 @@
+"""Signals during training: the first lets the step end and saves it; a second stops at once,
+but never in the middle of a checkpoint being written, and tools/train.py says so in one line.
+
+The host loop runs here with stand-ins for the device loop, the saver and the engine, so the
+signals land exactly where each test needs them (a real run's timing would decide it).
+"""
+import os
+import signal
+import types
+
+import pytest
+import tensorflow as tf
+
+from detr_tf import cli
+from detr_tf.training import checkpointing, host_loop, trainer
+from detr_tf.training.device_loop import LoopOutcome
+
+
+class _Saver:
+    """Records each save's start and end; `during` runs between them."""
+
+    def __init__(self, during=lambda: None):
+        self.events, self.saved_step, self.during = [], None, during
+
+    def save(self, step):
+        self.events.append(("start", step))
+        self.during()
+        self.events.append(("written", step))
+        self.saved_step = step
+        return f"ckpt-{step}"
+
+    def checkpoint_path(self, step):
+        return f"ckpt-{step}"
+
+
+def _run_loop(saver, signal_at_step=None):
+    """run_loop over 10 one-step loops; SIGTERM reaches the process during `signal_at_step`."""
+    state = types.SimpleNamespace(global_step=tf.Variable(0, dtype=tf.int64))
+    steps = []
+
+    def device_loop(iterator, n):
+        state.global_step.assign_add(n)
+        steps.append(int(state.global_step.numpy()))
+        if steps[-1] == signal_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return LoopOutcome(steps=n, non_finite=0, first_non_finite=-1, stats={})
+
+    engine = types.SimpleNamespace(is_chief=False, rank=1, any_process=lambda flag: flag)
+    writer = types.SimpleNamespace(write=lambda *a, **k: None, close=lambda: None)
+    cfg = host_loop.LoopConfig(num_steps=10, images_per_step=1, log_every=100,
+                               checkpoint_every=4, eval_every=None, nan_policy="stop")
+    result = host_loop.run_loop(device_loop, None, state, engine, saver, writer, cfg, "unused")
+    return result, steps
+
+
+def test_a_first_signal_lets_the_step_end_and_saves_it():
+    saver = _Saver()
+    result, steps = _run_loop(saver, signal_at_step=6)
+    assert result.terminated and result.step == 6 and steps == [1, 2, 3, 4, 5, 6]
+    assert saver.events == [("start", 4), ("written", 4), ("start", 6), ("written", 6)]
+
+
+def test_a_second_signal_while_a_checkpoint_is_written_stops_once_it_is_whole():
+    # The first signal comes during step 6; the second while its checkpoint is being written.
+    saver = _Saver()
+    saver.during = lambda: (os.kill(os.getpid(), signal.SIGTERM)
+                            if saver.events[-1] == ("start", 6) else None)
+    with pytest.raises(KeyboardInterrupt):
+        _run_loop(saver, signal_at_step=6)
+    assert saver.events[-2:] == [("start", 6), ("written", 6)]
+    # Outside a save, a second signal stops at once (it does not wait for the step).
+    with checkpointing.TerminationSignal():
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_train_py_says_in_one_line_where_an_interrupted_run_resumes(tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.delenv("DETR_TF_TRACEBACK", raising=False)
+
+    def interrupted(model_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        cli.run_training(str(tmp_path / "new"))
+    assert exit_.value.code == 130 and not (tmp_path / "new").exists()
+    assert capsys.readouterr().err.strip().endswith("no checkpoint was written")
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    for name in ("ckpt-3.index", "ckpt-3.data-00000-of-00001"):
+        (ckpts / name).write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        cli.run_training(str(tmp_path / "run"))
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 130 and len(err.splitlines()) == 1
+    assert err.startswith("train.py: interrupted") and err.endswith(
+        f"a rerun resumes from {ckpts / 'ckpt-3'}")
