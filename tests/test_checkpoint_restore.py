@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.config import parse_gin_config
 from detr_tf.training import checkpoint_restore as cr
 
 
@@ -113,5 +114,23 @@ def test_config_differences_reads_values_over_several_lines():
              "    1, 2]\nNUM_QUERIES = 16\n")
     now = "model.width = 3\nmodel.sizes = [1, 3]\nEMA = 0.9\n"
     assert cr.config_differences(saved, now) == [
-        "EMA: (unbound) -> 0.9", "NUM_QUERIES: 16 -> (unbound)",
-        "model.sizes: [ 1, 2] -> [1, 3]"]
+        "model.sizes: [ 1, 2] -> [1, 3]", "EMA: (unbound) -> 0.9",
+        "NUM_QUERIES: 16 -> (unbound)"]
+
+
+def test_another_model_file_is_named_before_the_parameters_it_binds_and_unbinds():
+    """A run resumed with another experiment file: the bindings both configs hold, such as the
+    model's builder, come first, ahead of every building block's parameter that only one of them
+    binds, so the error's first differences say what changed."""
+    texts = []
+    for experiment in ("tiny.gin", "deformable_tiny.gin"):
+        gin.clear_config()
+        try:
+            parse_gin_config([experiment], [], finalize=False)
+            texts.append(gin.config_str())
+        finally:
+            gin.clear_config()
+    lines = cr.config_differences(*texts)
+    both = [line for line in lines if "(unbound)" not in line]
+    assert "train.model_fn: @build_model -> @build_deformable_detr" in both
+    assert lines[:len(both)] == both and len(lines) > len(both) + cr._SHOWN_DIFFERENCES

@@ -87,10 +87,16 @@ def _bindings(text: str) -> Dict[str, str]:
 
 def config_differences(saved: str, current: str) -> List[str]:
     """'name: saved value -> current value' for each binding that differs between two
-    gin.config_str() texts ('(unbound)' where one has none)."""
+    gin.config_str() texts ('(unbound)' where one has none).
+
+    Bindings both texts hold come first: another model file unbinds and binds dozens of its
+    building blocks' parameters, and the one line that says what changed
+    (`train.model_fn: @build_model -> @build_deformable_detr`) must not sort after them.
+    """
     old, new = _bindings(saved), _bindings(current)
-    return [f"{k}: {old.get(k, '(unbound)')} -> {new.get(k, '(unbound)')}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    differing = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    differing.sort(key=lambda k: k not in old or k not in new)  # stable: by name within each
+    return [f"{k}: {old.get(k, '(unbound)')} -> {new.get(k, '(unbound)')}" for k in differing]
 
 
 def differences_from_run(model_dir: Optional[str], current: str) -> str:
