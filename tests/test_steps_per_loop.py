@@ -8,6 +8,7 @@ costs 30-90 s on 2 cores, and a CPU's default is one step per loop); the tiny DE
 steps_per_loop=3 for 6 steps ends with the loss of steps_per_loop=1.
 """
 import json
+import re
 
 import gin
 
@@ -216,6 +217,30 @@ def test_nan_mid_loop_skipped_is_reported_and_the_run_goes_on(tmp_path, capsys):
     assert ("steps 5-8: 1 with a non-finite loss or gradients, skipped (the first at step 6; "
             "1 so far)") in capsys.readouterr().out
     assert all(np.all(np.isfinite(v)) for v in weights(tmp_path, 8).values())
+
+
+class OneNaNTermCriterion(ToyCriterion):
+    """ToyCriterion plus a term, loss_log, that is NaN at every step (the log of a negative
+    number); loss_sq stays finite."""
+
+    def __call__(self, outputs, targets, num_boxes):
+        losses = super().__call__(outputs, targets, num_boxes)
+        loss_log = tf.math.log(-1.0 - tf.reduce_sum(tf.abs(outputs["pred"])))
+        return {**losses, "loss": losses["loss"] + loss_log, "loss_log": loss_log}
+
+
+def test_a_stop_names_the_terms_that_went_non_finite_apart_from_the_finite_ones(tmp_path):
+    with pytest.raises(trainer.TrainingError) as err:
+        train(tmp_path, 4, steps_per_loop=1, criterion=OneNaNTermCriterion(), eval_every=None)
+    message = str(err.value)
+    said = re.match(r"non-finite loss at step 1: not finite: (.*); finite: (.*?)\. The "
+                    r"weights were not updated", message)
+    assert said, message
+    bad = dict(kv.split("=") for kv in said.group(1).split(", "))
+    good = dict(kv.split("=") for kv in said.group(2).split(", "))
+    assert bad == {"loss": "nan", "loss_log": "nan"}, message
+    assert set(good) == {"grad_norm", "loss_sq", "targets_cut"}, message
+    assert all(np.isfinite(float(v)) for v in good.values()), message
 
 
 class NaNGradientCriterion(ToyCriterion):

@@ -10,6 +10,7 @@ its end writes the operative config and starts the progress line's clock, as ear
 one step per loop.
 """
 import dataclasses
+import math
 import time
 from typing import Callable, Dict, Optional
 
@@ -84,6 +85,17 @@ def evaluate(eval_fn: Callable[..., Dict[str, float]], state: TrainState, model_
 _FLAGS = ("applied", "loss_finite", "finite")
 
 
+def _terms_by_finiteness(stats: Dict[str, float]) -> str:
+    """'not finite: a=nan, b=inf; finite: c=1.5': the step's logged terms, the ones that went
+    non-finite first (of a model's dozens of loss terms, often one or two)."""
+    terms = sorted((k, v) for k, v in stats.items() if k not in _FLAGS)
+    said = lambda items: ", ".join(f"{k}={v:.4g}" for k, v in items)  # noqa: E731
+    bad = [(k, v) for k, v in terms if not math.isfinite(v)]
+    good = [(k, v) for k, v in terms if math.isfinite(v)]
+    return (f"not finite: {said(bad) or 'none of the logged values'}"
+            + (f"; finite: {said(good)}" if good else ""))
+
+
 def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
                       saver: checkpointing.CheckpointSaver, writer: MetricsWriter,
                       skipped: int) -> int:
@@ -99,13 +111,11 @@ def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
     span = (f" (the first non-finite of steps {first_step}-{last}, run in one device loop; "
             f"train.steps_per_loop={cfg.steps_per_loop})" if outcome.steps > 1 else "")
     if cfg.nan_policy == "stop":
-        terms = {k: v for k, v in outcome.stats.items() if k not in _FLAGS}
         what = ("non-finite gradients (the loss is finite)" if outcome.stats.get("loss_finite")
                 else "non-finite loss")
         writer.close()
         raise TrainingError(
-            f"{what} at step {bad}{span}: "
-            + ", ".join(f"{k}={v:.4g}" for k, v in sorted(terms.items()))
+            f"{what} at step {bad}{span}: {_terms_by_finiteness(outcome.stats)}"
             + f". The weights were not updated by this step; the last checkpoint "
             f"({saver.latest or 'none yet'}) is untouched. Set "
             "train.nan_policy='skip' to skip such steps instead.")
