@@ -1,9 +1,12 @@
-"""Signals during training: the first lets the step end and saves it; a second stops at once,
-but never in the middle of a checkpoint being written, and tools/train.py says so in one line.
+"""A run cut short. Signals during training: the first lets the step end and saves it; a second
+stops at once, but never in the middle of a checkpoint being written, and tools/train.py says
+so in one line. A checkpoint that cannot be written (a full disk) is one error naming the last
+intact one, with TensorFlow's partial files removed.
 
 The host loop runs here with stand-ins for the device loop, the saver and the engine, so the
 signals land exactly where each test needs them (a real run's timing would decide it).
 """
+import json
 import os
 import signal
 import types
@@ -14,6 +17,7 @@ import tensorflow as tf
 from detr_tf import cli
 from detr_tf.training import checkpointing, host_loop, trainer
 from detr_tf.training.device_loop import LoopOutcome
+from tests.tool_helpers import run_python
 
 
 class _Saver:
@@ -101,3 +105,32 @@ def test_train_py_says_in_one_line_where_an_interrupted_run_resumes(tmp_path, mo
     assert exit_.value.code == 130 and len(err.splitlines()) == 1
     assert err.startswith("train.py: interrupted") and err.endswith(
         f"a rerun resumes from {ckpts / 'ckpt-3'}")
+
+
+def test_a_checkpoint_the_disk_has_no_room_for_is_named_with_the_last_intact_one(tmp_path):
+    # A file size limit stands for a full disk (EFBIG where ENOSPC would be): the first
+    # checkpoint is written, the second not. In a child process: the limit is process-wide.
+    out = run_python(f"""
+import json, os, resource, signal
+import tensorflow as tf
+from detr_tf.training import checkpointing
+saver = checkpointing.CheckpointSaver(
+    tf.train.Checkpoint(v=tf.Variable(tf.ones([100000]))), {str(tmp_path)!r}, True, 0)
+saver.save(1)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100000, resource.RLIM_INFINITY))
+try:
+    saver.save(2)
+    said = None
+except OSError as e:
+    said = str(e)
+print("RESULT", json.dumps(said))
+""").stdout
+    said = json.loads(out.split("RESULT ", 1)[1])
+    ckpts = tmp_path / "checkpoints"
+    assert said == (f"checkpoint ckpt-2 could not be written into {ckpts} (File too large); the "
+                    f"last complete checkpoint, {ckpts / 'ckpt-1'}, is intact: make room (or fix "
+                    "the directory) and run again to resume from it")
+    assert sorted(os.listdir(ckpts)) == ["checkpoint", "ckpt-1.data-00000-of-00001",
+                                         "ckpt-1.index"]
+    assert checkpointing.latest_checkpoint(str(tmp_path)) == str(ckpts / "ckpt-1")

@@ -64,11 +64,29 @@ class CheckpointSaver:
         self.saved_step = step
         if not self.participates:
             return None
-        path = self.manager.save(checkpoint_number=step)
+        try:
+            path = self.manager.save(checkpoint_number=step)
+        except tf.errors.OpError as e:  # a full disk, a directory gone or made read-only
+            raise self._write_failed(step, e) from None
         if self._tmp_dir:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             return None
         return path
+
+    def _write_failed(self, step: int, error: tf.errors.OpError) -> OSError:
+        """The error for checkpoint `step` that could not be written, once the partial files
+        TensorFlow leaves (`ckpt-N_temp/`) are removed: what the file system said, and the
+        checkpoint a rerun resumes from."""
+        write_dir = self.manager.directory
+        shutil.rmtree(os.path.join(write_dir, f"ckpt-{step}_temp"), ignore_errors=True)
+        said = error.message.rsplit("; ", 1)[-1].split(" [Op:")[0].strip()
+        try:
+            last = self.latest
+        except FileNotFoundError:
+            last = None
+        return OSError(f"checkpoint ckpt-{step} could not be written into {write_dir} ({said}); "
+                       f"the last complete checkpoint, {last or 'none yet'}, is intact: make "
+                       "room (or fix the directory) and run again to resume from it")
 
 
 def checkpoint_step(path: str) -> int:
