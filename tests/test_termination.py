@@ -6,9 +6,11 @@ intact one, with TensorFlow's partial files removed.
 The host loop runs here with stand-ins for the device loop, the saver and the engine, so the
 signals land exactly where each test needs them (a real run's timing would decide it).
 """
+import io
 import json
 import os
 import signal
+import sys
 import types
 
 import pytest
@@ -25,6 +27,7 @@ class _Saver:
 
     def __init__(self, during=lambda: None):
         self.events, self.saved_step, self.during = [], None, during
+        self.latest = None  # what a NaN stop names as kept
 
     def save(self, step):
         self.events.append(("start", step))
@@ -37,8 +40,9 @@ class _Saver:
         return f"ckpt-{step}"
 
 
-def _run_loop(saver, signal_at_step=None):
-    """run_loop over 10 one-step loops; SIGTERM reaches the process during `signal_at_step`."""
+def _run_loop(saver, signal_at_step=None, nan_at_step=None, chief=False):
+    """run_loop over 10 one-step loops; SIGTERM reaches the process during `signal_at_step`,
+    and the loss is not finite at `nan_at_step`. The chief draws the progress line."""
     state = types.SimpleNamespace(global_step=tf.Variable(0, dtype=tf.int64))
     steps = []
 
@@ -47,9 +51,11 @@ def _run_loop(saver, signal_at_step=None):
         steps.append(int(state.global_step.numpy()))
         if steps[-1] == signal_at_step:
             os.kill(os.getpid(), signal.SIGTERM)
-        return LoopOutcome(steps=n, non_finite=0, first_non_finite=-1, stats={})
+        bad = int(steps[-1] == nan_at_step)
+        return LoopOutcome(steps=n, non_finite=bad, first_non_finite=bad - 1, stats={})
 
-    engine = types.SimpleNamespace(is_chief=False, rank=1, any_process=lambda flag: flag)
+    engine = types.SimpleNamespace(is_chief=chief, rank=0 if chief else 1,
+                                   any_process=lambda flag: flag)
     writer = types.SimpleNamespace(write=lambda *a, **k: None, close=lambda: None)
     cfg = host_loop.LoopConfig(num_steps=10, images_per_step=1, log_every=100,
                                checkpoint_every=4, eval_every=None, nan_policy="stop")
@@ -80,6 +86,27 @@ def test_a_second_signal_while_a_checkpoint_is_written_stops_once_it_is_whole():
             for _ in range(1000):  # the handler runs between bytecodes
                 pass
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_a_stop_or_an_error_starts_a_line_of_its_own(monkeypatch):
+    """The progress line is redrawn in place without its newline; a stop on a signal, and the
+    error line train.py prints, must not be glued to its end."""
+    for kwargs in (dict(signal_at_step=6), dict(nan_at_step=3)):
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stdout", terminal)
+        try:
+            _run_loop(_Saver(), chief=True, **kwargs)
+        except host_loop.TrainingError:
+            assert "nan_at_step" in kwargs
+        said = terminal.getvalue()
+        assert said.count("\r[") >= 2 and said.endswith("\n"), repr(said)
+        if "signal_at_step" in kwargs:
+            assert "\ndetr_tf: termination signal received; saved ckpt-6" in said, repr(said)
 
 
 def test_train_py_says_in_one_line_where_an_interrupted_run_resumes(tmp_path, monkeypatch,

@@ -168,6 +168,7 @@ class _Throughput:
         cut = int(outcome.stats.get("targets_cut", 0))
         if cut and not self.cut_noted:
             self.cut_noted = True
+            self.progress.end_line()
             print(f"detr_tf: step {step}: {cut} target boxes beyond build_dataset.max_boxes were "
                   "cut from the batches; their objects stay in the images and are trained as "
                   "background. Raise build_dataset.max_boxes (a mosaic holds the boxes of four "
@@ -206,37 +207,46 @@ def run_loop(device_loop: DeviceLoop, iterator, state: TrainState, engine,
     result, skipped = LoopResult(step, {}, {}), 0
     throughput = _Throughput(cfg, engine)
     evaluates = eval_fn is not None and bool(cfg.eval_every)
+    progress = throughput.progress
     with checkpointing.TerminationSignal() as term:
-        while step < cfg.num_steps:
-            t0 = time.time()
-            # The first step runs alone: it traces and compiles (see the module docstring).
-            n = 1 if step == start else cfg.loop_length(step, evaluates)
-            outcome = device_loop(iterator, n)
-            first, step = step + 1, step + outcome.steps
-            result.step = step
-            if on_first_step is not None:
-                on_first_step()
-                on_first_step = None
-            skipped = _apply_nan_policy(outcome, first, cfg, saver, writer, skipped)
-            throughput.log(step, outcome.steps, time.time() - t0, outcome, state, writer, result)
-            throughput.note_cut_targets(step, outcome)
-            if (step % cfg.checkpoint_every == 0 or step == cfg.num_steps) and (
-                    saver.saved_step != step):
+        try:
+            while step < cfg.num_steps:
+                t0 = time.time()
+                # The first step runs alone: it traces and compiles (see the module docstring).
+                n = 1 if step == start else cfg.loop_length(step, evaluates)
+                outcome = device_loop(iterator, n)
+                first, step = step + 1, step + outcome.steps
+                result.step = step
+                if on_first_step is not None:
+                    on_first_step()
+                    on_first_step = None
+                if outcome.non_finite:
+                    progress.end_line()
+                skipped = _apply_nan_policy(outcome, first, cfg, saver, writer, skipped)
+                throughput.log(step, outcome.steps, time.time() - t0, outcome, state, writer,
+                               result)
+                throughput.note_cut_targets(step, outcome)
+                if (step % cfg.checkpoint_every == 0 or step == cfg.num_steps) and (
+                        saver.saved_step != step):
+                    with term.holding():
+                        saver.save(step)
+                if (evaluates and engine.is_chief and step % cfg.eval_every == 0
+                        and step != cfg.num_steps):
+                    progress.end_line()
+                    result.eval_metrics = evaluate(eval_fn, state, model_dir, step, writer)
+                # Every process asks the others at every loop boundary, so a signal to any one
+                # of them stops all at the same step, and all take part in the same last save.
+                if engine.any_process(term.received):
+                    with term.holding():
+                        path = (saver.save(step) if saver.saved_step != step
+                                else saver.checkpoint_path(step))
+                    progress.end_line()
+                    _report_stop(engine, term.received, step, path)
+                    result.terminated = True
+                    return result
+            if saver.saved_step != step:
                 with term.holding():
                     saver.save(step)
-            if (evaluates and engine.is_chief and step % cfg.eval_every == 0
-                    and step != cfg.num_steps):
-                result.eval_metrics = evaluate(eval_fn, state, model_dir, step, writer)
-            # Every process asks the others at every loop boundary, so a signal to any one of
-            # them stops all at the same step, and all take part in the same last save.
-            if engine.any_process(term.received):
-                with term.holding():
-                    path = (saver.save(step) if saver.saved_step != step
-                            else saver.checkpoint_path(step))
-                _report_stop(engine, term.received, step, path)
-                result.terminated = True
-                return result
-        if saver.saved_step != step:
-            with term.holding():
-                saver.save(step)
+        finally:  # an error or a signal: what is printed next starts a line of its own
+            progress.end_line()
     return result

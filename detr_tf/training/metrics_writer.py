@@ -105,6 +105,7 @@ class Progress:
         self.tty = self.stream.isatty()
         self._first = None  # (time, step) of the first report
         self._last_print = 0.0
+        self._open = False  # a line redrawn in place is on the terminal, without its newline
 
     def update(self, step: int, images_per_sec: float, loss: Optional[float] = None,
                force: bool = False) -> None:
@@ -129,6 +130,15 @@ class Progress:
             self.stream.write("\r" + line)
             if force:
                 self.stream.write("\n")
+            self._open = not force
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def end_line(self) -> None:
+        """Ends a line redrawn in place, so that what is printed next (an error, the stop on a
+        signal) starts a line of its own instead of being glued to the progress line."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
