@@ -38,6 +38,7 @@ TRAIN_BAD = {
     "jit": [True, None],
     "distribution": [None, 0],
     "nan_policy": [None, 0],
+    "nan_skip_limit": [-1, 2.5, None],
 }
 TRAIN_GOOD = {
     "global_batch_size": [1, 64, np.int64(8)],

@@ -243,6 +243,28 @@ def test_a_stop_names_the_terms_that_went_non_finite_apart_from_the_finite_ones(
     assert all(np.isfinite(float(v)) for v in good.values()), message
 
 
+def test_skipping_stops_after_nan_skip_limit_steps_in_a_row(tmp_path, capsys):
+    """An update that leaves the weights unusable makes every later step skip: past the limit
+    the run stops as 'stop' does, naming the run of skipped steps, with its checkpoints kept.
+    Loops 1 | 2 | 3-4 (cut at the checkpoint): every step skipped, 4 in a row at step 4, the
+    first count at or past 3."""
+    with pytest.raises(trainer.TrainingError) as err:
+        train(tmp_path, 10, steps_per_loop=2, criterion=OneNaNTermCriterion(), log_every=100,
+              eval_every=None, nan_policy="skip", nan_skip_limit=3, checkpoint_every=2)
+    message = str(err.value)
+    assert message.startswith("4 steps in a row skipped (steps 1-4), each with a non-finite "
+                              "loss or gradients: the weights have not changed since step 0"), \
+        message
+    assert "ckpt-2" in message and "train.nan_skip_limit" in message, message
+    assert checkpoints(tmp_path) == [2]
+
+
+def test_a_skipped_step_between_finite_ones_starts_no_run_of_skips(tmp_path):
+    result, _ = train(tmp_path, 6, steps_per_loop=1, nan_at_step=2, log_every=100,
+                      eval_every=None, nan_policy="skip", nan_skip_limit=2)
+    assert result["step"] == 6 and checkpoints(tmp_path) == [4, 6]
+
+
 class NaNGradientCriterion(ToyCriterion):
     """ToyCriterion plus sqrt(0 x error): a term whose value is 0 and whose gradient is NaN."""
 

@@ -33,6 +33,7 @@ class LoopConfig:
     eval_every: Optional[int]
     nan_policy: str
     steps_per_loop: int = 1
+    nan_skip_limit: int = 0
 
     def loop_length(self, step: int, evaluates: bool) -> int:
         """Steps the next device loop runs from `step`: at most steps_per_loop, ending on the
@@ -96,16 +97,27 @@ def _terms_by_finiteness(stats: Dict[str, float]) -> str:
             + (f"; finite: {said(good)}" if good else ""))
 
 
+@dataclasses.dataclass
+class _Skips:
+    """Steps skipped under nan_policy='skip': in all, and in the current run of them (counted
+    in whole device loops: a loop with a finite step ends a run)."""
+    total: int = 0
+    in_a_row: int = 0
+    since: int = 0  # the first step of the current run
+
+
 def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
                       saver: checkpointing.CheckpointSaver, writer: MetricsWriter,
-                      skipped: int) -> int:
-    """Raises (nan_policy='stop') or reports skipped steps; returns the run's skipped count.
+                      skips: _Skips) -> None:
+    """Raises (nan_policy='stop', or 'skip' past cfg.nan_skip_limit steps in a row) or reports
+    skipped steps, counting them in `skips`.
 
     first_step is the global step of the loop's first step; with 'stop' the loop ended at the
     first non-finite step, so the last values are that step's.
     """
     if not outcome.non_finite:
-        return skipped
+        skips.in_a_row = 0
+        return
     bad = first_step + outcome.first_non_finite
     last = first_step + outcome.steps - 1  # with 'stop': the bad step, where the loop ended
     span = (f" (the first non-finite of steps {first_step}-{last}, run in one device loop; "
@@ -119,15 +131,28 @@ def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
             + f". The weights were not updated by this step; the last checkpoint "
             f"({saver.latest or 'none yet'}) is untouched. Set "
             "train.nan_policy='skip' to skip such steps instead.")
-    skipped += outcome.non_finite
+    skips.total += outcome.non_finite
+    if outcome.non_finite < outcome.steps:
+        skips.in_a_row = 0
+    else:
+        skips.since = skips.since if skips.in_a_row else bad
+        skips.in_a_row += outcome.steps
     if outcome.steps == 1:
-        print(f"detr_tf: step {bad}: non-finite loss or gradients, step skipped ({skipped} so "
-              "far)", flush=True)
+        print(f"detr_tf: step {bad}: non-finite loss or gradients, step skipped ({skips.total} "
+              "so far)", flush=True)
     else:
         print(f"detr_tf: steps {first_step}-{last}: {outcome.non_finite} with a non-finite "
-              f"loss or gradients, skipped (the first at step {bad}; {skipped} so far)",
+              f"loss or gradients, skipped (the first at step {bad}; {skips.total} so far)",
               flush=True)
-    return skipped
+    if cfg.nan_skip_limit and skips.in_a_row >= cfg.nan_skip_limit:
+        writer.close()
+        raise TrainingError(
+            f"{skips.in_a_row} steps in a row skipped (steps {skips.since}-{last}), each with a "
+            f"non-finite loss or gradients: the weights have not changed since step "
+            f"{skips.since - 1}, and an update before it may have left them unusable. The last "
+            f"checkpoint is "
+            f"{saver.latest or 'none yet'}; an earlier one of model_dir/checkpoints may predate "
+            "the fault. Lower the learning rate, or raise train.nan_skip_limit (0: no limit).")
 
 
 def _scalars(stats: Dict[str, float], state: TrainState, images_per_sec: float,
@@ -204,7 +229,7 @@ def run_loop(device_loop: DeviceLoop, iterator, state: TrainState, engine,
     under MultiWorkerMirroredStrategy.
     """
     step = start = int(state.global_step.numpy())
-    result, skipped = LoopResult(step, {}, {}), 0
+    result, skips = LoopResult(step, {}, {}), _Skips()
     throughput = _Throughput(cfg, engine)
     evaluates = eval_fn is not None and bool(cfg.eval_every)
     progress = throughput.progress
@@ -222,7 +247,7 @@ def run_loop(device_loop: DeviceLoop, iterator, state: TrainState, engine,
                     on_first_step = None
                 if outcome.non_finite:
                     progress.end_line()
-                skipped = _apply_nan_policy(outcome, first, cfg, saver, writer, skipped)
+                _apply_nan_policy(outcome, first, cfg, saver, writer, skips)
                 throughput.log(step, outcome.steps, time.time() - t0, outcome, state, writer,
                                result)
                 throughput.note_cut_targets(step, outcome)

@@ -97,7 +97,7 @@ TRAIN_RULES = {
     "log_every": ac.integer(1), "eval_every": ac.optional(ac.integer(1)), "seed": ac.integer(),
     "deterministic": ac.FLAG, "init_weights": ac.optional(ac.text("a path", nonempty=True)),
     "precision": ac.text(), "jit": ac.text(), "distribution": ac.text(),
-    "nan_policy": ac.text(),
+    "nan_policy": ac.text(), "nan_skip_limit": ac.integer(0),
 }
 
 
@@ -130,6 +130,7 @@ def train(model_dir: str,
           deterministic: bool = False,
           seed: int = 0,
           nan_policy: str = "stop",
+          nan_skip_limit: int = 100,
           after_train_fn: Optional[Callable[..., None]] = None) -> Dict[str, float]:
     """Trains a model; resumes from model_dir's latest checkpoint when there is one.
 
@@ -186,6 +187,10 @@ def train(model_dir: str,
       nan_policy: at a step whose loss or gradients are not finite (its update is skipped):
         'stop' (raise, naming the step and the loss terms) or 'skip' it (counted). With loss
         scaling (mixed_float16) overflowing gradients are the scale's to handle, not counted.
+      nan_skip_limit: with 'skip', stop (as 'stop' does) once this many steps in a row were
+        skipped: an update that left the weights finite but unusable would otherwise make every
+        later step skip, and the run end untrained while rotation drops older checkpoints.
+        0: no limit.
       after_train_fn: fn(model, model_dir) called on the chief after training (e.g. to write
         prediction images).
 
@@ -251,7 +256,7 @@ def train(model_dir: str,
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
                      log_every=log_every, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, nan_policy=nan_policy,
-                     steps_per_loop=steps_per_loop)
+                     steps_per_loop=steps_per_loop, nan_skip_limit=nan_skip_limit)
     timing = {"set-up": time.time() - started}
     result = _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_fn,
                   timing, start_step, chosen)
