@@ -49,16 +49,6 @@ def test_default_preprocess_hand_case():
     assert not image[16:].any() and not image[:, 32:].any()
 
 
-@pytest.mark.parametrize("h,w,s,l,expected", [
-    (480, 640, 800, 1333, (800, 1067)),   # shorter side wins: 640 * 800 / 480 = 1066.7
-    (100, 1000, 800, 1333, (133, 1333)),  # max size wins: scale 1.333
-    (1000, 1000, 800, 1333, (800, 800)),
-])
-def test_resized_size(h, w, s, l, expected):
-    new_h, new_w = export.resized_size(tf.constant(h), tf.constant(w), s, l)
-    assert (int(new_h), int(new_w)) == expected
-
-
 def test_canvas_smaller_than_max_size_is_named():
     with pytest.raises(ValueError, match="canvas_size=\\(30, 40\\).*max_size=32"):
         export.make_resize_pad_preprocess(20, 32, canvas_size=(30, 40))

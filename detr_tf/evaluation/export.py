@@ -36,51 +36,32 @@ import tensorflow as tf
 
 from detr_tf.evaluation import postprocess as pp
 from detr_tf import arg_checks as ac, run as run_lib
+from detr_tf.data import augment
 from detr_tf.evaluation import fixed_input, preprocess, restore
 
 PreprocessFn = Callable[[tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 SERVING_DEFAULT = "serving_default"
 SERVING_IMAGES = "serving_images"
-
-
-def resized_size(height: tf.Tensor, width: tf.Tensor, shorter_side: int,
-                 max_size: int) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Size after scaling the shorter side to `shorter_side`, the longer one to <= `max_size`.
-
-    Args:
-      height, width: scalar int tensors, the original size.
-      shorter_side: target length of the shorter side.
-      max_size: cap on the longer side; wins over `shorter_side` for elongated images.
-
-    Returns:
-      (new_height, new_width) scalar int32 tensors, each >= 1 and <= max_size.
-    """
-    h = tf.cast(height, tf.float32)
-    w = tf.cast(width, tf.float32)
-    scale = tf.minimum(shorter_side / tf.minimum(h, w), max_size / tf.maximum(h, w))
-    # Rounding can push the long side one pixel past max_size; clip it back to the canvas.
-    new_h = tf.clip_by_value(tf.cast(tf.round(h * scale), tf.int32), 1, max_size)
-    new_w = tf.clip_by_value(tf.cast(tf.round(w * scale), tf.int32), 1, max_size)
-    return new_h, new_w
 
 
 @gin.configurable(module="detr_tf.evaluation")
 def make_resize_pad_preprocess(shorter_side: int = 800,
                                max_size: int = 1333,
-                               canvas_size: Optional[Sequence[int]] = None,
-                               mean: Sequence[float] = IMAGENET_MEAN,
-                               std: Sequence[float] = IMAGENET_STD) -> PreprocessFn:
-    """The default preprocessing: bilinear resize, ImageNet-normalize, pad to a fixed canvas.
+                               canvas_size: Optional[Sequence[int]] = None) -> PreprocessFn:
+    """The default preprocessing: the eval pipeline's with its sizes given here.
+
+    The eval resize's rule (`augment.resized_shape`, the reference DETR's: the shorter side to
+    `shorter_side`, the other floored, the longer capped at `max_size`), bilinear, then its
+    ImageNet normalization (`augment.normalize_image`) and padding onto a fixed canvas
+    (`preprocess.canvas_preprocess_fn`). A run's export takes its own bound eval transform
+    instead (`preprocess.eval_preprocess_fn`).
 
     Args:
       shorter_side: S, target length of the shorter side.
       max_size: L, cap on the longer side.
       canvas_size: (Hc, Wc) padded output size, each >= max_size; default (L, L), which fits
         every aspect ratio.
-      mean, std: per-channel normalization of 0..1 pixels.
 
     Returns:
       A function: uint8 image [H, W, 3] -> (float32 [Hc, Wc, 3] normalized, zero padding at the
@@ -90,23 +71,11 @@ def make_resize_pad_preprocess(shorter_side: int = 800,
     if canvas_h < max_size or canvas_w < max_size:
         raise ValueError(f"make_resize_pad_preprocess: canvas_size={tuple(canvas_size)} is "
                          f"smaller than max_size={max_size}; a resized image would not fit")
-    mean_t = tf.constant(mean, tf.float32)
-    std_t = tf.constant(std, tf.float32)
+    def resize(image: tf.Tensor) -> tf.Tensor:
+        image = tf.cast(tf.ensure_shape(image, [None, None, 3]), tf.float32)
+        return augment.resize(image, tf.zeros([0, 4]), shorter_side, max_size)[0]
 
-    def preprocess(image: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        image = tf.ensure_shape(image, [None, None, 3])
-        shape = tf.shape(image)
-        new_h, new_w = resized_size(shape[0], shape[1], shorter_side, max_size)
-        pixels = tf.cast(image, tf.float32) / 255.0
-        resized = tf.image.resize(pixels, tf.stack([new_h, new_w]), method="bilinear")
-        normalized = (resized - mean_t) / std_t  # [h, w, 3]
-        padded = tf.image.pad_to_bounding_box(normalized, 0, 0, canvas_h, canvas_w)
-        mask = tf.ones(tf.stack([new_h, new_w, 1]), tf.float32)
-        mask = tf.image.pad_to_bounding_box(mask, 0, 0, canvas_h, canvas_w)[..., 0] > 0.5
-        return (tf.ensure_shape(padded, [canvas_h, canvas_w, 3]),
-                tf.ensure_shape(mask, [canvas_h, canvas_w]))
-
-    return preprocess
+    return preprocess.canvas_preprocess_fn(resize, (canvas_h, canvas_w))
 
 
 def _canvas_specs(preprocess_fn: PreprocessFn) -> Tuple[tf.TensorSpec, tf.TensorSpec]:

@@ -31,11 +31,30 @@ def eval_preprocess_fn(buckets: Optional[Sequence[Tuple[int, int]]] = None,
             raise ValueError("eval_preprocess_fn needs the data's buckets or a canvas")
         side = default_canvas_side(buckets)
         canvas = (side, side)
+    def eval_resize(image: tf.Tensor) -> tf.Tensor:
+        no_boxes = tf.zeros([0, 4], tf.float32)
+        resized, _, _ = augment.detr_eval_transform(image, no_boxes, tf.zeros([0], tf.int32))
+        return resized
+
+    return canvas_preprocess_fn(eval_resize, canvas)
+
+
+def canvas_preprocess_fn(resize_fn: Callable[[tf.Tensor], tf.Tensor], canvas: Sequence[int]
+                         ) -> Callable[[tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]:
+    """`resize_fn`, then the eval pipeline's ImageNet normalization and padding onto `canvas`.
+
+    Args:
+      resize_fn: uint8 [H, W, 3] -> float32 [h, w, 3] pixel values in [0, 255].
+      canvas: (height, width); an image past it is shrunk onto it, as `fit_and_pad` does.
+
+    Returns:
+      fn(uint8 [H, W, 3]) -> (float32 [Hc, Wc, 3] ImageNet-normalized, bool [Hc, Wc] mask),
+      with `canvas_size` = (Hc, Wc) as an attribute.
+    """
     canvas = tuple(int(c) for c in canvas)
 
     def preprocess(image: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        no_boxes = tf.zeros([0, 4], tf.float32)
-        resized, _, _ = augment.detr_eval_transform(image, no_boxes, tf.zeros([0], tf.int32))
+        resized = resize_fn(image)
         padded, mask, _, _ = buckets_lib.fit_and_pad(augment.normalize_image(resized), [canvas])
         padded.set_shape(canvas + (3,))
         mask.set_shape(canvas)
