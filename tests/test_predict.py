@@ -9,7 +9,7 @@ import tf_keras
 from PIL import Image
 
 from detr_tf.evaluation import export, predict, visualize
-from tests.detr_standin import StandInDetr
+from tests.detr_standin import NUM_CLASSES, StandInDetr
 
 THRESHOLD = 0.232  # splits the seeded stand-in's scores (see test_export.py)
 
@@ -188,6 +188,21 @@ def test_a_run_that_draws_nothing_keeps_the_earlier_detections(images_dir, tmp_p
     (bad / "x.jpg").write_text("not an image")
     assert predict.predict_images(_standin_detector(), [bad / "x.jpg"], out) == []
     assert (out / predict.DETECTIONS_FILENAME).read_text() == earlier
+
+
+def test_a_write_that_fails_midway_leaves_the_earlier_detections_whole(images_dir, tmp_path):
+    out = tmp_path / "out"
+    predict.predict_images(_standin_detector(), [images_dir / "b.jpg"], out, draw=False,
+                           score_threshold=0.0)
+    earlier = (out / predict.DETECTIONS_FILENAME).read_text()
+    # Class names json cannot write: the write fails after its first lines, as one killed or
+    # out of disk space does.
+    unwritable = {k: object() for k in range(NUM_CLASSES)}
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        predict.predict_images(_standin_detector(), predict.list_images(images_dir), out,
+                               draw=False, score_threshold=0.0, class_names=unwritable)
+    assert (out / predict.DETECTIONS_FILENAME).read_text() == earlier
+    assert sorted(p.name for p in out.iterdir()) == [predict.DETECTIONS_FILENAME]
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])

@@ -28,7 +28,7 @@ import tensorflow as tf
 import tf_keras
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from detr_tf import config, run as run_lib
+from detr_tf import atomic_files, config, run as run_lib
 from detr_tf.data import coco_records, json_files
 from detr_tf.evaluation import export, preprocess, restore, visualize
 
@@ -199,7 +199,8 @@ def predict_images(detector: Any,
 
     Returns:
       The list written to detections.json (see the module docstring): the images done. When
-      none is, nothing is written, and an earlier detections.json stays.
+      none is, nothing is written, and an earlier detections.json stays; the file is replaced
+      whole (`atomic_files.replaced`), so a failed write also leaves the earlier one.
 
     Raises:
       ValueError: an output file would overwrite an input image (`check_outputs`).
@@ -227,8 +228,10 @@ def predict_images(detector: Any,
                                               det["classes"], class_names)
             visualize.save_png(drawn, os.path.join(output_dir, png_name))
     if records:
-        with open(os.path.join(output_dir, DETECTIONS_FILENAME), "w") as f:
-            json.dump(records, f, indent=1)
+        # Replaced whole: a run killed or failing while it writes leaves the earlier file.
+        with atomic_files.replaced(os.path.join(output_dir, DETECTIONS_FILENAME)) as tmp:
+            with open(tmp, "w") as f:
+                json.dump(records, f, indent=1)
     return records
 
 
