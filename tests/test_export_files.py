@@ -179,7 +179,7 @@ def test_an_export_refused_for_its_input_size_keeps_the_earlier_exports_files(mo
         None, "ckpt-1"))
     monkeypatch.setattr(restore, "inference_model", lambda model: model)
     monkeypatch.setattr(export.run_lib, "assemble", lambda: types.SimpleNamespace(
-        eval_info=lambda: types.SimpleNamespace(buckets=[(64, 64)])))
+        eval_info=lambda: types.SimpleNamespace(buckets=[(64, 64)], num_classes=4)))
     removed = []
     gin.clear_config()
     try:

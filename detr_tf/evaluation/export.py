@@ -110,6 +110,9 @@ class DetectionModule(tf.Module):
       jit_compile: compile the model + postprocess step with XLA.
       fixed_input_size: (H, W): add `serve_fixed` (the `serving_fixed` signature) for one
         image of that size; None: no such signature.
+      num_classes: the data's classes: a class head that does not fit the bound
+        post-processing is refused here, as evaluation refuses it
+        (`postprocess.check_class_head`; the model is traced once for it); None: not checked.
     """
 
     def __init__(self,
@@ -119,6 +122,7 @@ class DetectionModule(tf.Module):
                  score_threshold: float = 0.0,
                  jit_compile: bool = False,
                  fixed_input_size: Optional[Sequence[int]] = None,
+                 num_classes: Optional[int] = None,
                  name: Optional[str] = None):
         super().__init__(name=name)
         self.model = model
@@ -126,6 +130,7 @@ class DetectionModule(tf.Module):
         self._canvas_specs = _canvas_specs(self._preprocess_fn)
         self._max_detections = int(max_detections)
         self._score_threshold = float(score_threshold)
+        self._num_classes = num_classes
         self._detect_fn = tf.function(self.detect_preprocessed, jit_compile=jit_compile)
         self.serve_encoded = tf.function(
             self._serve_encoded,
@@ -137,6 +142,18 @@ class DetectionModule(tf.Module):
         if fixed_input_size is not None:
             self.serve_fixed = fixed_input.fixed_signature(
                 self.detect_preprocessed, self._preprocess_fn, fixed_input_size)
+        if num_classes is not None:
+            self._check_class_head()
+
+    def _check_class_head(self) -> None:
+        """Traces the detection once, on the canvas: a class head the bound post-processing
+        does not fit raises its ValueError here, before any image is read, and not wrapped in
+        the serving functions' AutoGraph error."""
+        image, mask = self._canvas_specs
+        self._detect_fn.get_concrete_function(
+            tf.TensorSpec([None] + image.shape.as_list(), image.dtype),
+            tf.TensorSpec([None] + mask.shape.as_list(), mask.dtype),
+            tf.TensorSpec([None, 2], tf.int32))
 
     @tf.autograph.experimental.do_not_convert
     def detect_preprocessed(self, images: tf.Tensor, pixel_mask: tf.Tensor,
@@ -147,7 +164,8 @@ class DetectionModule(tf.Module):
         flow on tensors, and AutoGraph's conversion of every layer only cost time. (A custom
         preprocess_fn is still converted.)"""
         outputs = self.model(images, pixel_mask, training=False)
-        dets = pp.postprocess_outputs(outputs, orig_sizes, "xyxy")
+        dets = pp.postprocess_outputs(outputs, orig_sizes, "xyxy",
+                                      num_classes=self._num_classes)
         top = pp.select_top_detections(dets, self._max_detections, self._score_threshold)
         # Served boxes stay inside the image: a predicted box may overhang it (cx +- w/2 is not
         # bounded), which a consumer drawing or cropping should not have to handle. COCO
@@ -211,14 +229,16 @@ EXPORT_RULES = {"max_detections": ac.integer(1),
                 "score_threshold": ac.number(0.0, 1.0, high_open=False)}
 
 
-@gin.configurable(module="detr_tf.evaluation", denylist=["model", "export_dir", "before_write"])
+@gin.configurable(module="detr_tf.evaluation",
+                  denylist=["model", "export_dir", "before_write", "num_classes"])
 def export_saved_model(model: tf.Module,
                        export_dir: Union[str, os.PathLike],
                        preprocess_fn: Optional[PreprocessFn] = None,
                        max_detections: int = 100,
                        score_threshold: float = 0.0,
                        fixed_input_size: Optional[Sequence[int]] = None,
-                       before_write: Optional[Callable[[], None]] = None) -> str:
+                       before_write: Optional[Callable[[], None]] = None,
+                       num_classes: Optional[int] = None) -> str:
     """Writes a SavedModel with the `serving_default` and `serving_images` signatures.
 
     Args:
@@ -231,6 +251,8 @@ def export_saved_model(model: tf.Module,
         and ONNX are converted from; None: no such signature.
       before_write: called once every signature is traced (a preprocessing the fixed form
         refuses has been refused), before anything is written.
+      num_classes: the data's classes: a class head that does not fit the bound
+        post-processing is refused before anything is written (`DetectionModule`).
 
     Returns:
       export_dir as a string. Load with `tf.saved_model.load(export_dir)` and call
@@ -240,7 +262,7 @@ def export_saved_model(model: tf.Module,
     ac.check("export_saved_model", {"max_detections": max_detections,
                                     "score_threshold": score_threshold}, EXPORT_RULES)
     module = DetectionModule(model, preprocess_fn, max_detections, score_threshold,
-                             fixed_input_size=fixed_input_size)
+                             fixed_input_size=fixed_input_size, num_classes=num_classes)
     export_dir = os.fspath(export_dir)
     signatures = module.signatures()  # traced first: a model may create its variables there
     if before_write is not None:
@@ -277,7 +299,8 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
       fixed_input_size: (H, W) of the `serving_fixed` signature, or 'canvas' for the eval
         canvas's size; None: no such signature.
       before_write: called once the model is restored and its signatures are traced (the
-        fixed form's refusals made), before anything is written (a refused export leaves
+        fixed form's refusals made, and a class head that does not fit the bound
+        post-processing refused), before anything is written (a refused export leaves
         export_dir as it was).
 
     Other export settings (max_detections, score_threshold) come from Gin
@@ -293,7 +316,8 @@ def export_run(model_dir: str, export_dir: str, checkpoint: Optional[str] = None
     if fixed_input_size == "canvas":
         fixed_input_size = preprocess_fn.canvas_size
     out = export_saved_model(model, export_dir, preprocess_fn=preprocess_fn,
-                             fixed_input_size=fixed_input_size, before_write=before_write)
+                             fixed_input_size=fixed_input_size, before_write=before_write,
+                             num_classes=info.num_classes)
     names = [SERVING_DEFAULT, SERVING_IMAGES] + (
         [fixed_input.SERVING_FIXED] if fixed_input_size is not None else [])
     print(f"export: wrote SavedModel to {out} (signatures: {', '.join(names)})", flush=True)

@@ -252,7 +252,10 @@ def annotated_image_paths(annotations_file: str, limit: int) -> List[str]:
 
 
 def _run_detector(model: tf_keras.Model, info: Any) -> export.DetectionModule:
-    return export.DetectionModule(model, preprocess_fn=preprocess.eval_preprocess_fn(info.buckets))
+    """The run's detector: its eval preprocessing, and its class head checked against the
+    bound post-processing on the first image, as evaluation checks it."""
+    return export.DetectionModule(model, preprocess_fn=preprocess.eval_preprocess_fn(info.buckets),
+                                  num_classes=info.num_classes)
 
 
 @gin.configurable(denylist=["model", "model_dir"])
