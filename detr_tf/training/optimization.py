@@ -419,7 +419,13 @@ class ExponentialMovingAverage(tf.Module):
             shadow.assign(tmp)
 
 
+# An average's name is its variable's and this: saved in checkpoints, it ties each average to
+# its variable whatever the order of the model's variables (weights/checkpoint_graph.py).
+EMA_NAME_SUFFIX = "/ema"
+
+
 def _shadow_of(v: tf.Variable) -> tf.Variable:
     """The EMA's copy of `v`, starting at its value."""
-    return tf.Variable(v.read_value(), trainable=False, name=v.name.split(":")[0] + "/ema",
+    return tf.Variable(v.read_value(), trainable=False,
+                       name=v.name.split(":")[0] + EMA_NAME_SUFFIX,
                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)

@@ -6,11 +6,15 @@ saved under that object's name: checkpoints written while the EMA kept its own l
 model's variables hold the trainable weights as `ema/_model_variables/<i>/...`, not
 `model/...`. The checkpoint's object graph still records every path, so walking it from the
 `model` object finds every model variable under its own path, whatever key it was saved under.
+The graph also keeps each variable's name as saved, which is how the EMA's averages, kept in
+lists, are tied to their variables (`ema_keys`).
 """
 from collections import deque
-from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+from detr_tf.training.optimization import EMA_NAME_SUFFIX
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
@@ -37,6 +41,36 @@ def breadth_first_paths(start: Hashable, children: Callable[[Any], Iterable[Tupl
                 queue.append((f"{path}/{escape_name(name)}".lstrip("/"), child))
 
 
+def _graph(reader) -> Optional[trackable_object_graph_pb2.TrackableObjectGraph]:
+    """The checkpoint's object graph; None for a name-based TF1 checkpoint."""
+    if not reader.has_tensor(OBJECT_GRAPH_KEY):
+        return None
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
+    return graph
+
+
+def _variables_under(reader, root_child: str) -> Iterator[Tuple[str, str, str]]:
+    """(object path under `root_child`, checkpoint key, variable name when saved) for every
+    variable the object graph reaches from the root's `root_child`, each at its first path
+    breadth first (TensorFlow's own order)."""
+    graph = _graph(reader)
+    if graph is None:
+        return
+    nodes = graph.nodes
+    start = next((c.node_id for c in nodes[0].children if c.local_name == root_child), None)
+    if start is None:
+        return
+
+    def children(node_id):
+        return ((c.local_name, c.node_id) for c in nodes[node_id].children)
+
+    for path, node_id in breadth_first_paths(start, children):
+        for attribute in nodes[node_id].attributes:
+            if attribute.name == "VARIABLE_VALUE":
+                yield path, attribute.checkpoint_key, attribute.full_name
+
+
 def model_variable_keys(reader, root_child: str = "model") -> Dict[str, str]:
     """{object path under `root_child` (escaped as in keys, e.g. 'class_embed/kernel'):
     checkpoint key} for every variable that the object graph of the checkpoint `reader`
@@ -44,17 +78,26 @@ def model_variable_keys(reader, root_child: str = "model") -> Dict[str, str]:
     breadth first (TensorFlow's own order). Optimizer slots hang off their variables, not
     under them, so they are not included. Empty when the checkpoint holds no such object, or
     no object graph (a name-based TF1 checkpoint)."""
-    if not reader.has_tensor(OBJECT_GRAPH_KEY):
-        return {}
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
-    nodes = graph.nodes
-    start = next((c.node_id for c in nodes[0].children if c.local_name == root_child), None)
-    if start is None:
-        return {}
-    def children(node_id):
-        return ((c.local_name, c.node_id) for c in nodes[node_id].children)
+    return {path: key for path, key, _ in _variables_under(reader, root_child)}
 
-    return {path: attribute.checkpoint_key
-            for path, node_id in breadth_first_paths(start, children)
-            for attribute in nodes[node_id].attributes if attribute.name == "VARIABLE_VALUE"}
+
+def model_variable_names(reader, root_child: str = "model") -> Dict[str, str]:
+    """{object path under `root_child`: the variable's name as saved (`v.name` without ':0')},
+    as `model_variable_keys`."""
+    return {path: name for path, _, name in _variables_under(reader, root_child)}
+
+
+def ema_keys(reader, root_child: str = "ema") -> Dict[str, List[str]]:
+    """{name of an averaged model variable: checkpoint keys of its averages} for the EMA the
+    checkpoint holds under `root_child` (training/optimization.py's ExponentialMovingAverage).
+
+    The EMA keeps its averages in lists (`shadow/<i>`, `statistics/<i>`) in the order of the
+    model variables of the run that saved it, which another run's model need not share; each
+    average is named after its variable (`<name>/ema`), and that name, saved with it, is what
+    ties it to one variable. More than one key under a name: the saving model's names were
+    not unique, and the name alone cannot say which average is whose."""
+    out = {}
+    for path, key, name in _variables_under(reader, root_child):
+        if path.split("/")[0] in ("shadow", "statistics") and name.endswith(EMA_NAME_SUFFIX):
+            out.setdefault(name[:-len(EMA_NAME_SUFFIX)], []).append(key)
+    return out

@@ -7,10 +7,11 @@ directory or a sharded checkpoint's `*.index.json` stands for the files it holds
   the one-line command that converts the file to safetensors on a machine that has torch;
 - detr_tf's TensorFlow checkpoints: a model_dir, its checkpoints/ directory or a ckpt prefix.
 """
+import collections
 import json
 import os
 import struct
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -208,11 +209,33 @@ def find_tf_checkpoint(path: str) -> Optional[str]:
     return None
 
 
-def read_tf_checkpoint(prefix: str) -> Dict[str, np.ndarray]:
-    """The model's variables in a detr_tf checkpoint: {object path under 'model/': array}.
+class CheckpointWeights(NamedTuple):
+    """A detr_tf checkpoint's model weights, as `read_tf_checkpoint` chose them.
 
-    Other objects (optimizer slots, EMA averages, step counters) are not model weights and are
+    Attributes:
+      tensors: {object path under 'model/': array}.
+      source: which values they are, in one line (the EMA's or the raw weights, and why).
+      raw: with the EMA taken, the paths it does not cover, given their raw values.
+    """
+    tensors: Dict[str, np.ndarray]
+    source: str
+    raw: List[str]
+
+
+def read_tf_checkpoint(prefix: str, from_ema: bool = True) -> CheckpointWeights:
+    """The model's variables in a detr_tf checkpoint, the EMA's values where it has them.
+
+    A run with `train.ema_decay` evaluated and exported its EMA, so that is what a new run
+    starts from (as the references' tuning loads their checkpoints' EMA). Each average is
+    matched to its variable by name, not by its place in the EMA's list: that list follows the
+    saving run's trainable variables, which a new run's need not (weights/checkpoint_graph.py).
+    Variables the EMA does not cover (frozen ones; batch-norm statistics in checkpoints from
+    before the EMA averaged them) keep their raw values. Optimizer slots and step counters are
     left out.
+
+    Args:
+      prefix: the checkpoint prefix (ckpt-N).
+      from_ema: False: the raw weights even when the checkpoint holds an EMA.
     """
     reader = tf.train.load_checkpoint(prefix)
     # By the object graph, not by key: a variable that another object also held may have been
@@ -223,4 +246,25 @@ def read_tf_checkpoint(prefix: str) -> Dict[str, np.ndarray]:
         raise WeightImportError(f"checkpoint {prefix!r} holds no 'model' variables; expected a "
                                 "checkpoint written by detr_tf (tools/train.py or "
                                 "tools/import_weights.py)")
-    return out
+    averages = checkpoint_graph.ema_keys(reader)
+    if not averages:
+        return CheckpointWeights(out, "raw weights (the checkpoint holds no EMA)", [])
+    if not from_ema:
+        return CheckpointWeights(out, "raw weights (the checkpoint's EMA not taken, as "
+                                 "asked)", [])
+    names = checkpoint_graph.model_variable_names(reader)
+    uses = collections.Counter(names.values())
+    taken = []
+    for path, name in names.items():
+        keys = averages.get(name, ())
+        if len(keys) != 1 or uses[name] != 1:  # not averaged, or its name is not unique
+            continue
+        value = reader.get_tensor(keys[0])
+        if value.shape == out[path].shape:
+            out[path] = value
+            taken.append(path)
+    taken_set = set(taken)
+    raw = [p for p in out if p not in taken_set]
+    source = (f"the EMA's for the {len(taken)} variables it averages, raw weights for the "
+              f"other {len(raw)}")
+    return CheckpointWeights(out, source, raw)

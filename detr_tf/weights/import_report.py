@@ -34,6 +34,9 @@ class ImportReport:
         instead, why: "the file's metadata" or a tie rule)}; see detr_tf/weights/ties.py.
       checked: file keys holding constants of the architecture (RT-DETRv2's n_points_scale),
         found equal to the model's and not loaded (weights/target.py's Constant).
+      values: for a detr_tf checkpoint, which of its values were read: its EMA's or its raw
+        weights, and why.
+      raw: with the EMA's values taken, the loaded names it does not cover (raw weights).
     """
     path: str
     format: str
@@ -45,9 +48,12 @@ class ImportReport:
     skip: List[str] = dataclasses.field(default_factory=list)
     aliases: Dict[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)
     checked: List[str] = dataclasses.field(default_factory=list)
+    values: str = ""
+    raw: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"weights: imported {self.path}", f"  format: {self.format}",
+                 *([f"  values: {self.values}"] if self.values else []),
                  f"  loaded: {len(self.loaded)} tensors"
                  + (f", {len(self.aliases)} of them under another name in the file"
                     if self.aliases else ""),
@@ -73,5 +79,7 @@ class ImportReport:
         if self.checked:
             lines += _listing("in the file, constants of the architecture, equal to the "
                               "model's", self.checked, limit=4)
+        if self.raw:
+            lines += _listing("raw weights, not averaged by the EMA", self.raw, limit=8)
         lines += _listing("left at their initial values", self.not_loaded)
         return "\n".join(lines)

@@ -41,15 +41,19 @@ class _Source(NamedTuple):
     backbone_only: bool = False
     ties: Optional[ties_lib.Resolution] = None
     constants: Optional[Dict[str, Constant]] = None
+    values: str = ""  # which of a detr_tf checkpoint's values: its EMA's or its raw weights
+    raw: Tuple[str, ...] = ()  # with the EMA's taken, the names it does not cover
 
 
-def _read(model: tf_keras.Model, path: str) -> _Source:
+def _read(model: tf_keras.Model, path: str, from_ema: bool) -> _Source:
     """The file's tensors under the model's names, shared tensors resolved (weights/ties.py)."""
     prefix = files.find_tf_checkpoint(path)
     if prefix is not None:
-        source = {k: (k, v) for k, v in files.read_tf_checkpoint(prefix).items()}
-        return _Source(f"{CHECKPOINT_FORMAT} ({prefix})", source,
-                       targets_lib.checkpoint_targets(model))
+        read = files.read_tf_checkpoint(prefix, from_ema)
+        return _Source(f"{CHECKPOINT_FORMAT} ({prefix})",
+                       {k: (k, v) for k, v in read.tensors.items()},
+                       targets_lib.checkpoint_targets(model), values=read.source,
+                       raw=tuple(read.raw))
     tensors = files.read_tensor_file(path)
     by_metadata = files.read_aliases(path, tensors)
     tensors.update({dropped: tensors[kept] for dropped, kept in by_metadata.items()})
@@ -209,9 +213,9 @@ def _check_values(plan: Dict[str, np.ndarray], table, path: str) -> None:
                 "a run that diverged)")
 
 
-@gin.configurable(denylist=["model", "path"])
+@gin.configurable(denylist=["model", "path", "from_ema"])
 def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
-                    allow_head_reinit: bool = True) -> ImportReport:
+                    allow_head_reinit: bool = True, from_ema: bool = True) -> ImportReport:
     """Imports a weight file into a built DETR (called once, so its variables exist).
 
     The file's format is detected from its keys (docs/WEIGHTS.md): a reference DETR state dict,
@@ -219,7 +223,8 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     (transformers 4.x or 5.x names), an original RT-DETR / RT-DETRv2 checkpoint (lyuwenyu/RT-DETR's
     names), an ImageNet ResNet (backbone only), as safetensors or
     torch pickle (needs torch); or a detr_tf checkpoint
-    (a model_dir, its checkpoints/ directory or a ckpt prefix; the model weights, not the EMA).
+    (a model_dir, its checkpoints/ directory or a ckpt prefix; its EMA's values where it
+    has one, see `files.read_tf_checkpoint`).
 
     Args:
       model: a built detr_tf DETR.
@@ -228,6 +233,9 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
         binding, `load_pretrained.skip = ('class_embed.*',)`).
       allow_head_reinit: re-initialise the class head when the class counts differ and the
         query embedding when the query counts differ, instead of failing.
+      from_ema: a detr_tf checkpoint's EMA values where it holds an EMA (the weights its run
+        evaluated); False: its raw weights. Not a Gin binding: training's switch is
+        `train.init_from_ema`, the import tool's `--from_ema`.
 
     Returns:
       The ImportReport (print it).
@@ -238,7 +246,7 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     """
     if not model.built:
         raise ValueError("load_pretrained: build the model first (call it once on any image)")
-    src = _read(model, path)
+    src = _read(model, path, from_ema)
     hf_config.check_beside(model, path, src.format)
     skip = list(skip) + [p for p in src.default_skip if p not in skip]
     groups = targets_lib.head_groups(model)
@@ -265,4 +273,5 @@ def load_pretrained(model: tf_keras.Model, path: str, skip: Sequence[str] = (),
     return ImportReport(path=path, format=src.format, loaded=sorted(plan), unused=unused,
                         not_loaded=not_loaded, reinitialized=reinit,
                         reinitialized_keys=dropped, skip=skip,
-                        aliases=dict(sorted(aliases.items())), checked=checked)
+                        aliases=dict(sorted(aliases.items())), checked=checked,
+                        values=src.values, raw=[n for n in src.raw if n in plan])
