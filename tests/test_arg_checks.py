@@ -34,6 +34,7 @@ TRAIN_BAD = {
     "seed": ["0", 0.5, None],
     "deterministic": [1, "True", None],
     "init_weights": [3, ""],
+    "init_from_ema": [1, "False", None],
     "precision": [None, 32],
     "jit": [True, None],
     "distribution": [None, 0],
@@ -57,6 +58,7 @@ TRAIN_GOOD = {
     "seed": [0, -3, np.int32(7)],
     "deterministic": [True, False],
     "init_weights": [None, "/some/path.pth"],
+    "init_from_ema": [True, False],
 }
 OPTIMIZER_BAD = {
     "learning_rate": ["1e-4", -1e-4, None],

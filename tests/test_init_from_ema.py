@@ -1,16 +1,21 @@
 """A detr_tf run's checkpoint as init weights: its EMA's values where it has an EMA, each matched
-to its variable by name, raw weights for the rest; `from_ema=False`: raw.
+to its variable by name, raw weights for the rest; `from_ema=False` (train.init_from_ema): raw.
 
 The reference for the fast tests is the live source objects: the EMA's (average, variable)
 pairs say which value each source variable must arrive with. The EMA is deliberately built over
 a reordered subset of the trainable weights, as a run with other frozen parts saves it, so a
-positional mapping would give wrong values.
+positional mapping would give wrong values. The slow test trains a tiny RT-DETR a few steps and
+compares a new run's first checkpoint with the source run's EMA as `tools/eval.py` restores it.
 """
+import os
+
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from detr_tf import weights
+from detr_tf import config, weights
+from detr_tf.training import checkpointing, trainer
 from detr_tf.training.optimization import (EMA_NAME_SUFFIX, ExponentialMovingAverage,
                                            moving_statistics)
 from detr_tf.weights import files
@@ -111,3 +116,62 @@ def test_averages_of_variables_sharing_a_name_are_not_taken(tmp_path):
     read = files.read_tf_checkpoint(prefix)
     assert {k: list(v) for k, v in read.tensors.items()} == {"a": [1.0, 2.0], "b": [3.0, 4.0]}
     assert sorted(read.raw) == ["a", "b"]
+
+
+# ---- through the trainer ------------------------------------------------------------------
+
+def _train(model_dir, cache, *bindings, **kwargs):
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["rtdetr_tiny.gin"], [f"SHAPES_CACHE_DIR = '{cache}'",
+                                                      "train.deterministic = True",
+                                                      "train.ema_decay = 0.5", *bindings],
+                                finalize=False)
+        return trainer.train(str(model_dir), **kwargs)
+    finally:
+        gin.clear_config()
+
+
+def _model_weights(ckpt):
+    reader = tf.train.load_checkpoint(ckpt)
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(ckpt)
+            if name.startswith("model/") and "OPTIMIZER_SLOT" not in name}
+
+
+def _evaluated_weights(model_dir, cache):
+    """The source run's weights as tools/eval.py evaluates them (its EMA, restored in the
+    order the same configuration gives), saved as a model-only checkpoint to read by key."""
+    from detr_tf import run as run_lib
+
+    gin.clear_config()
+    try:
+        config.parse_gin_config([os.path.join(model_dir, "config.gin")],
+                                [f"SHAPES_CACHE_DIR = '{cache}'"], finalize=False)
+        model = run_lib.assemble().build_model()
+        checkpointing.restore_for_eval(model, str(model_dir))
+        prefix = tf.train.Checkpoint(model=model).save(os.path.join(model_dir, "eval", "ckpt"))
+    finally:
+        gin.clear_config()
+    return _model_weights(prefix)
+
+
+@pytest.mark.slow  # three tiny RT-DETR trainings (about 25 s on a 2-core CPU)
+def test_a_run_initialised_from_a_trained_run_starts_from_its_ema(tmp_path, capsys):
+    cache, source = str(tmp_path / "shapes"), tmp_path / "source"
+    _train(source, cache, "train.num_steps = 3", "train.checkpoint_every = 3")
+    raw = _model_weights(str(source / "checkpoints" / "ckpt-3"))
+    evaluated = _evaluated_weights(source, cache)
+    assert raw.keys() == evaluated.keys() and len(raw) > 100
+    differ = [k for k in raw if not np.array_equal(raw[k], evaluated[k])]
+    assert len(differ) > len(raw) // 2  # the EMA moved away from the raw weights
+
+    for from_ema, want in ((True, evaluated), (False, raw)):
+        run = tmp_path / f"run_{from_ema}"
+        _train(run, cache, "train.num_steps = 0", init_weights=str(source),
+               init_from_ema=from_ema)
+        out = capsys.readouterr().out
+        assert ("the EMA's for the" in out) == from_ema, out[-3000:]
+        started = _model_weights(str(run / "checkpoints" / "ckpt-0"))
+        assert started.keys() == want.keys()
+        for name, value in want.items():
+            np.testing.assert_array_equal(started[name], value, err_msg=name)

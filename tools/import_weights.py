@@ -32,6 +32,8 @@ flags.DEFINE_multi_string("skip", [], "Glob of file keys or model variables deli
                           "imported, e.g. --skip='class_embed.*' (repeatable).")
 flags.DEFINE_bool("allow_head_reinit", True, "Re-initialise the class head / query embedding "
                   "when the class / query counts differ from the file's, instead of failing.")
+flags.DEFINE_bool("from_ema", True, "From a detr_tf run whose checkpoint holds an EMA: its "
+                  "EMA's values (what the run evaluated); false: its raw weights.")
 flags.mark_flags_as_required(["weights", "output_dir"])
 FLAGS = flags.FLAGS
 
@@ -51,6 +53,7 @@ def main(argv):
 
     # Flags given on the command line win; the others leave load_pretrained's Gin bindings be.
     load_args = {"skip": FLAGS.skip} if FLAGS.skip else {}
+    load_args["from_ema"] = FLAGS.from_ema  # not a Gin binding: train.init_from_ema's twin
     if FLAGS["allow_head_reinit"].present:
         load_args["allow_head_reinit"] = FLAGS.allow_head_reinit
 

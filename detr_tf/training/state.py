@@ -221,11 +221,15 @@ def check_optimizer_kind(path: str, optimizer) -> None:
 
 def start(state: TrainState, checkpoint: tf.train.Checkpoint,
           saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str],
-          weights_loader: Optional[Callable[[tf_keras.Model, str], Any]] = None) -> int:
+          weights_loader: Optional[Callable[..., Any]] = None,
+          init_from_ema: bool = True) -> int:
     """Resumes, or initialises a new run (see the module docstring); returns the start step.
 
     Args:
-      weights_loader: fn(model, path) -> import report, reads `init_weights` into the model.
+      weights_loader: fn(model, path, from_ema) -> import report, reads `init_weights` into
+        the model.
+      init_from_ema: passed to weights_loader as from_ema: a detr_tf checkpoint's EMA values
+        where it has them, else its raw weights.
 
     Raises:
       FileNotFoundError / ValueError: init_weights cannot be read or does not fit the model;
@@ -248,7 +252,8 @@ def start(state: TrainState, checkpoint: tf.train.Checkpoint,
                              "reads it: bind train.weights_loader = @load_pretrained (as "
                              "train/detr_recipe.gin does)")
         # What to leave out is the loader's own Gin binding (`load_pretrained.skip`).
-        report = weights_loader(state.model, os.path.expanduser(init_weights))
+        report = weights_loader(state.model, os.path.expanduser(init_weights),
+                                from_ema=init_from_ema)
         say(f"detr_tf: initialised from {init_weights}\n{report}")
     engine.broadcast_variables(state.model.variables)
     if state.ema is not None:

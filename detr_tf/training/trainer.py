@@ -96,6 +96,7 @@ TRAIN_RULES = {
     "checkpoint_every": ac.integer(1), "keep_checkpoints": ac.integer(1),
     "log_every": ac.integer(1), "eval_every": ac.optional(ac.integer(1)), "seed": ac.integer(),
     "deterministic": ac.FLAG, "init_weights": ac.optional(ac.text("a path", nonempty=True)),
+    "init_from_ema": ac.FLAG,
     "precision": ac.text(), "jit": ac.text(), "distribution": ac.text(),
     "nan_policy": ac.text(), "nan_skip_limit": ac.integer(0),
 }
@@ -112,6 +113,7 @@ def train(model_dir: str,
           train_examples: Optional[int] = None,
           dataset_info_fn: Optional[Callable[..., Any]] = None,
           init_weights: Optional[str] = None,
+          init_from_ema: bool = True,
           weights_loader: Optional[Callable[[tf_keras.Model, str], Any]] = None,
           distribution: str = "default",
           cpu_devices: int = 0,
@@ -156,8 +158,13 @@ def train(model_dir: str,
         model_dir / checkpoint. Ignored, with a message, when model_dir already holds
         checkpoints (that is a resume). A class head or query count that differs from the
         file's is re-initialised and reported; `load_pretrained.skip` leaves tensors out.
-      weights_loader: fn(model, path) -> import report, what reads init_weights, injected so
-        that training imports no weight formats (e.g. `@load_pretrained`, passed uncalled).
+      init_from_ema: when init_weights is a detr_tf run whose checkpoint holds an EMA, start
+        from the EMA's values (what that run evaluated and exported), each matched to its
+        variable by name, and the raw weights for what it does not average; False: the raw
+        weights throughout. The import report says which were taken.
+      weights_loader: fn(model, path, from_ema) -> import report, what reads init_weights,
+        injected so that training imports no weight formats (e.g. `@load_pretrained`, passed
+        uncalled).
       distribution: 'default', 'mirrored', 'multi_worker_mirrored' or 'horovod' (automatic under
         horovodrun).
       cpu_devices: with 'mirrored' on a CPU-only machine, logical CPU devices to mirror over.
@@ -244,7 +251,8 @@ def train(model_dir: str,
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
         participates=engine.name != "horovod")
-    start_step = state_lib.start(state, ckpt, saver, engine, init_weights, weights_loader)
+    start_step = state_lib.start(state, ckpt, saver, engine, init_weights, weights_loader,
+                                  init_from_ema)
     writer.resume_at(start_step)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)

@@ -30,8 +30,8 @@ def import_to_run_dir(weights: str, output_dir: str,
     Args:
       weights: any file or checkpoint `load_pretrained` reads.
       output_dir: the run directory to create; it must not hold a checkpoint yet.
-      **load_args: `skip`, `allow_head_reinit` for `load_pretrained`; what is not given
-        keeps its Gin binding (`load_pretrained.skip` in the config) or default.
+      **load_args: `skip`, `allow_head_reinit`, `from_ema` for `load_pretrained`; what is not
+        given keeps its Gin binding (`load_pretrained.skip` in the config) or default.
 
     Returns:
       (the import report, the checkpoint prefix written).
