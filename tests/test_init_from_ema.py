@@ -18,7 +18,7 @@ from detr_tf import config, weights
 from detr_tf.training import checkpointing, trainer
 from detr_tf.training.optimization import (EMA_NAME_SUFFIX, ExponentialMovingAverage,
                                            moving_statistics)
-from detr_tf.weights import files
+from detr_tf.weights import files, targets
 from tests.test_weights import narrow_detr, values
 
 
@@ -175,3 +175,47 @@ def test_a_run_initialised_from_a_trained_run_starts_from_its_ema(tmp_path, caps
         assert started.keys() == want.keys()
         for name, value in want.items():
             np.testing.assert_array_equal(started[name], value, err_msg=name)
+
+
+# ---- tools/import_weights.py ----------------------------------------------------------------
+
+def test_import_weights_takes_the_ema_and_from_ema_false_the_raw_weights(tmp_path):
+    """A run directory written from a detr_tf run: the EMA's values by default (in process,
+    through the tool's own function), the raw weights with --nofrom_ema (the tool itself)."""
+    from detr_tf import run as run_lib
+    from detr_tf.weights import run_dir
+    from tests import tool_helpers
+
+    bindings = ["NUM_CLASSES = 3"]
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["models/detr_tiny.gin"], bindings)
+        source = run_lib.assemble().build_model()
+        ema = ExponentialMovingAverage(list(reversed(source.trainable_variables)), 0.5)
+        for shadow, _ in ema.pairs():
+            shadow.assign(shadow + 1.0)
+        tf.train.Checkpoint(model=source, ema=ema).save(str(tmp_path / "source" / "ckpt"))
+        tf.train.Checkpoint(model=source).save(str(tmp_path / "raw" / "ckpt"))
+        averaged = {v.ref(): s.numpy() for s, v in ema.pairs()}
+        want_ema = {f"model/{path}/.ATTRIBUTES/VARIABLE_VALUE":
+                    averaged.get(t.variable.ref(), t.variable.numpy())
+                    for path, t in targets.checkpoint_targets(source).items()}
+        _, path = run_dir.import_to_run_dir(str(tmp_path / "source" / "ckpt-1"),
+                                            str(tmp_path / "ema_run"))
+    finally:
+        gin.clear_config()
+    raw = _model_weights(str(tmp_path / "raw" / "ckpt-1"))
+    assert len(raw) == len(source.variables) == len(want_ema)
+    for name, value in _model_weights(path).items():
+        np.testing.assert_array_equal(value, want_ema[name], err_msg=name)
+
+    result = tool_helpers.run_tool(
+        "import_weights.py", "--gin_file=models/detr_tiny.gin",
+        *[f"--gin_param={b}" for b in bindings], f"--weights={tmp_path / 'source'}",
+        f"--output_dir={tmp_path / 'raw_run'}", "--nofrom_ema")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "values: raw weights (the checkpoint's EMA not taken, as asked)" in result.stdout
+    written = _model_weights(str(tmp_path / "raw_run" / "checkpoints" / "ckpt-0"))
+    assert written.keys() == raw.keys()
+    for name, value in raw.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
