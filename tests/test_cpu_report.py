@@ -13,7 +13,7 @@ import pytest
 from detr_tf.benchmarks import cpu_report
 
 REPO = Path(__file__).resolve().parent.parent
-_DEFINED = re.compile(r'DEFINE_\w+\(\s*"(\w+)"')
+_DEFINED = re.compile(r'(?:DEFINE_\w+|define_path_flag)\(\s*"(\w+)"')
 
 
 def _defined_flags(tool: Path) -> set:
