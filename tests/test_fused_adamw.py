@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from detr_tf.training import fused_adamw, optimization
+from detr_tf.training import ema as ema_lib, fused_adamw
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.1
 SHAPES = ([3], [2, 2], [4])  # group 0 (backbone): the first variable; group 1: the rest
@@ -69,7 +69,7 @@ def _build(weights, clip, ema_decay=None, compiled=True, ema_warmup=0, no_decay=
         group.build(vars_, no_decay=[variables[i] for i in no_decay])
     # One batch-norm-like statistic beside the weights, which the EMA averages too.
     stat = tf.Variable(np.ones(3, weights[0].dtype))
-    ema = (optimization.ExponentialMovingAverage(
+    ema = (ema_lib.ExponentialMovingAverage(
         variables, ema_decay, ema_warmup, counter=groups[1].iterations if ema_warmup else None,
         statistics=[stat])
         if ema_decay else None)
@@ -162,7 +162,7 @@ def test_fused_update_averages_statistics_on_applied_steps_only(compiled):
     for group, vars_ in zip(groups, split):
         group.build(vars_)
     stat = tf.Variable(np.ones(3))
-    ema = optimization.ExponentialMovingAverage(variables, 0.9, 3, counter=groups[1].iterations,
+    ema = ema_lib.ExponentialMovingAverage(variables, 0.9, 3, counter=groups[1].iterations,
                                                 statistics=[stat])
     update = fused_adamw.FusedUpdate(groups, split, CLIP, ema=ema)
     want, t = np.ones(3), 0

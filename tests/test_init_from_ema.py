@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from detr_tf import config, weights
 from detr_tf.training import checkpointing, trainer
-from detr_tf.training.optimization import (EMA_NAME_SUFFIX, ExponentialMovingAverage,
+from detr_tf.training.ema import (EMA_NAME_SUFFIX, ExponentialMovingAverage,
                                            moving_statistics)
 from detr_tf.weights import files, targets
 from tests.test_weights import narrow_detr, values

@@ -5,6 +5,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.training import checkpointing, fused_adamw, optimization, state, trainer
+from detr_tf.training import ema as ema_lib
 from tests.detr_standin import StandInDetr
 
 
@@ -178,7 +179,7 @@ def test_dynamic_loss_scale_halves_on_overflow_and_grows_after_interval():
 def test_ema_update_swap_and_restore_for_eval(tmp_path):
     model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
     model.backbone = model.layers[0]  # restore_for_eval only needs a built model
-    ema = optimization.ExponentialMovingAverage(model.trainable_variables, decay=0.5)
+    ema = ema_lib.ExponentialMovingAverage(model.trainable_variables, decay=0.5)
     start = [v.numpy().copy() for v in model.trainable_variables]
     for v in model.trainable_variables:
         v.assign(v + 1.0)
@@ -207,7 +208,7 @@ def test_ema_ramp_follows_the_optimizers_applied_updates_and_stays_out_of_its_ch
     decay, warmups = 0.9, 2
     var = tf.Variable(np.array([1.0, -2.0], np.float32))
     opt = tf_keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.0)
-    ema = optimization.ExponentialMovingAverage([var], decay, warmups, counter=opt.iterations)
+    ema = ema_lib.ExponentialMovingAverage([var], decay, warmups, counter=opt.iterations)
     want = var.numpy().astype(np.float64)
     for n in range(1, 5):
         opt.apply_gradients([(tf.constant([1.0, -1.0]), var)])
@@ -219,7 +220,7 @@ def test_ema_ramp_follows_the_optimizers_applied_updates_and_stays_out_of_its_ch
     assert [k for k, _ in tf.train.list_variables(path) if k.startswith("ema/")] == [
         "ema/shadow/0/.ATTRIBUTES/VARIABLE_VALUE"]
     with pytest.raises(ValueError, match="counter"):
-        optimization.ExponentialMovingAverage([var], decay, warmups)
+        ema_lib.ExponentialMovingAverage([var], decay, warmups)
 
 
 class _StandInWithBackbone(StandInDetr):
@@ -240,7 +241,7 @@ def test_the_runs_ema_ramps_over_the_main_groups_applied_updates():
     np.testing.assert_allclose(float(plain.ema.decay_at(1)), 0.9, rtol=1e-7)
 
 
-class _FormerEma(optimization.ExponentialMovingAverage):
+class _FormerEma(ema_lib.ExponentialMovingAverage):
     """The EMA's former checkpoint layout: it also checkpointed its list of model variables."""
 
     def __init__(self, variables, decay):
@@ -257,7 +258,7 @@ def test_ema_checkpoints_keep_model_weights_under_model_and_old_ones_restore(tmp
         return net
 
     model = build()
-    ema = (optimization.ExponentialMovingAverage if layout == "current" else _FormerEma)(
+    ema = (ema_lib.ExponentialMovingAverage if layout == "current" else _FormerEma)(
         model.trainable_variables, decay=0.5)
     for v in ema.shadow:
         v.assign(v + 0.5)
@@ -268,7 +269,7 @@ def test_ema_checkpoints_keep_model_weights_under_model_and_old_ones_restore(tmp
                                                 if layout == "former" else 0)
 
     fresh = build()
-    fresh_ema = optimization.ExponentialMovingAverage(fresh.trainable_variables, decay=0.5)
+    fresh_ema = ema_lib.ExponentialMovingAverage(fresh.trainable_variables, decay=0.5)
     for v in fresh.variables + fresh_ema.shadow:
         v.assign(tf.zeros_like(v))
     tf.train.Checkpoint(model=fresh, ema=fresh_ema).restore(path).assert_consumed()
@@ -304,10 +305,10 @@ def test_ema_averages_batch_norm_statistics_as_the_references_state_dict_ema(tmp
     """RT-DETR/D-FINE's ModelEMA averages every floating entry of the state dict, the batch
     norms' running mean and variance included; evaluation then uses those averages."""
     model = _bn_model()
-    stats = optimization.moving_statistics(model)
+    stats = ema_lib.moving_statistics(model)
     assert [v.name.split("/")[-1] for v in stats] == ["moving_mean:0", "moving_variance:0"]
     opt = tf_keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.0)
-    ema = optimization.ExponentialMovingAverage(model.trainable_variables, 0.8, 3,
+    ema = ema_lib.ExponentialMovingAverage(model.trainable_variables, 0.8, 3,
                                                 counter=opt.iterations, statistics=stats)
     want = [v.numpy().astype(np.float64) for v in stats]
     for n in range(1, 4):
@@ -322,10 +323,10 @@ def test_ema_averages_batch_norm_statistics_as_the_references_state_dict_ema(tmp
     fresh = _bn_model()
     fresh(tf.zeros([1, 2]))
     checkpointing.restore_for_eval(fresh, checkpoint=path, use_ema=True)
-    for v, w in zip(optimization.moving_statistics(fresh), want):
+    for v, w in zip(ema_lib.moving_statistics(fresh), want):
         np.testing.assert_allclose(v.numpy(), w, rtol=1e-6)
     checkpointing.restore_for_eval(fresh, checkpoint=path, use_ema=False)
-    for v, raw in zip(optimization.moving_statistics(fresh), stats):
+    for v, raw in zip(ema_lib.moving_statistics(fresh), stats):
         np.testing.assert_array_equal(v.numpy(), raw.numpy())
 
 
@@ -337,8 +338,8 @@ def _bn_state():
                                          step_counter=step)
     for opt, vars_ in zip(opts, ([model.trainable_variables[0]], model.trainable_variables[1:])):
         opt.build(vars_)
-    ema = optimization.ExponentialMovingAverage(
-        model.trainable_variables, 0.9, statistics=optimization.moving_statistics(model))
+    ema = ema_lib.ExponentialMovingAverage(
+        model.trainable_variables, 0.9, statistics=ema_lib.moving_statistics(model))
     return state.TrainState(model, opts, step, None, ema)
 
 
@@ -362,6 +363,6 @@ def test_a_run_resumes_its_ema_from_checkpoints_with_and_without_statistics(tmp_
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # A checkpoint without averaged statistics resumes them from the model's own.
     want = (saved.ema.statistics if layout == "current"
-            else optimization.moving_statistics(saved.model))
+            else ema_lib.moving_statistics(saved.model))
     for a, b in zip(want, fresh.ema.statistics):
         np.testing.assert_array_equal(a.numpy(), b.numpy())

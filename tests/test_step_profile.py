@@ -2,7 +2,7 @@
 import tensorflow as tf
 
 from detr_tf.benchmarks import step_profile, xla_launches
-from detr_tf.training import fused_adamw, optimization
+from detr_tf.training import ema as ema_lib, fused_adamw
 
 
 def test_profile_counts_each_op_once_under_its_category():
@@ -91,7 +91,7 @@ def test_a_fused_update_step_is_all_update():
     for group, vars_ in zip(groups, split):
         group.build(vars_)
     update = fused_adamw.FusedUpdate(groups, split, clip_norm=0.1,
-                                     ema=optimization.ExponentialMovingAverage(variables, 0.9),
+                                     ema=ema_lib.ExponentialMovingAverage(variables, 0.9),
                                      global_step=tf.Variable(0, dtype=tf.int64))
     grads = [tf.random.normal(v.shape, seed=9) for v in variables]
 

@@ -23,7 +23,7 @@ from detr_tf.modeling.backbone import BasicBlock, Bottleneck, ResNet
 from detr_tf.modeling.detr import build_model
 from detr_tf.modeling.position_encoding import PositionEmbeddingSine
 from detr_tf.modeling.transformer import AnchorTransformer, Transformer
-from detr_tf.training.optimization import ExponentialMovingAverage
+from detr_tf.training.ema import ExponentialMovingAverage
 from detr_tf.weights import targets
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "weights"

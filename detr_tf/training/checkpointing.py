@@ -16,6 +16,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.training import checkpoint_restore
+from detr_tf.training.ema import ExponentialMovingAverage, moving_statistics
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -124,8 +125,6 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
     Raises:
       FileNotFoundError: no checkpoint in model_dir, or the given one does not exist.
     """
-    from detr_tf.training.optimization import ExponentialMovingAverage, moving_statistics
-
     path = checkpoint or (latest_checkpoint(model_dir) if model_dir else None)
     if not path:
         raise FileNotFoundError(f"no checkpoint found in {checkpoint_dir(model_dir)!r}")

@@ -19,6 +19,7 @@ import tf_keras
 
 from detr_tf.training import (checkpoint_restore, checkpointing, decay_groups, fused_adamw,
                               hardware, optimization)
+from detr_tf.training import ema as ema_lib
 from detr_tf.training.step import split_variables
 
 
@@ -97,7 +98,7 @@ class TrainState:
     optimizers: Tuple[Any, Any]  # (backbone, rest)
     global_step: tf.Variable
     loss_scale: Optional[optimization.DynamicLossScale]
-    ema: Optional[optimization.ExponentialMovingAverage]
+    ema: Optional[ema_lib.ExponentialMovingAverage]
 
     def checkpoint(self, ema_statistics: bool = True) -> tf.train.Checkpoint:
         """The run's checkpoint; `ema_statistics=False`: the layout of a checkpoint whose EMA
@@ -128,7 +129,7 @@ def build_groups(optimizers: Sequence[Any], variables: Sequence[Sequence[tf.Vari
 class _WeightsOnly(tf.Module):
     """An EMA's weight averages alone, under the EMA's own checkpoint names."""
 
-    def __init__(self, ema: optimization.ExponentialMovingAverage):
+    def __init__(self, ema: ema_lib.ExponentialMovingAverage):
         super().__init__(name="ema")
         self.shadow = ema.shadow
 
@@ -150,10 +151,10 @@ def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tu
     build_groups(optimizers, split_variables(model), decay_groups.no_weight_decay(model))
     loss_scale = optimization.DynamicLossScale() if precision == "mixed_float16" else None
     # The EMA ramp counts the main group's applied updates: the steps the EMA is updated on.
-    ema = (optimization.ExponentialMovingAverage(
+    ema = (ema_lib.ExponentialMovingAverage(
         model.trainable_variables, ema_decay, ema_warmup_steps,
         counter=optimizers[1].iterations if ema_warmup_steps else None,
-        statistics=optimization.moving_statistics(model))
+        statistics=ema_lib.moving_statistics(model))
         if ema_decay else None)
     return TrainState(model, optimizers, global_step, loss_scale, ema)
 

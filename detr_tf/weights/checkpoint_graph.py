@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Opti
 
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from detr_tf.training.optimization import EMA_NAME_SUFFIX
+from detr_tf.training.ema import EMA_NAME_SUFFIX
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
@@ -89,7 +89,7 @@ def model_variable_names(reader, root_child: str = "model") -> Dict[str, str]:
 
 def ema_keys(reader, root_child: str = "ema") -> Dict[str, List[str]]:
     """{name of an averaged model variable: checkpoint keys of its averages} for the EMA the
-    checkpoint holds under `root_child` (training/optimization.py's ExponentialMovingAverage).
+    checkpoint holds under `root_child` (training/ema.py's ExponentialMovingAverage).
 
     The EMA keeps its averages in lists (`shadow/<i>`, `statistics/<i>`) in the order of the
     model variables of the run that saved it, which another run's model need not share; each
