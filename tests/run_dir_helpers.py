@@ -1,5 +1,6 @@
-"""A run directory's model as the evaluation tools load it."""
+"""A run directory's model as the evaluation tools load it, and a checkpoint's model weights."""
 import gin
+import tensorflow as tf
 
 from detr_tf import cli
 from detr_tf.evaluation import restore
@@ -14,3 +15,10 @@ def restore_as_eval_tool(run_dir) -> tuple:
         return restore.load_trained_model(str(run_dir))
     finally:
         gin.clear_config()
+
+
+def checkpoint_model_weights(ckpt: str) -> dict:
+    """{key: value} of the model's variables in a checkpoint (no optimizer slots)."""
+    reader = tf.train.load_checkpoint(ckpt)
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(ckpt)
+            if name.startswith("model/") and "OPTIMIZER_SLOT" not in name}

@@ -19,6 +19,7 @@ from detr_tf.training import checkpointing, trainer
 from detr_tf.training.ema import (EMA_NAME_SUFFIX, ExponentialMovingAverage,
                                            moving_statistics)
 from detr_tf.weights import files, targets
+from tests.run_dir_helpers import checkpoint_model_weights
 from tests.test_weights import narrow_detr, values
 
 
@@ -132,12 +133,6 @@ def _train(model_dir, cache, *bindings, **kwargs):
         gin.clear_config()
 
 
-def _model_weights(ckpt):
-    reader = tf.train.load_checkpoint(ckpt)
-    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(ckpt)
-            if name.startswith("model/") and "OPTIMIZER_SLOT" not in name}
-
-
 def _evaluated_weights(model_dir, cache):
     """The source run's weights as tools/eval.py evaluates them (its EMA, restored in the
     order the same configuration gives), saved as a model-only checkpoint to read by key."""
@@ -152,14 +147,14 @@ def _evaluated_weights(model_dir, cache):
         prefix = tf.train.Checkpoint(model=model).save(os.path.join(model_dir, "eval", "ckpt"))
     finally:
         gin.clear_config()
-    return _model_weights(prefix)
+    return checkpoint_model_weights(prefix)
 
 
 @pytest.mark.slow  # three tiny RT-DETR trainings (about 25 s on a 2-core CPU)
 def test_a_run_initialised_from_a_trained_run_starts_from_its_ema(tmp_path, capsys):
     cache, source = str(tmp_path / "shapes"), tmp_path / "source"
     _train(source, cache, "train.num_steps = 3", "train.checkpoint_every = 3")
-    raw = _model_weights(str(source / "checkpoints" / "ckpt-3"))
+    raw = checkpoint_model_weights(str(source / "checkpoints" / "ckpt-3"))
     evaluated = _evaluated_weights(source, cache)
     assert raw.keys() == evaluated.keys() and len(raw) > 100
     differ = [k for k in raw if not np.array_equal(raw[k], evaluated[k])]
@@ -171,7 +166,7 @@ def test_a_run_initialised_from_a_trained_run_starts_from_its_ema(tmp_path, caps
                init_from_ema=from_ema)
         out = capsys.readouterr().out
         assert ("the EMA's for the" in out) == from_ema, out[-3000:]
-        started = _model_weights(str(run / "checkpoints" / "ckpt-0"))
+        started = checkpoint_model_weights(str(run / "checkpoints" / "ckpt-0"))
         assert started.keys() == want.keys()
         for name, value in want.items():
             np.testing.assert_array_equal(started[name], value, err_msg=name)
@@ -204,9 +199,9 @@ def test_import_weights_takes_the_ema_and_from_ema_false_the_raw_weights(tmp_pat
                                             str(tmp_path / "ema_run"))
     finally:
         gin.clear_config()
-    raw = _model_weights(str(tmp_path / "raw" / "ckpt-1"))
+    raw = checkpoint_model_weights(str(tmp_path / "raw" / "ckpt-1"))
     assert len(raw) == len(source.variables) == len(want_ema)
-    for name, value in _model_weights(path).items():
+    for name, value in checkpoint_model_weights(path).items():
         np.testing.assert_array_equal(value, want_ema[name], err_msg=name)
 
     result = tool_helpers.run_tool(
@@ -215,7 +210,7 @@ def test_import_weights_takes_the_ema_and_from_ema_false_the_raw_weights(tmp_pat
         f"--output_dir={tmp_path / 'raw_run'}", "--nofrom_ema")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "values: raw weights (the checkpoint's EMA not taken, as asked)" in result.stdout
-    written = _model_weights(str(tmp_path / "raw_run" / "checkpoints" / "ckpt-0"))
+    written = checkpoint_model_weights(str(tmp_path / "raw_run" / "checkpoints" / "ckpt-0"))
     assert written.keys() == raw.keys()
     for name, value in raw.items():
         np.testing.assert_array_equal(written[name], value, err_msg=name)

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from detr_tf import config
 from detr_tf.training import trainer
+from tests.run_dir_helpers import checkpoint_model_weights
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +35,17 @@ def _train(model_dir, cache, **kwargs):
         gin.clear_config()
 
 
-def _model_weights(ckpt):
-    reader = tf.train.load_checkpoint(ckpt)
-    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(ckpt)
-            if name.startswith("model/") and "OPTIMIZER_SLOT" not in name}
-
-
 @pytest.mark.slow  # three tiny trainings (about 90 s); CI keeps the missing-file check
 def test_new_run_starts_from_init_weights_and_a_resume_ignores_them(shapes_cache, tmp_path,
                                                                      capsys):
     source, run = tmp_path / "source", tmp_path / "run"
     _train(source, shapes_cache, num_steps=2, seed=1)
-    trained = _model_weights(str(source / "checkpoints" / "ckpt-2"))
+    trained = checkpoint_model_weights(str(source / "checkpoints" / "ckpt-2"))
 
     _train(run, shapes_cache, num_steps=0, init_weights=str(source))
     out = capsys.readouterr().out
     assert f"initialised from {source}" in out, out[-2000:]
-    started = _model_weights(str(run / "checkpoints" / "ckpt-0"))
+    started = checkpoint_model_weights(str(run / "checkpoints" / "ckpt-0"))
     assert started.keys() == trained.keys() and len(started) > 50
     for name, value in trained.items():
         np.testing.assert_array_equal(started[name], value, err_msg=name)

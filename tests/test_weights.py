@@ -408,19 +408,21 @@ def test_a_detr_tf_checkpoint_with_other_classes_reinitialises_the_class_head(tm
     assert len(report.loaded) == len(model.variables) - 2
 
 
-def test_two_stage_checkpoint_reinitialises_both_class_layers(tmp_path):
-    def two_stage(num_classes):
-        model = build_model(
-            num_classes=num_classes, num_queries=4, hidden_dim=32, two_stage=True,
-            backbone=ResNet(block=BasicBlock, layers=(1, 1, 1), width=8),
-            position_embedding=PositionEmbeddingSine(16),
-            transformer=AnchorTransformer(d_model=32, num_heads=4, num_encoder_layers=1,
-                                          num_decoder_layers=2, dim_feedforward=64))
-        model(tf.zeros([1, 64, 64, 3]), tf.ones([1, 64, 64], tf.bool))
-        return model
+def _anchor_detr(num_classes, **options):
+    """A small anchor-query DETR (two_stage=True, denoising=True, ...), built."""
+    model = build_model(
+        num_classes=num_classes, num_queries=4, hidden_dim=32,
+        backbone=ResNet(block=BasicBlock, layers=(1, 1, 1), width=8),
+        position_embedding=PositionEmbeddingSine(16),
+        transformer=AnchorTransformer(d_model=32, num_heads=4, num_encoder_layers=1,
+                                      num_decoder_layers=2, dim_feedforward=64), **options)
+    model(tf.zeros([1, 64, 64, 3]), tf.ones([1, 64, 64], tf.bool))
+    return model
 
-    _save_run(two_stage(7), tmp_path)
-    model = two_stage(3)
+
+def test_two_stage_checkpoint_reinitialises_both_class_layers(tmp_path):
+    _save_run(_anchor_detr(7, two_stage=True), tmp_path)
+    model = _anchor_detr(3, two_stage=True)
     before = values(model.proposals.class_embed.variables)
     report = weights.load_pretrained(model, str(tmp_path))
     assert set(report.reinitialized) == {"class head"}
@@ -433,19 +435,9 @@ def test_denoising_checkpoint_with_other_classes_reinitialises_the_label_embeddi
     """A DN-DETR run's checkpoint (detr_r50_dn.gin) fine-tuned onto 3 classes: the denoising
     label embedding has one row per class, so it starts afresh with the class head; every other
     variable, the query embedding included, comes from the file."""
-    def dn_detr(num_classes):
-        model = build_model(
-            num_classes=num_classes, num_queries=4, hidden_dim=32, denoising=True,
-            backbone=ResNet(block=BasicBlock, layers=(1, 1, 1), width=8),
-            position_embedding=PositionEmbeddingSine(16),
-            transformer=AnchorTransformer(d_model=32, num_heads=4, num_encoder_layers=1,
-                                          num_decoder_layers=2, dim_feedforward=64))
-        model(tf.zeros([1, 64, 64, 3]), tf.ones([1, 64, 64], tf.bool))
-        return model
-
-    saved = dn_detr(7)
+    saved = _anchor_detr(7, denoising=True)
     _save_run(saved, tmp_path)
-    model = dn_detr(3)
+    model = _anchor_detr(3, denoising=True)
     fresh = model.class_embed.variables + model.denoising.label_embed.variables
     before = values(fresh)
     report = weights.load_pretrained(model, str(tmp_path))
