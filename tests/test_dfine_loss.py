@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from detr_tf.losses.boxes import MATCHED
 from detr_tf.losses import ddf as ddf_lib
 from detr_tf.losses import fgl as fgl_lib
 from detr_tf.losses.dfine import DFineCriterion
@@ -381,7 +382,7 @@ def test_criterion_matches_numpy(union, deim):
     crit = criterion(case)
     got = crit(*dfine_outputs(case))
     want = np_criterion(case, union, deim)
-    assert set(got) == set(want) | {"class_error"}
+    assert set(got) == set(want) | {"class_error", MATCHED}
     for key, value in want.items():
         np.testing.assert_allclose(float(got[key]), value, rtol=2e-5, atol=1e-6, err_msg=key)
     assert float(got["loss_ddf"]) == 0.0 and float(got["loss_ddf_0"]) > 0.0
@@ -389,8 +390,9 @@ def test_criterion_matches_numpy(union, deim):
         # Under the replicas' mean count (here 2.5, not this batch's), as the step rescales.
         moved = crit.renormalize(got, tf.constant(2.5))
         want = np_criterion(case, union, deim, union_count=2.5)
-        assert set(moved) == set(want) - {"union_pairs", "union_share"} | {"class_error"}
-        for key in moved.keys() - {"class_error"}:
+        assert set(moved) == set(want) - {"union_pairs", "union_share"} | {"class_error",
+                                                                           MATCHED}
+        for key in moved.keys() - {"class_error", MATCHED}:
             np.testing.assert_allclose(float(moved[key]), want[key], rtol=2e-5, atol=1e-6,
                                        err_msg=key)
 
@@ -417,7 +419,7 @@ def test_pre_outputs_are_one_more_part_matched_in_the_same_call():
     want = np_criterion(case, union, deim=False, pre=(pre[0], pre_boxes[0], pre[1],
                                                       pre_boxes[1]))
     assert {"loss_vfl_pre", "loss_giou_pre", "loss_dn_bbox_pre"} <= set(want)
-    assert set(got) == set(want) | {"class_error"}
+    assert set(got) == set(want) | {"class_error", MATCHED}
     for key, value in want.items():
         np.testing.assert_allclose(float(got[key]), value, rtol=2e-5, atol=1e-6, err_msg=key)
 
@@ -456,7 +458,7 @@ def test_matches_transformers_fixture(name):
     hf = {k.rsplit("/", 1)[1]: float(data[k]) for k in data.files
           if k.startswith(f"{name}/hf/")}
     got, grads = losses_and_grads(case)
-    assert set(got) == set(hf) | {"class_error"}
+    assert set(got) == set(hf) | {"class_error", MATCHED}
     for key, value in hf.items():
         np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
     for key, grad in grads.items():

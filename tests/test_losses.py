@@ -5,6 +5,7 @@ import scipy.optimize
 import tensorflow as tf
 
 from detr_tf.losses import SetCriterion
+from detr_tf.losses.boxes import MATCHED
 
 NUM_CLASSES = 6
 COSTS = dict(cost_class=1.0, cost_bbox=5.0, cost_giou=2.0)
@@ -80,6 +81,7 @@ def reference_loss(outputs, targets, num_classes, eos_coef=0.1, aux_loss=True, n
         if li == len(layers) - 1:
             correct = [logits[b, r].argmax() == c for b, r, c in matched_pairs]
             result["class_error"] = 100.0 - (100.0 * np.mean(correct) if correct else 0.0)
+            result[MATCHED] = float(len(correct))  # what the train step weighs it with
             card = (logits.argmax(-1) != num_classes).sum(1)
             result["cardinality_error"] = np.abs(card - tmask.sum(1)).mean()
     result["loss"] = total

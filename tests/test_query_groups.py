@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from detr_tf.losses.boxes import MATCHED
 from detr_tf.modeling import query_groups
 from detr_tf.modeling.backbone import BasicBlock, ResNet
 from detr_tf.modeling.detr import build_model
@@ -31,6 +32,7 @@ def reference_group_loss(outputs, targets, num_groups, q, **kwargs):
                  for k in range(num_groups)]
     result = {k: np.mean([g[k] for g in per_group]) for k in per_group[0]}
     result["class_error"] = per_group[0]["class_error"]
+    result[MATCHED] = per_group[0][MATCHED]
     result["cardinality_error"] = per_group[0]["cardinality_error"]
     return result
 

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from scipy.optimize import linear_sum_assignment
 
+from detr_tf.losses.boxes import MATCHED
 from detr_tf.losses.rtdetr import RTDetrCriterion
 from detr_tf.losses.vfl import varifocal_loss, vfl_loss
 from detr_tf.ops.matching import HungarianMatcher
@@ -203,7 +204,7 @@ def test_criterion_matches_numpy(name, spec):
     case = cases.random_case(**spec)
     got = RTDetrCriterion(num_classes=5)(*model_outputs(case))
     want = np_criterion(case)
-    assert set(got) == set(want) | {"class_error"}
+    assert set(got) == set(want) | {"class_error", MATCHED}
     for key, value in want.items():
         np.testing.assert_allclose(float(got[key]), value, rtol=2e-6, atol=1e-7, err_msg=key)
 
@@ -223,7 +224,7 @@ def test_matches_transformers_fixture(name):
     with tf.GradientTape() as tape:
         tape.watch(list(watched.values()))
         got = RTDetrCriterion(num_classes=5)(outputs, targets)
-    assert set(got) == set(hf) | {"class_error"}
+    assert set(got) == set(hf) | {"class_error", MATCHED}
     for key, value in hf.items():
         np.testing.assert_allclose(float(got[key]), value, rtol=1e-5, err_msg=key)
     grads = tape.gradient(got["loss"], watched)
@@ -284,7 +285,8 @@ def test_aux_loss_false_trains_the_final_layer_only():
     case = cases.random_case(seed=8, counts=(2, 1, 3), num_groups=1)
     got = RTDetrCriterion(num_classes=5, aux_loss=False)(*model_outputs(case))
     want = np_criterion(case)
-    assert set(got) == {"loss", "loss_vfl", "loss_bbox", "loss_giou", "class_error"}
+    assert set(got) == {"loss", "loss_vfl", "loss_bbox", "loss_giou", "class_error",
+                        MATCHED}
     np.testing.assert_allclose(
         float(got["loss"]), np.dot(WEIGHTS, [want["loss_vfl"], want["loss_bbox"],
                                              want["loss_giou"]]), rtol=1e-5)

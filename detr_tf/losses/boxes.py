@@ -32,6 +32,26 @@ def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Te
     return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
 
 
+# The matched queries class_error is a ratio over (float32 scalar), for a train step to weigh
+# class_error with when it averages it over micro-batches and replicas (`global_class_error`).
+MATCHED = "class_error_matched"
+
+
+def class_error_terms(correct: tf.Tensor, matched: tf.Tensor) -> Dict[str, tf.Tensor]:
+    """{'class_error': 100 - top-1 accuracy (%) over the matched queries (100 when none is
+    matched), MATCHED: their count}: correct, matched [B, Q] float 0/1."""
+    n = tf.reduce_sum(matched)
+    accuracy = tf.math.divide_no_nan(tf.reduce_sum(correct * matched), n)
+    return {"class_error": 100.0 - 100.0 * accuracy, MATCHED: n}
+
+
+def global_class_error(weighted: tf.Tensor, matched: tf.Tensor) -> tf.Tensor:
+    """class_error of a whole batch from its parts' (micro-batches', replicas') means of
+    class_error x MATCHED (`weighted`) and of MATCHED: a ratio over every matched query, as one
+    device computes it over the whole batch, not the parts' mean of their ratios."""
+    return tf.where(matched > 0, weighted / tf.maximum(matched, 1e-12), 100.0)
+
+
 def stack_layers(outputs: Dict[str, object], aux_loss: bool) -> Tuple[tf.Tensor, tf.Tensor]:
     """The decoder layers' predictions, earliest first and the final layer last, in float32:
     (logits [L, B, Q, C'], boxes [L, B, Q, 4]); only the final layer without aux_loss."""

@@ -193,7 +193,7 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
                 n_box, n_union, geometry), out, suffix="_enc", union=True)
         if self.aux_loss and "dn_outputs" in outputs:
             self.add_denoising(outputs["dn_outputs"], n_box, geometry, out)
-        out["class_error"] = focal.class_error(logits[-1], targets["labels"], idx[-1])
+        out.update(focal.class_error(logits[-1], targets["labels"], idx[-1]))
         if pairs is not None:
             out[union_lib.PAIRS] = pairs
         return out

@@ -94,15 +94,14 @@ def dense_focal_losses(enc: Dict[str, tf.Tensor], targets: Dict[str, tf.Tensor],
     return tf.reduce_sum(focal) / n_box, loss_bbox, loss_giou
 
 
-def class_error(logits: tf.Tensor, labels: tf.Tensor, idx: tf.Tensor) -> tf.Tensor:
-    """100 - top-1 accuracy (%) of the highest-scoring class over the matched queries of one
-    layer (100 when none is matched): logits [B, Q, C], labels [B, T] int, idx [B, Q] (-1
-    unmatched) -> float32 scalar."""
+def class_error(logits: tf.Tensor, labels: tf.Tensor, idx: tf.Tensor) -> Dict[str, tf.Tensor]:
+    """{'class_error': 100 - top-1 accuracy (%) of the highest-scoring class over the matched
+    queries of one layer (100 when none is matched), box_losses.MATCHED: their count}: logits
+    [B, Q, C], labels [B, T] int, idx [B, Q] (-1 unmatched) -> float32 scalars."""
     matched = tf.cast(idx >= 0, tf.float32)  # [B, Q]
     pred = tf.argmax(logits, -1, output_type=tf.int32)
     correct = tf.cast(pred == tf.gather(labels, tf.maximum(idx, 0), batch_dims=1), tf.float32)
-    return 100.0 - 100.0 * tf.math.divide_no_nan(tf.reduce_sum(correct * matched),
-                                                 tf.reduce_sum(matched))
+    return box_losses.class_error_terms(correct, matched)
 
 
 @gin.configurable
@@ -235,5 +234,5 @@ class FocalSetCriterion:
             ce, bbox, giou = self._encoder_losses(outputs["enc_outputs"], targets, n_box)
             out.update({"loss_ce_enc": ce, "loss_bbox_enc": bbox, "loss_giou_enc": giou})
             out["loss"] += w_ce * ce + w_bbox * bbox + w_giou * giou
-        out["class_error"] = class_error(logits[-1], labels, idx[-1])
+        out.update(class_error(logits[-1], labels, idx[-1]))
         return out

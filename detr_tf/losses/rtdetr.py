@@ -259,7 +259,7 @@ class RTDetrCriterion(focal.FocalSetCriterion):
         if "fg_outputs" in outputs:
             out["loss_fg"] = foreground.foreground_term(outputs["fg_outputs"], targets)
             out["loss"] = out["loss"] + self.weight_fg * out["loss_fg"]
-        out["class_error"] = focal.class_error(logits[-1], targets["labels"], idx[-1])
+        out.update(focal.class_error(logits[-1], targets["labels"], idx[-1]))
         return out
 
     def _add(self, prefix: str, losses: Losses, out: Dict[str, tf.Tensor],

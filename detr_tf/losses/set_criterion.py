@@ -7,7 +7,9 @@ Semantics are those of the reference DETR SetCriterion (labels, boxes, cardinali
 - loss_bbox: L1 distance of matched (cx, cy, w, h) pairs, summed, divided by num_boxes.
 - loss_giou: 1 - GIoU of matched pairs, summed, divided by num_boxes.
 - class_error: 100 - top-1 accuracy (%) over the final layer's matched queries (100 when
-  there are none, as the reference's accuracy() returns 0 for an empty set).
+  there are none, as the reference's accuracy() returns 0 for an empty set), and
+  'class_error_matched', their count, with which the train step logs the ratio over every
+  replica's and micro-batch's matched queries (the reference logs the replicas' mean ratio).
 - cardinality_error: mean over images of |#queries whose argmax is not no-object - #targets|.
 All decoder layers are matched in one call of the batched matcher, and everything is computed
 in float32 whatever the model's precision policy.
@@ -216,11 +218,10 @@ class SetCriterion:
         matched_labels = tf.gather(targets["labels"], tf.maximum(idx, 0), batch_dims=1)
         matched_f = tf.cast(idx >= 0, tf.float32)  # [B, Q]
         pred_class = tf.argmax(final_logits, axis=-1, output_type=tf.int32)  # [B, Q]
-        n_correct = tf.reduce_sum(tf.cast(pred_class == matched_labels, tf.float32) * matched_f)
         card_pred = tf.reduce_sum(tf.cast(pred_class != self.num_classes, tf.float32), -1)  # [B]
         card_tgt = tf.reduce_sum(tf.cast(targets["mask"], tf.float32), -1)  # [B]
-        return {"class_error": 100.0 - 100.0 * tf.math.divide_no_nan(
-                    n_correct, tf.reduce_sum(matched_f)),
+        correct = tf.cast(pred_class == matched_labels, tf.float32)
+        return {**box_losses.class_error_terms(correct, matched_f),
                 "cardinality_error": tf.reduce_mean(tf.abs(card_pred - card_tgt))}
 
     def _add_extra_queries(self, outputs: Dict[str, object], targets: Dict[str, tf.Tensor],

@@ -18,6 +18,7 @@ from typing import Callable, Sequence, Tuple
 import gin
 import tensorflow as tf
 
+from detr_tf.losses import boxes as box_losses
 from detr_tf.training import fused_adamw, hardware
 
 JIT_CHOICES = ("auto", "step", "loss", "matcher", "none")
@@ -104,6 +105,28 @@ def _zeros_for_missing(grads, variables):
     # collective and optimizer sees the same, complete list on every replica.
     return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
             for g, v in zip(grads, variables)]
+
+
+def _weigh_class_error(losses):
+    """class_error (a ratio over this micro-batch's matched queries) times their count
+    (box_losses.MATCHED), for `_global_class_error` once averaged over micro-batches and
+    replicas."""
+    if box_losses.MATCHED not in losses or "class_error" not in losses:
+        return losses
+    return dict(losses, class_error=losses["class_error"] * losses[box_losses.MATCHED])
+
+
+def _global_class_error(losses):
+    """The means of `_weigh_class_error`'s values -> class_error over every replica's and
+    micro-batch's matched queries, as one device computes it over the whole batch (a mean of
+    the parts' ratios would count an empty part's 100% as much as the others')."""
+    if box_losses.MATCHED not in losses:
+        return losses
+    out = dict(losses)
+    matched = out.pop(box_losses.MATCHED)
+    if "class_error" in out:
+        out["class_error"] = box_losses.global_class_error(out["class_error"], matched)
+    return out
 
 
 class StepBuilder:
@@ -217,7 +240,7 @@ class StepBuilder:
         grad_sum, loss_sum = None, None
         for inputs, targets in micro_batches:
             losses, grads = self._grads_fn(inputs, targets, norms, scale)
-            losses = {k: tf.cast(v, tf.float32) for k, v in losses.items()}
+            losses = _weigh_class_error({k: tf.cast(v, tf.float32) for k, v in losses.items()})
             if grad_sum is None:
                 grad_sum, loss_sum = grads, losses
             else:
@@ -231,7 +254,8 @@ class StepBuilder:
             losses["targets_cut"] = tf.cast(
                 tf.add_n([tf.reduce_sum(t["cut"]) for _, t in micro_batches]), tf.float32)
         grads = engine.all_reduce_mean(grads)
-        losses = engine.all_reduce_mean(losses)  # one collective for the losses and the count
+        # One collective for the losses and the counts; class_error over every matched query.
+        losses = _global_class_error(engine.all_reduce_mean(losses))
         stats = dict(losses)
         if counted:  # every replica's: the mean times the replicas
             stats["targets_cut"] = losses.pop("targets_cut") * float(engine.num_replicas)
