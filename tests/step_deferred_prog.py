@@ -18,8 +18,8 @@ class CountingCriterion(ToyCriterion):
     """Squared error, rows whose first prediction exceeds its target counted twice, divided by
     the rows counted: this replica's count, returned for the step to average and rescaled by
     `renormalize` (with `rescale=False` it keeps the local count: what the average repairs).
-    Every row counts, so the count's mean over the replicas is never below 1, where one
-    device's count and the replicas' mean would be clamped apart (as the box count)."""
+    Every row counts, so the count's mean over the replicas is never below 1 (fewer is
+    tests/test_replica_normalizers.py's)."""
 
     defers_normalizer = True
 
@@ -38,9 +38,9 @@ class CountingCriterion(ToyCriterion):
     def deferred_count(losses):
         return losses["count"]
 
-    def renormalize(self, losses, global_count):
+    def renormalize(self, losses, global_count, floor=1.0):
         out = dict(losses)
-        factor = tf.maximum(out.pop("count"), 1.0) / tf.maximum(global_count, 1.0)
+        factor = tf.maximum(out.pop("count"), 1.0) / tf.maximum(global_count, floor)
         return {k: v * factor for k, v in out.items()} if self.rescale else out
 
 

@@ -42,9 +42,8 @@ def reference_loss(outputs, targets, num_classes, eos_coef=0.1, aux_loss=True, n
     tboxes = np.asarray(targets["boxes"], np.float64)
     tmask = np.asarray(targets["mask"], bool)
     layers = (list(outputs["aux_outputs"]) if aux_loss else []) + [outputs]
-    if num_boxes is None:
-        num_boxes = tmask.sum()
-    num_boxes = max(float(num_boxes), 1.0)
+    # A given count is the train step's, already at least its floor (1 / replicas).
+    num_boxes = max(float(tmask.sum()), 1.0) if num_boxes is None else float(num_boxes)
     weight = np.ones(num_classes + 1)
     weight[-1] = eos_coef
     result = {}
@@ -160,9 +159,10 @@ def test_parity_without_aux_loss_and_with_given_num_boxes():
     got = criterion(aux_loss=False)(*to_tf(outputs, targets), num_boxes=tf.constant(2.5))
     want = reference_loss(outputs, targets, NUM_CLASSES, aux_loss=False, num_boxes=2.5)
     assert_matches(got, want)
-    # num_boxes below 1 is clamped to 1.
+    # A given num_boxes below 1 is used as given: the train step's is the replicas' mean count,
+    # at least 1 / replicas, so that the whole batch counts at least 1 box.
     got = criterion(aux_loss=False)(*to_tf(outputs, targets), num_boxes=tf.constant(0.25))
-    want = reference_loss(outputs, targets, NUM_CLASSES, aux_loss=False, num_boxes=1.0)
+    want = reference_loss(outputs, targets, NUM_CLASSES, aux_loss=False, num_boxes=0.25)
     assert_matches(got, want)
 
 

@@ -25,11 +25,18 @@ def replica_mean(x: tf.Tensor) -> tf.Tensor:
 
 
 def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Tensor:
-    """The loss normalizer: `num_boxes` if given, else the real boxes of `tgt_mask` averaged over
-    the replicas in sync (the reference's all-reduced num_boxes / world size); at least 1."""
+    """The loss normalizer: `num_boxes` as given (> 0), else the real boxes of `tgt_mask`
+    averaged over the replicas in sync (the reference's all-reduced num_boxes / world size), at
+    least 1.
+
+    A given count is not raised to 1: the train step's is the mean over its replicas and
+    micro-batches, at least 1 / their number, so that the whole batch counts at least one box,
+    as one device holding it counts (at least 1 per part would divide a batch of fewer boxes
+    than parts by more than one device does).
+    """
     if num_boxes is None:
-        num_boxes = replica_mean(tf.reduce_sum(tf.cast(tgt_mask, tf.float32)))
-    return tf.maximum(tf.cast(num_boxes, tf.float32), 1.0)
+        return tf.maximum(replica_mean(tf.reduce_sum(tf.cast(tgt_mask, tf.float32))), 1.0)
+    return tf.cast(num_boxes, tf.float32)
 
 
 # The matched queries class_error is a ratio over (float32 scalar), for a train step to weigh

@@ -209,10 +209,11 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         """This replica's union pairs, from the losses of `__call__`."""
         return losses[union_lib.PAIRS]
 
-    def renormalize(self, losses: Dict[str, tf.Tensor], global_pairs: tf.Tensor
-                    ) -> Dict[str, tf.Tensor]:
-        """The losses of `__call__` under the replicas' mean union count (losses/union.py)."""
-        return union_lib.renormalize(losses, self.union_keys, global_pairs)
+    def renormalize(self, losses: Dict[str, tf.Tensor], global_pairs: tf.Tensor,
+                    floor: float = 1.0) -> Dict[str, tf.Tensor]:
+        """The losses of `__call__` under the replicas' mean union count, at least `floor`
+        (losses/union.py)."""
+        return union_lib.renormalize(losses, self.union_keys, global_pairs, floor)
 
     def add_denoising(self, dn: Dict[str, object], n_box: tf.Tensor, geometry: Tuple,
                       out: Dict[str, tf.Tensor]) -> None:

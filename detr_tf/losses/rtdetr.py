@@ -6,7 +6,7 @@ alpha 0.25, gamma 2; cost weights class 2, L1 5, GIoU 2) with RT-DETR's losses:
   summed, / n_box ('loss_vfl');
 - boxes: L1 and 1 - GIoU of the matched pairs, summed, / n_box ('loss_bbox', 'loss_giou');
 - weights 1 (vfl), 5 (bbox), 2 (giou), the same for every part below.
-n_box is the box count (the global count / replicas, at least 1), as the other criteria.
+n_box is the box count (the global count / replicas), as the other criteria.
 
 Parts, each with the three losses:
 - every decoder layer, matched on its own;

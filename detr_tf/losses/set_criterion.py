@@ -149,8 +149,9 @@ class SetCriterion:
           targets: 'labels' int [B, T] in [0, C) (any value on padded entries), 'boxes'
             float [B, T, 4] normalized cxcywh, 'mask' bool [B, T] True on real boxes
             (targets padded to a fixed T, T may be 0).
-          num_boxes: optional float scalar, the box count to normalize by (the global count
-            divided by the number of replicas); computed from the targets when None.
+          num_boxes: optional float scalar > 0, the box count to normalize by (the global count
+            divided by the number of replicas, used as given); computed from the targets when
+            None (then at least 1).
           ce_weight: optional float scalar, the class-weight sum to normalize the class loss by
             (see `local_normalizers`); this batch's own sum when None, as the reference.
 

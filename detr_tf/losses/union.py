@@ -35,14 +35,15 @@ def local_normalizer(union: tf.Tensor) -> tuple:
 
 
 def renormalize(losses: Dict[str, tf.Tensor], union_keys: Sequence[str],
-                global_pairs: tf.Tensor) -> Dict[str, tf.Tensor]:
-    """The losses divided by max(global_pairs, 1) instead of the local count, without the
-    PAIRS / SHARE entries. `global_pairs`: the replicas' mean of PAIRS; `union_keys`: the
-    entries divided by the union count."""
+                global_pairs: tf.Tensor, floor: float = 1.0) -> Dict[str, tf.Tensor]:
+    """The losses divided by max(global_pairs, floor) instead of the local count, without the
+    PAIRS / SHARE entries. `global_pairs`: the replicas' mean of PAIRS; `floor`: the train
+    step's is 1 / replicas, so that all replicas together count at least one pair, as one
+    device does; `union_keys`: the entries divided by the union count."""
     out = dict(losses)
     local = tf.maximum(tf.stop_gradient(out.pop(PAIRS)), 1.0)
     share = out.pop(SHARE)
-    factor = local / tf.maximum(tf.stop_gradient(global_pairs), 1.0)
+    factor = local / tf.maximum(tf.stop_gradient(global_pairs), floor)
     for k in union_keys:
         out[k] = out[k] * factor
     out["loss"] = out["loss"] + (factor - 1.0) * share

@@ -218,7 +218,9 @@ class StepBuilder:
         count = self.criterion.deferred_count(losses)
         if self.engine.num_replicas > 1:
             count = self.engine.all_reduce_mean(tf.stop_gradient(count))
-        return self.criterion.renormalize(losses, count)
+        # All replicas together count at least one pair, as one device does; not each.
+        return self.criterion.renormalize(losses, count,
+                                          floor=1.0 / self.engine.num_replicas)
 
     def replica_step(self, *micro_batches):
         """One optimizer step on this replica's micro-batches; returns logging values."""
@@ -236,7 +238,9 @@ class StepBuilder:
                  for _, targets in micro_batches]
         norms = engine.all_reduce_mean(
             {k: tf.add_n([n[k] for n in local]) / len(local) for k in local[0]})
-        norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0)
+        # The whole batch counts at least one box, as one device's does; not each part.
+        parts = float(len(local) * engine.num_replicas)
+        norms["num_boxes"] = tf.maximum(norms["num_boxes"], 1.0 / parts)
         grad_sum, loss_sum = None, None
         for inputs, targets in micro_batches:
             losses, grads = self._grads_fn(inputs, targets, norms, scale)
