@@ -39,8 +39,9 @@ def box_normalizer(tgt_mask: tf.Tensor, num_boxes: Optional[tf.Tensor]) -> tf.Te
     return tf.cast(num_boxes, tf.float32)
 
 
-# The matched queries class_error is a ratio over (float32 scalar), for a train step to weigh
-# class_error with when it averages it over micro-batches and replicas (`global_class_error`).
+# The key of the count of matched queries that class_error is a ratio over (float32 scalar): a
+# train step weighs class_error with it before averaging over micro-batches and replicas
+# (`global_class_error`).
 MATCHED = "class_error_matched"
 
 
