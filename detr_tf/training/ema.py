@@ -137,7 +137,7 @@ class ExponentialMovingAverage(tf.Module):
 
 
 # An average's name is its variable's and this: saved in checkpoints, it ties each average to
-# its variable whatever the order of the model's variables (weights/checkpoint_graph.py).
+# its variable whatever the order of the model's variables (checkpoint_graph.py).
 EMA_NAME_SUFFIX = "/ema"
 
 

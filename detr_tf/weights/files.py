@@ -16,8 +16,7 @@ from typing import Dict, List, NamedTuple, Optional
 import numpy as np
 import tensorflow as tf
 
-from detr_tf.training import checkpoint_restore
-from detr_tf.weights import checkpoint_graph
+from detr_tf.training import checkpoint_graph, checkpoint_restore
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy format starts with a pickle protocol opcode
@@ -228,7 +227,7 @@ def read_tf_checkpoint(prefix: str, from_ema: bool = True) -> CheckpointWeights:
     A run with `train.ema_decay` evaluated and exported its EMA, so that is what a new run
     starts from (as the references' tuning loads their checkpoints' EMA). Each average is
     matched to its variable by name, not by its place in the EMA's list: that list follows the
-    saving run's trainable variables, which a new run's need not (weights/checkpoint_graph.py).
+    saving run's trainable variables, which a new run's need not (training/checkpoint_graph.py).
     Variables the EMA does not cover (frozen ones; batch-norm statistics in checkpoints from
     before the EMA averaged them) keep their raw values. Optimizer slots and step counters are
     left out.
@@ -239,7 +238,7 @@ def read_tf_checkpoint(prefix: str, from_ema: bool = True) -> CheckpointWeights:
     """
     reader = tf.train.load_checkpoint(prefix)
     # By the object graph, not by key: a variable that another object also held may have been
-    # saved under that object's key (weights/checkpoint_graph.py).
+    # saved under that object's key (training/checkpoint_graph.py).
     out = {path: reader.get_tensor(key)
            for path, key in checkpoint_graph.model_variable_keys(reader).items()}
     if not out:

@@ -10,8 +10,8 @@ from detr_tf.modeling.backbone import ResNet
 from detr_tf.modeling.deformable_detr import DeformableDETR
 from detr_tf.modeling.dfine import DFINE
 from detr_tf.modeling.rtdetr import RTDETR
+from detr_tf.training.checkpoint_graph import live_variable_paths
 from detr_tf.weights import deformable_targets, target
-from detr_tf.weights.checkpoint_graph import breadth_first_paths
 from detr_tf.weights.dfine import model as dfine_targets
 from detr_tf.weights.rtdetr import model as rtdetr_targets
 from detr_tf.weights.target import Constant, Target
@@ -133,10 +133,4 @@ def checkpoint_targets(model: tf_keras.Model) -> Dict[str, Target]:
     """{object path: Target} as a `tf.train.Checkpoint(model=model)` names the model's variables
     (the path under 'model/', e.g. 'class_embed/kernel'): TensorFlow's breadth-first naming,
     the walk the weight importer also takes over a saved checkpoint's graph."""
-    view = tf.train.TrackableView(model)
-
-    def children(obj):
-        return () if isinstance(obj, tf.Variable) else view.children(obj).items()
-
-    return {path: Target(obj) for path, obj in breadth_first_paths(model, children, key=id)
-            if isinstance(obj, tf.Variable)}
+    return {path: Target(v) for path, v in live_variable_paths(model).items()}

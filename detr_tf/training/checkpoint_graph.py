@@ -12,6 +12,7 @@ lists, are tied to their variables (`ema_keys`).
 from collections import deque
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
+import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from detr_tf.training.ema import EMA_NAME_SUFFIX
@@ -39,6 +40,19 @@ def breadth_first_paths(start: Hashable, children: Callable[[Any], Iterable[Tupl
             if key(child) not in seen:
                 seen.add(key(child))
                 queue.append((f"{path}/{escape_name(name)}".lstrip("/"), child))
+
+
+def live_variable_paths(root: tf.Module) -> Dict[str, tf.Variable]:
+    """{object path: variable} for every variable reached from `root`, as a
+    `tf.train.Checkpoint(model=root)` names them under 'model/' (e.g. 'class_embed/kernel'):
+    the live twin of `model_variable_keys`, so that the two meet by path."""
+    view = tf.train.TrackableView(root)
+
+    def children(obj):
+        return () if isinstance(obj, tf.Variable) else view.children(obj).items()
+
+    return {path: obj for path, obj in breadth_first_paths(root, children, key=id)
+            if isinstance(obj, tf.Variable)}
 
 
 def _graph(reader) -> Optional[trackable_object_graph_pb2.TrackableObjectGraph]:
