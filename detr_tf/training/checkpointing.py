@@ -15,8 +15,7 @@ from typing import Optional
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpoint_restore
-from detr_tf.training.ema import ExponentialMovingAverage, moving_statistics
+from detr_tf.training import checkpoint_restore, ema_restore
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -117,7 +116,9 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
       model: the model, already built (called once) so its variables exist.
       model_dir: the run's directory; its latest checkpoint is used unless `checkpoint` is given.
       checkpoint: a checkpoint prefix (model_dir/checkpoints/ckpt-N).
-      use_ema: load the EMA weights when the checkpoint has them.
+      use_ema: load the EMA weights when the checkpoint has them, each average onto the
+        variable it was saved for (training/ema_restore.py); variables it does not average
+        keep the raw weights.
 
     Returns:
       The checkpoint path that was restored.
@@ -130,17 +131,12 @@ def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
         raise FileNotFoundError(f"no checkpoint found in {checkpoint_dir(model_dir)!r}")
     if not tf.io.gfile.exists(path + ".index"):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist (no {path}.index)")
-    restore_ema = use_ema and has_ema(path)
-    items = {"model": model}
-    if restore_ema:
-        statistics = moving_statistics(model) if has_ema_statistics(path) else ()
-        ema = ExponentialMovingAverage(model.trainable_variables, statistics=statistics)
-        items["ema"] = ema
-    status = checkpoint_restore.restore(tf.train.Checkpoint(**items), path, model_dir)
+    # The model alone: the EMA's averages are matched to its variables by name afterwards.
+    status = checkpoint_restore.restore(tf.train.Checkpoint(model=model), path, model_dir)
     checkpoint_restore.assert_matched(status.expect_partial(), path, model_dir)
-    checkpoint_restore.assert_used(status, path, model_dir, roots=tuple(items))
-    if restore_ema:
-        ema.swap()
+    checkpoint_restore.assert_used(status, path, model_dir, roots=("model",))
+    if use_ema and has_ema(path):
+        ema_restore.assign_averages(model, path)
     return path
 
 
