@@ -5,13 +5,17 @@ The reference is the live training objects: the EMA's (average, variable) pairs 
 each variable must be evaluated with, and the variables are paired across the two models by the
 attribute that holds them, not by any name or order the code under test reads.
 """
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import checkpointing
+from detr_tf import cli, config
+from detr_tf.evaluation import restore
+from detr_tf.training import checkpointing, trainer
 from detr_tf.training.ema import ExponentialMovingAverage, moving_statistics
+from tests.run_dir_helpers import checkpoint_model_weights
 from tests.test_init_from_ema import _Pair, _source_run
 from tests.test_weights import narrow_detr
 
@@ -111,3 +115,43 @@ def test_averages_no_name_ties_to_one_variable_keep_the_raw_weights_and_are_name
     assert said == [f"checkpoint {path}: 2 of its EMA's averages fit no single variable by "
                     "saved name and shape (first: w); the variables they average keep their "
                     "raw weights"]
+
+
+# ---- a trained run, evaluated with another trainable set ------------------------------------
+
+def _restored_weights(run_dir, *gin_params):
+    """The model weights as tools/eval.py restores them with `gin_params` added to the run's
+    config.gin, by checkpoint key of a model-only checkpoint."""
+    gin.clear_config()
+    try:
+        cli.parse_tool_config("eval.py", [], list(gin_params), str(run_dir))
+        model, _ = restore.load_trained_model(str(run_dir))
+        prefix = tf.train.Checkpoint(model=model).write(str(run_dir / "eval_weights" / "w"))
+    finally:
+        gin.clear_config()
+    return checkpoint_model_weights(prefix)
+
+
+@pytest.mark.slow  # a tiny RT-DETR trained three steps, restored twice (about 20 s on 2 CPUs)
+def test_a_trained_run_evaluates_its_ema_with_the_stem_unfrozen(tmp_path, capsys):
+    # Trained with the stem frozen; evaluated as trained (the EMA's order is the model's, which
+    # the positional restore also got right), and with the stem trainable, which puts three
+    # more kernels at the head of the trainable variables.
+    run_dir = tmp_path / "run"
+    gin.clear_config()
+    try:
+        config.parse_gin_config(["rtdetr_tiny.gin"], [
+            f"SHAPES_CACHE_DIR = '{tmp_path / 'shapes'}'", "train.deterministic = True",
+            "train.ema_decay = 0.5", "ResNetVd.train_stem = False", "train.num_steps = 3",
+            "train.checkpoint_every = 3"], finalize=False)
+        trainer.train(str(run_dir))
+    finally:
+        gin.clear_config()
+    as_trained = _restored_weights(run_dir)
+    unfrozen = _restored_weights(run_dir, "ResNetVd.train_stem = True")
+    raw = checkpoint_model_weights(str(run_dir / "checkpoints" / "ckpt-3"))
+    assert sum(not np.array_equal(raw[k], as_trained[k]) for k in raw) > len(raw) // 2
+    assert unfrozen.keys() == as_trained.keys()
+    for key, value in as_trained.items():
+        np.testing.assert_array_equal(unfrozen[key], value, err_msg=key)
+    assert "EMA's averages fit no" not in capsys.readouterr().out
