@@ -9,7 +9,7 @@ model's variables hold the trainable weights as `ema/_model_variables/<i>/...`, 
 The graph also keeps each variable's name as saved, which is how the EMA's averages, kept in
 lists, are tied to their variables (`ema_keys`).
 """
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 import tensorflow as tf
@@ -115,3 +115,15 @@ def ema_keys(reader, root_child: str = "ema") -> Dict[str, List[str]]:
         if path.split("/")[0] in ("shadow", "statistics") and name.endswith(EMA_NAME_SUFFIX):
             out.setdefault(name[:-len(EMA_NAME_SUFFIX)], []).append(key)
     return out
+
+
+def average_keys(reader, root_child: str = "model", ema_child: str = "ema") -> Dict[str, str]:
+    """{object path under `root_child`: checkpoint key of its average} for each model variable
+    that the EMA under `ema_child` averages (`ema_keys`), matched by the variable's saved name.
+    A name the saving model gave more than one variable ties to no single average: those
+    variables are left out, as are the ones the EMA does not average."""
+    averages = ema_keys(reader, ema_child)
+    names = model_variable_names(reader, root_child)
+    uses = Counter(names.values())
+    return {path: averages[name][0] for path, name in names.items()
+            if len(averages.get(name, ())) == 1 and uses[name] == 1}

@@ -8,7 +8,6 @@ other variables, silently where the shapes agree. Each average is instead tied t
 as the weight importer ties it (checkpoint_graph.py): the object path of an evaluation variable
 gives the name its variable was saved under, and that name the average (`<name>/ema`).
 """
-import collections
 from typing import List, NamedTuple, Tuple
 
 import tensorflow as tf
@@ -39,22 +38,16 @@ def match_averages(model: tf.Module, reader) -> EmaValues:
     Frozen parts of the training model, and batch-norm statistics in checkpoints from before the
     EMA averaged them, have no average: they keep the raw weights, as in training.
     """
-    averages = checkpoint_graph.ema_keys(reader)
-    saved_names = checkpoint_graph.model_variable_names(reader)
-    uses = collections.Counter(saved_names.values())
+    by_path = checkpoint_graph.average_keys(reader)
     shapes = reader.get_variable_to_shape_map()
     pairs = []
     for path, var in checkpoint_graph.live_variable_paths(model).items():
-        name = saved_names.get(path)
-        keys = averages.get(name, ())
-        # Not averaged, or a name the saving model gave more than one variable: the name alone
-        # cannot say which average is whose.
-        if len(keys) != 1 or uses[name] != 1:
-            continue
-        if tuple(shapes[keys[0]]) == tuple(var.shape):
-            pairs.append((var, keys[0]))
+        key = by_path.get(path)
+        if key is not None and tuple(shapes[key]) == tuple(var.shape):
+            pairs.append((var, key))
     placed = {key for _, key in pairs}
-    named = {key: name for name, keys in averages.items() for key in keys}
+    named = {key: name for name, keys in checkpoint_graph.ema_keys(reader).items()
+             for key in keys}
     unplaced = sorted(named.get(key, key) for key in shapes
                       if key.startswith(_AVERAGE_KEYS) and key not in placed)
     return EmaValues(pairs, unplaced)

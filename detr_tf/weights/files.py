@@ -7,7 +7,6 @@ directory or a sharded checkpoint's `*.index.json` stands for the files it holds
   the one-line command that converts the file to safetensors on a machine that has torch;
 - detr_tf's TensorFlow checkpoints: a model_dir, its checkpoints/ directory or a ckpt prefix.
 """
-import collections
 import json
 import os
 import struct
@@ -251,14 +250,9 @@ def read_tf_checkpoint(prefix: str, from_ema: bool = True) -> CheckpointWeights:
     if not from_ema:
         return CheckpointWeights(out, "raw weights (the checkpoint's EMA not taken, as "
                                  "asked)", [])
-    names = checkpoint_graph.model_variable_names(reader)
-    uses = collections.Counter(names.values())
     taken = []
-    for path, name in names.items():
-        keys = averages.get(name, ())
-        if len(keys) != 1 or uses[name] != 1:  # not averaged, or its name is not unique
-            continue
-        value = reader.get_tensor(keys[0])
+    for path, key in checkpoint_graph.average_keys(reader).items():
+        value = reader.get_tensor(key)
         if value.shape == out[path].shape:
             out[path] = value
             taken.append(path)
