@@ -16,16 +16,33 @@ weights sqrt(count) each ("decoupled": many unmatched queries do not drown the f
 
 n_pos / n_neg count the entries (4 per query) over the batch. The reference divides both
 counts by the batch size first, which cancels in this ratio.
+
+With replicas, each holds its sums of w kl over its positive and negative entries (S_pos, S_neg)
+and its counts. The whole batch's DDF is the replicas' mean of
+
+    S_pos c(M_pos, M_neg) + S_neg c(M_neg, M_pos),   c(a, b) = 1 / (sqrt(a) (sqrt(a) + sqrt(b)))
+
+with M the replicas' mean counts (c(0, b) = 0): the train step all-reduces the counts after the
+loss and `rescale` moves each replica's DDF from its own counts to M (losses/dfine.py).
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import tensorflow as tf
 
+# The criterion's extra outputs (never logged): the DDF students' sums and counts [2, K].
+SUMS = "ddf_sums"
+COUNTS = "ddf_counts"
 
-def ddf_loss(corners: tf.Tensor, teacher_corners: tf.Tensor, teacher_logits: tf.Tensor,
-             iou: tf.Tensor, positive: tf.Tensor, temperature: float = 5.0,
-             valid: Optional[tf.Tensor] = None) -> tf.Tensor:
-    """DDF of N layers against one teacher.
+
+def ddf_loss(*args, **kwargs) -> tf.Tensor:
+    """[N] float32, the DDF of N layers against one teacher (`ddf_terms`' arguments)."""
+    return ddf_terms(*args, **kwargs)[0]
+
+
+def ddf_terms(corners: tf.Tensor, teacher_corners: tf.Tensor, teacher_logits: tf.Tensor,
+              iou: tf.Tensor, positive: tf.Tensor, temperature: float = 5.0,
+              valid: Optional[tf.Tensor] = None) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """DDF of N layers against one teacher, with what `rescale` needs.
 
     Args:
       corners: [N, B, Q, 4 * (R + 1)] the students' corner logits.
@@ -37,7 +54,8 @@ def ddf_loss(corners: tf.Tensor, teacher_corners: tf.Tensor, teacher_logits: tf.
       valid: optional [B, Q] {0, 1}, the queries that count at all (None: all).
 
     Returns:
-      [N] float32.
+      (ddf [N], sums [2, N], counts [2, N]) float32: the loss under this batch's counts, and
+      the sums of w kl and the counts of the (positive, negative) entries, for `rescale`.
     """
     bins = teacher_corners.shape[-1] // 4
     edges = lambda x: tf.reshape(  # noqa: E731  [..., Q, 4 * (R+1)] -> [..., Q, 4, R+1]
@@ -52,7 +70,22 @@ def ddf_loss(corners: tf.Tensor, teacher_corners: tf.Tensor, teacher_logits: tf.
     counted = tf.ones_like(positive) if valid is None else tf.cast(valid, tf.float32)[None]
     pos, neg = positive * counted, (1.0 - positive) * counted
     n_pos, n_neg = 4.0 * tf.reduce_sum(pos, [1, 2]), 4.0 * tf.reduce_sum(neg, [1, 2])  # [N]
-    mean_pos = tf.math.divide_no_nan(tf.reduce_sum(per_query * pos, [1, 2]), n_pos)
-    mean_neg = tf.math.divide_no_nan(tf.reduce_sum(per_query * neg, [1, 2]), n_neg)
-    return tf.math.divide_no_nan(mean_pos * tf.sqrt(n_pos) + mean_neg * tf.sqrt(n_neg),
-                                 tf.sqrt(n_pos) + tf.sqrt(n_neg))
+    s_pos, s_neg = tf.reduce_sum(per_query * pos, [1, 2]), tf.reduce_sum(per_query * neg, [1, 2])
+    mean_pos = tf.math.divide_no_nan(s_pos, n_pos)
+    mean_neg = tf.math.divide_no_nan(s_neg, n_neg)
+    ddf = tf.math.divide_no_nan(mean_pos * tf.sqrt(n_pos) + mean_neg * tf.sqrt(n_neg),
+                                tf.sqrt(n_pos) + tf.sqrt(n_neg))
+    return ddf, tf.stack([s_pos, s_neg]), tf.stack([n_pos, n_neg])
+
+
+def coefficients(counts: tf.Tensor) -> tf.Tensor:
+    """counts [2, N] (positive, negative) -> [2, N] c with ddf = sum(c * sums, 0)."""
+    root = tf.sqrt(counts)
+    return tf.math.divide_no_nan(tf.ones_like(root), root * tf.reduce_sum(root, 0))
+
+
+def rescale(sums: tf.Tensor, counts: tf.Tensor, global_counts: tf.Tensor) -> tf.Tensor:
+    """[N], what moves the DDF from this replica's `counts` to the replicas' mean
+    `global_counts` (all [2, N]): 0 where they are equal, exactly, value and gradient."""
+    delta = coefficients(tf.stop_gradient(global_counts)) - coefficients(counts)
+    return tf.reduce_sum(delta * sums, 0)

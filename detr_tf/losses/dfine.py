@@ -7,6 +7,8 @@ D-FINE's losses added to every part that predicts edge distributions:
   targets' two-bin distributions, weighted by IoU, / box count; weight 0.15;
 - 'loss_ddf' (losses/ddf.py): every decoder layer before the last distils the final layer's
   distributions; weight 1.5. The final layer's is 0 (it is the teacher) and logged as such.
+  Its positive and negative entries are counted over the whole batch: the train step averages
+  each replica's counts (`deferred_count`) and gives them back to `renormalize`.
 The class loss is the VFL (weight 1), or DEIM's MAL with `class_loss=@MatchabilityAwareLoss()`;
 L1 and GIoU weigh 5 and 2, as in RT-DETR.
 
@@ -87,6 +89,7 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         self.ddf_temperature = ddf_temperature
         self.union_boxes = union_boxes
         self.union_keys = []  # set by each call (trace): the entries `renormalize` rescales
+        self.ddf_keys = []  # the same for the DDF, in the columns of out[ddf_lib.SUMS]
 
     def box_matching(self, idx: tf.Tensor, enc_idx: Optional[tf.Tensor],
                      mask: tf.Tensor, n_box: tf.Tensor) -> Tuple:
@@ -118,6 +121,8 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
           n_cls, n_box: their normalizers.
           geometry: (up, reg_scale).
           valid: optional [B, Q], the queries that count in the class loss and the DDF.
+
+        With 'corners', also _DDF_TERMS: the DDF's (sums, counts) [2, N-1] (`_add_part`).
         """
         logits, boxes = pred["logits"], pred["boxes"]
         every_layer = None if valid is None else tf.broadcast_to(valid[None], tf.shape(boxes)[:-1])
@@ -131,8 +136,10 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         out["fgl"] = fgl_lib.fgl_loss(pred["corners"], pred["refs"], boxes, tgt_boxes,
                                       positive, n_box, [1, 2], self.reg_max, *geometry)
         iou = box_ops.paired_iou(tf.stop_gradient(boxes[:-1]), tgt_boxes[:-1])
-        students = ddf_lib.ddf_loss(pred["corners"][:-1], pred["corners"][-1], logits[-1], iou,
-                                    positive[:-1], self.ddf_temperature, valid)
+        students, sums, counts = ddf_lib.ddf_terms(
+            pred["corners"][:-1], pred["corners"][-1], logits[-1], iou, positive[:-1],
+            self.ddf_temperature, valid)
+        out[_DDF_TERMS] = (sums, counts)
         out["ddf"] = tf.concat([students, tf.zeros([1])], 0)  # the teacher's own is 0
         return out
 
@@ -177,7 +184,7 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         idx, enc_idx = self.match_layers(*_in_front(pre, logits, boxes), enc, targets)
         box_idx, enc_box_idx, n_union, pairs = self.box_matching(idx, enc_idx, targets["mask"],
                                                                  n_box)
-        self.union_keys = []
+        self.union_keys, self.ddf_keys = [], []
         out = self._add_part("loss_", self.part_losses(
             pred, _matched(targets, idx[first:]), _matched(targets, box_idx[first:]), n_box,
             n_union, geometry), {}, union=True)
@@ -200,20 +207,33 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
 
     @property
     def defers_normalizer(self) -> bool:
-        """True when the losses carry a count for the step to average over the replicas and
-        give back to `renormalize` (the union's pairs)."""
-        return self.union_boxes
+        """True when the losses carry counts for the step to average over the replicas and
+        give back to `renormalize` (the union's pairs, the DDF's entries)."""
+        return self.union_boxes or self.aux_loss
 
     @staticmethod
-    def deferred_count(losses: Dict[str, tf.Tensor]) -> tf.Tensor:
-        """This replica's union pairs, from the losses of `__call__`."""
-        return losses[union_lib.PAIRS]
+    def deferred_count(losses: Dict[str, tf.Tensor]) -> Dict[str, tf.Tensor]:
+        """This replica's counts from the losses of `__call__`: the union's pairs (0 without
+        the union) and, with a DDF, its entries' [2, K]."""
+        count = {union_lib.PAIRS: losses.get(union_lib.PAIRS, tf.zeros([]))}
+        if ddf_lib.COUNTS in losses:
+            count[ddf_lib.COUNTS] = losses[ddf_lib.COUNTS]
+        return count
 
-    def renormalize(self, losses: Dict[str, tf.Tensor], global_pairs: tf.Tensor,
+    def renormalize(self, losses: Dict[str, tf.Tensor], global_count: Dict[str, tf.Tensor],
                     floor: float = 1.0) -> Dict[str, tf.Tensor]:
-        """The losses of `__call__` under the replicas' mean union count, at least `floor`
-        (losses/union.py)."""
-        return union_lib.renormalize(losses, self.union_keys, global_pairs, floor)
+        """The losses of `__call__` under the replicas' mean counts (`deferred_count`'s): the
+        union's at least `floor` (losses/union.py), the DDF's (losses/ddf.py)."""
+        out = dict(losses)
+        if ddf_lib.SUMS in out:
+            sums, counts = out.pop(ddf_lib.SUMS), out.pop(ddf_lib.COUNTS)
+            delta = ddf_lib.rescale(sums, counts, global_count[ddf_lib.COUNTS])  # [K]
+            for i, k in enumerate(self.ddf_keys):
+                out[k] = out[k] + delta[i]
+            out["loss"] = out["loss"] + self.weight_ddf * tf.reduce_sum(delta)
+        if union_lib.PAIRS not in out:
+            return out
+        return union_lib.renormalize(out, self.union_keys, global_count[union_lib.PAIRS], floor)
 
     def add_denoising(self, dn: Dict[str, object], n_box: tf.Tensor, geometry: Tuple,
                       out: Dict[str, tf.Tensor]) -> None:
@@ -252,6 +272,10 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
         box losses' names join `union_keys` and their weighted sum out[union.SHARE]."""
         weights = dict(zip((self.class_loss.name, "bbox", "giou"), self.weights),
                        fgl=self.weight_fgl, ddf=self.weight_ddf)
+        losses = dict(losses)
+        ddf_terms = losses.pop(_DDF_TERMS, None)
+        if ddf_terms is not None and ddf_terms[0].shape[1]:  # students (N-1 > 0)
+            self._add_ddf_terms(prefix, suffix, ddf_terms, out)
         for k, v in losses.items():
             named = {n + suffix: x for n, x in box_losses.per_layer({prefix + k: v}).items()}
             out.update(named)
@@ -263,6 +287,17 @@ class DFineCriterion(rtdetr.RTDetrCriterion):
                 out[union_lib.SHARE] = weighted if share is None else share + weighted
         return out
 
+    def _add_ddf_terms(self, prefix: str, suffix: str, terms: Tuple,
+                       out: Dict[str, tf.Tensor]) -> None:
+        """Appends a part's DDF sums and counts ([2, N], `ddf_lib.ddf_terms`') to out's
+        ddf_lib.SUMS / COUNTS and their N students' names to `ddf_keys`."""
+        self.ddf_keys.extend(f"{prefix}ddf_{i}{suffix}" for i in range(terms[0].shape[1]))
+        for key, value in zip((ddf_lib.SUMS, ddf_lib.COUNTS), terms):
+            out[key] = tf.concat([out[key], value], 1) if key in out else value
+
+
+# A part's DDF sums and counts, from part_losses to _add_part.
+_DDF_TERMS = "ddf_terms"
 
 # The part losses divided by the box normalizer (the union's count under union_boxes).
 _UNION_NORMALIZED = ("bbox", "giou", "fgl")

@@ -214,10 +214,11 @@ class StepBuilder:
         return losses, grads
 
     def _global_normalizer(self, losses):
-        """The criterion's losses under the replicas' mean of its deferred count."""
+        """The criterion's losses under the replicas' mean of its deferred count (a tensor
+        or a structure of tensors)."""
         count = self.criterion.deferred_count(losses)
         if self.engine.num_replicas > 1:
-            count = self.engine.all_reduce_mean(tf.stop_gradient(count))
+            count = self.engine.all_reduce_mean(tf.nest.map_structure(tf.stop_gradient, count))
         # All replicas together count at least one pair, as one device does; not each.
         return self.criterion.renormalize(losses, count,
                                           floor=1.0 / self.engine.num_replicas)
