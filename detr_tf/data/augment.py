@@ -248,10 +248,17 @@ def detr_eval_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
     if not stretch:
         image, boxes = resize(image, boxes, short_side, max_size, antialias)
         return image, boxes, labels
-    new_size = tf.constant([max_size, max_size])
-    boxes = scale_boxes(boxes, tf.shape(image)[:2], new_size)
-    image = tf.image.resize(image, new_size, method="bilinear", antialias=antialias)
+    image, boxes = stretch_resize(image, boxes, max_size, antialias)
     return image, boxes, labels
+
+
+def stretch_resize(image: tf.Tensor, boxes: tf.Tensor, side: int,
+                   antialias: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Bilinear resize to side x side whatever the aspect ratio, boxes (absolute xyxy) with it
+    (`scale_boxes`). antialias: filter when shrinking, as PIL and torchvision do."""
+    new_size = tf.constant([side, side])
+    boxes = scale_boxes(boxes, tf.shape(image)[:2], new_size)
+    return tf.image.resize(image, new_size, method="bilinear", antialias=antialias), boxes
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

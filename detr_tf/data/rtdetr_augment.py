@@ -231,10 +231,7 @@ def rtdetr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor
     image, boxes, labels = random_iou_crop(image, boxes, labels, s[2])
     shape = tf.shape(image)
     boxes, labels = sanitize_boxes(boxes, labels, shape[0], shape[1], min_size)
-    flip = tf.random.stateless_uniform([], s[3]) < flip_prob
-    image, boxes = tf.cond(flip, lambda: augment.hflip(image, boxes), lambda: (image, boxes))
-    new_size = tf.constant([size, size])
-    boxes = augment.scale_boxes(boxes, shape[:2], new_size)
-    image = tf.image.resize(image, new_size, method="bilinear", antialias=antialias)
+    image, boxes = augment.random_hflip(image, boxes, s[3], flip_prob)
+    image, boxes = augment.stretch_resize(image, boxes, size, antialias)
     boxes, labels = sanitize_boxes(boxes, labels, size, size, min_size)
     return image, boxes, labels
