@@ -150,9 +150,9 @@ def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
             f"{skips.in_a_row} steps in a row skipped (steps {skips.since}-{last}), each with a "
             f"non-finite loss or gradients: the weights have not changed since step "
             f"{skips.since - 1}, and an update before it may have left them unusable. The last "
-            f"checkpoint is "
-            f"{saver.latest or 'none yet'}; an earlier one of model_dir/checkpoints may predate "
-            "the fault. Lower the learning rate, or raise train.nan_skip_limit (0: no limit).")
+            f"checkpoint is {saver.latest or 'none yet'}; an earlier one of "
+            "model_dir/checkpoints may predate the fault. Lower the learning rate, or raise "
+            "train.nan_skip_limit (0: no limit).")
 
 
 def _scalars(stats: Dict[str, float], state: TrainState, images_per_sec: float,
