@@ -3,6 +3,8 @@ its reference implementation's scheduler written out in float64 (numpy).
 
 The references step their schedulers so that optimizer step s (0-based) uses:
 - DETR, Deformable DETR, DINO, Co-DINO: StepLR / MultiStepLR per epoch, no warmup;
+- Focus-DETR: detrex's MultiStepParamScheduler by iteration, its milestone 150000 of 270000 at
+  batch 16 (epoch 20 of 36 in its 7500-iteration epochs; here per epoch), no warmup;
 - Relation-DETR: torch's LinearLR (0.001 -> 1 over the first 1000 steps), then MultiStepLR per
   epoch at milestone 10;
 - RT-DETR, D-FINE: LinearWarmup, min(1, (s + 1) / warmup), and a milestone past the run;
@@ -51,6 +53,8 @@ RECIPES = {
                                 lambda s, spe, n, b: _step_decay(s, spe, b, [40])),
     "dino_r50_4scale.gin": (16, 12, 1e-4, 1e-5, lambda s, spe, n, b: _step_decay(s, spe, b, [11])),
     "co_dino_r50.gin": (16, 12, 2e-4, 2e-5, lambda s, spe, n, b: _step_decay(s, spe, b, [11])),
+    # Focus-DETR's 36 epochs drop at 20: the authors' lr_multiplier_24_36ep.
+    "focus_detr_r50.gin": (16, 36, 1e-4, 1e-5, lambda s, spe, n, b: _step_decay(s, spe, b, [20])),
     "relation_detr_r50.gin": (16, 12, 1e-4, 1e-5, lambda s, spe, n, b: _step_decay(
         s, spe, b, [10], 1000, linear_lr=True)),
     "rtdetr_r50vd.gin": (16, 72, 1e-4, 1e-5,
@@ -65,7 +69,7 @@ def _boundaries(spe, total):
     """Step 0, around each warmup end and each epoch a reference drops or changes phase at,
     and the last steps."""
     steps = {0, 1, 499, 500, 999, 1000, 1999, 2000, 2001, total - 1, total}
-    for epoch in (10, 11, 29, 40, 50, 200):
+    for epoch in (10, 11, 20, 29, 30, 33, 40, 50, 200):
         steps |= {epoch * spe - 1, epoch * spe, epoch * spe + 1}
     return sorted(s for s in steps if 0 <= s <= total)
 

@@ -1,0 +1,199 @@
+"""Each shipped COCO recipe's optimizer settings against the numbers of its reference's own
+config files, written here with the file they come from.
+
+Sources (repository, file):
+- DETR: facebookresearch/detr, main.py defaults (batch 4 x 16 GPUs).
+- Deformable DETR: fundamentalvision/Deformable-DETR, main.py defaults; README (total batch 32).
+- DN-DETR: IDEA-Research/DN-DETR, main.py defaults (batch 2 x 8 GPUs).
+- DINO: IDEA-Research/DINO, config/DINO/DINO_4scale.py (batch 2 x 8 GPUs).
+- Co-DINO: Sense-X/Co-DETR, projects/configs/co_dino/co_dino_5scale_r50_1x_coco.py.
+- Relation-DETR: xiuqhou/Relation-DETR, configs/train_config.py and optimizer/param_dict.py.
+- Rank-DETR: LeapLabTHU/Rank-DETR, projects/rank_detr/configs (detrex's AdamW).
+- Focus-DETR: IDEA-Research/detrex, projects/focus_detr/configs/focus_detr_resnet/
+  focus_detr_r50_4scale_36ep.py, whose `lr_multiplier_24_36ep` the authors' repository
+  (huawei-noah/noah-research, Focus-DETR/configs/common/coco_schedule.py) defines as
+  default_coco_scheduler(36, 20, 0).
+- RT-DETR v1: lyuwenyu/RT-DETR, rtdetr_pytorch/configs/rtdetr/*.yml and include/optimizer.yml;
+  v2: rtdetrv2_pytorch/configs/rtdetrv2/*.yml and include/optimizer.yml.
+- D-FINE: Peterande/D-FINE's released configs/dfine/dfine_hgnetv2_{n,s,m,l,x}_coco.yml and
+  include/optimizer.yml (earlier versions of S and M differed: the recipe headers say which).
+- DEIM: ShihuaHuang95/DEIM, configs/deim_dfine/deim_hgnetv2_{s,l}_coco.yml and base/deim.yml.
+
+The weight-decay exemptions are checked by applying each reference's own parameter-group rule
+(its regular expressions or keywords, first matching group wins) to representative torch
+parameter names of its model, and comparing what it exempts with what the recipe's
+`no_weight_decay` scopes exempt, over the parameter kinds the reference model trains.
+"""
+import inspect
+import re
+
+import gin
+import pytest
+
+from detr_tf import config
+from detr_tf.training import decay_groups, optimization, step, trainer
+from tests.test_gin_configs import GIN_DIR, required_macros
+
+
+def _parse(name):
+    path = GIN_DIR / name
+    gin.clear_config()
+    config.parse_gin_config(
+        [str(path)], [f"{m} = '/dummy/{m.lower()}'" for m in required_macros(path)],
+        finalize=False)
+
+
+def _effective(fn, arg):
+    """The value a call of `fn` would get for `arg`: its binding, else its default."""
+    bindings = gin.get_bindings(fn)
+    if arg in bindings:
+        return bindings[arg]
+    return inspect.signature(fn).parameters[arg].default
+
+
+# name: (total batch, epochs, lr, backbone lr, weight decay, lr drop epochs, warmup steps,
+#        clip norm, 0.1x-rate name patterns)
+OPTIMIZERS = {
+    "detr_r50.gin": (64, 300, 1e-4, 1e-5, 1e-4, (200,), 0, 0.1, ()),
+    "deformable_detr_r50.gin": (32, 50, 2e-4, 2e-5, 1e-4, (40,), 0, 0.1,
+                                ("sampling_offsets", "reference_points")),
+    "dino_r50_4scale.gin": (16, 12, 1e-4, 1e-5, 1e-4, (11,), 0, 0.1, ("sampling_offsets",)),
+    "co_dino_r50.gin": (16, 12, 2e-4, 2e-5, 1e-4, (11,), 0, 0.1, ()),
+    "relation_detr_r50.gin": (16, 12, 1e-4, 1e-5, 1e-4, (10,), 1000, 0.1,
+                              ("sampling_offsets",)),
+    "focus_detr_r50.gin": (16, 36, 1e-4, 1e-5, 1e-4, (20,), 0, 0.1, ()),
+    "rtdetr_r18vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
+    "rtdetr_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
+    # v2-S has no backbone group: the backbone trains at the main rate.
+    "rtdetr_v2_r18vd.gin": (16, 120, 1e-4, 1e-4, 1e-4, (), 2000, 0.1, ()),
+    "rtdetr_v2_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
+    "dfine_s.gin": (32, 132, 2e-4, 1e-4, 1e-4, (), 500, 0.1, ()),
+    "dfine_m.gin": (32, 132, 2e-4, 2e-5, 1e-4, (), 500, 0.1, ()),
+    "dfine_l.gin": (32, 80, 2.5e-4, 1.25e-5, 1.25e-4, (), 500, 0.1, ()),
+    "dfine_x.gin": (32, 80, 2.5e-4, 2.5e-6, 1.25e-4, (), 500, 0.1, ()),
+    "deim_dfine_s.gin": (32, 132, 4e-4, 2e-4, 1e-4, (), 0, 0.1, ()),
+    "deim_dfine_l.gin": (32, 58, 5e-4, 2.5e-5, 1.25e-4, (), 0, 0.1, ()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_recipe_optimizer_matches_the_reference_config(name):
+    batch, epochs, lr, backbone_lr, wd, drops, warmup, clip, slow = OPTIMIZERS[name]
+    _parse(name)
+    try:
+        got = (gin.query_parameter("%GLOBAL_BATCH_SIZE"), gin.query_parameter("%NUM_EPOCHS"),
+               *(_effective(optimization.build_optimizers, arg) for arg in (
+                   "learning_rate", "backbone_learning_rate", "weight_decay")),
+               tuple(_effective(optimization.build_optimizers, "lr_drop_epochs")))
+        schedule = _effective(optimization.build_optimizers, "schedule")
+        got_warmup = _effective(optimization.build_optimizers, "warmup_steps")
+        got_clip = _effective(trainer.train, "clip_norm")
+        got_slow = tuple(_effective(step.split_variables, "slow_patterns"))
+        betas = tuple(_effective(optimization.build_optimizers, a)
+                      for a in ("beta_1", "beta_2", "epsilon"))
+    finally:
+        gin.clear_config()
+    assert got == (batch, epochs, lr, backbone_lr, wd, drops), name
+    if schedule is None:  # DEIM's flat-cosine has its own warmup (tests/test_recipe_schedules)
+        assert got_warmup == warmup, name
+    assert (got_clip, got_slow) == (clip, slow), name
+    assert betas == (0.9, 0.999, 1e-8), name  # torch AdamW's, every reference's
+
+
+# Representative torch parameter names of each reference model, per kind of parameter.
+_RESNET_VD = {  # RT-DETR's PResNet, hybrid encoder and decoder
+    ("backbone", "norm"): ["backbone.res_layers.0.blocks.0.branch2a.norm.weight"],
+    ("head", "norm"): ["encoder.encoder.0.layers.0.norm1.weight",
+                       "decoder.decoder.layers.0.norm1.bias"],
+    ("head", "bias"): ["encoder.encoder.0.layers.0.linear1.bias",
+                       "decoder.dec_score_head.0.bias"],
+}
+_HGNET = {  # D-FINE's HGNetV2 (batch norms named `bn`, learnable affine blocks `lab`)
+    ("backbone", "norm"): ["backbone.stages.0.blocks.0.layers.0.bn.weight"],
+    ("backbone", "bias"): ["backbone.stages.0.blocks.0.layers.0.lab.bias"],
+    ("head", "norm"): ["encoder.encoder.0.layers.0.norm1.weight",
+                       "decoder.decoder.layers.0.norm1.bias"],
+    ("head", "bias"): ["encoder.encoder.0.layers.0.linear1.bias",
+                       "decoder.dec_score_head.0.bias"],
+}
+_RESNET = {  # torchvision ResNet with frozen norms (nothing of it in these kinds trains)
+    ("head", "norm"): ["transformer.encoder.layers.0.norm1.weight"],
+    ("head", "bias"): ["transformer.encoder.layers.0.linear1.bias", "class_embed.0.bias"],
+}
+
+
+def _groups(*groups):
+    """A torch-style group list: (regex, weight decay 0?) pairs, the first match wins."""
+    def exempt(name):
+        for pattern, no_decay in groups:
+            if re.findall(pattern, name):
+                return no_decay
+        return False
+    return exempt
+
+
+def _keywords(*words):
+    return lambda name: any(w in name for w in words)
+
+
+_NOTHING = _groups()
+# detrex's weight_decay_norm picks norm layers by type; the names below of norm layers say
+# "norm".
+_IS_NORM = _keywords(".norm")
+_D_FINE_NSM = _groups((r"^(?=.*backbone)(?!.*norm|bn).*$", False),
+                      (r"^(?=.*backbone)(?=.*norm|bn).*$", True),
+                      (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn|bias)).*$", True))
+_D_FINE_LX = _groups((r"^(?=.*backbone)(?!.*norm|bn).*$", False),
+                     (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn)).*$", True))
+# name: (the reference's rule, its model's names, the kinds its model trains)
+DECAY = {
+    "detr_r50.gin": (_NOTHING, _RESNET, None),
+    "deformable_detr_r50.gin": (_NOTHING, _RESNET, None),
+    "dino_r50_4scale.gin": (_NOTHING, _RESNET, None),
+    "co_dino_r50.gin": (_NOTHING, _RESNET, None),
+    "focus_detr_r50.gin": (_IS_NORM, _RESNET, None),
+    "rtdetr_r18vd.gin": (_groups((r"^(?=.*backbone)(?=.*norm).*$", True),
+                                 (r"^(?=.*backbone)(?!.*norm).*$", False),
+                                 (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bias)).*$", True)),
+                         _RESNET_VD, None),
+    "rtdetr_r50vd.gin": (_groups(("backbone", False),
+                                 (r"^(?=.*encoder(?=.*bias|.*norm.*weight)).*$", True),
+                                 (r"^(?=.*decoder(?=.*bias|.*norm.*weight)).*$", True)),
+                         _RESNET_VD, {("head", "norm"), ("head", "bias")}),
+    "rtdetr_v2_r18vd.gin": (_groups((r"^(?=.*(?:norm|bn)).*$", True)), _RESNET_VD, None),
+    "rtdetr_v2_r50vd.gin": (_groups((r"^(?=.*backbone)(?!.*norm).*$", False),
+                                    (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn)).*$", True)),
+                            _RESNET_VD, {("head", "norm"), ("head", "bias")}),
+    "dfine_n.gin": (_D_FINE_NSM, _HGNET, None),
+    "dfine_s.gin": (_D_FINE_NSM, _HGNET, None),
+    "dfine_m.gin": (_D_FINE_NSM, _HGNET, None),
+    "dfine_l.gin": (_D_FINE_LX, _HGNET, {("head", "norm"), ("head", "bias")}),
+    "dfine_x.gin": (_D_FINE_LX, _HGNET, {("head", "norm"), ("head", "bias")}),
+}
+
+
+def _reference_exempt(rule, names, trained):
+    kinds = set(names) if trained is None else trained
+    exempt = set()
+    for kind in kinds:
+        verdicts = {rule(n) for n in names[kind]}
+        assert len(verdicts) == 1, f"{kind}: the reference's rule splits {names[kind]}"
+        if verdicts.pop():
+            exempt.add(kind)
+    return kinds, exempt
+
+
+@pytest.mark.parametrize("name", sorted(DECAY))
+def test_recipe_weight_decay_exemptions_match_the_reference_groups(name):
+    rule, names, trained = DECAY[name]
+    kinds, want = _reference_exempt(rule, names, trained)
+    _parse(name)
+    try:
+        scopes = {kind: _effective(decay_groups.no_weight_decay, arg)
+                  for kind, arg in (("norm", "norms"), ("bias", "biases"))}
+    finally:
+        gin.clear_config()
+    got = {(part, kind) for part, kind in kinds
+           if scopes[kind] == "all" or (scopes[kind] == "head" and part == "head")}
+    assert got == want, f"{name}: scopes {scopes}"
+
