@@ -61,6 +61,8 @@ OPTIMIZERS = {
     "co_dino_r50.gin": (16, 12, 2e-4, 2e-5, 1e-4, (11,), 0, 0.1, ()),
     "relation_detr_r50.gin": (16, 12, 1e-4, 1e-5, 1e-4, (10,), 1000, 0.1,
                               ("sampling_offsets",)),
+    # detrex's lr_factor_func slows the backbone only.
+    "rank_detr_r50.gin": (16, 12, 1e-4, 1e-5, 1e-4, (11,), 0, 0.1, ()),
     "focus_detr_r50.gin": (16, 36, 1e-4, 1e-5, 1e-4, (20,), 0, 0.1, ()),
     "rtdetr_r18vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
     "rtdetr_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
@@ -151,6 +153,8 @@ DECAY = {
     "deformable_detr_r50.gin": (_NOTHING, _RESNET, None),
     "dino_r50_4scale.gin": (_NOTHING, _RESNET, None),
     "co_dino_r50.gin": (_NOTHING, _RESNET, None),
+    "relation_detr_r50.gin": (_keywords("norm", "bias"), _RESNET, None),
+    "rank_detr_r50.gin": (_IS_NORM, _RESNET, None),
     "focus_detr_r50.gin": (_IS_NORM, _RESNET, None),
     "rtdetr_r18vd.gin": (_groups((r"^(?=.*backbone)(?=.*norm).*$", True),
                                  (r"^(?=.*backbone)(?!.*norm).*$", False),
