@@ -66,6 +66,7 @@ OPTIMIZERS = {
     "focus_detr_r50.gin": (16, 36, 1e-4, 1e-5, 1e-4, (20,), 0, 0.1, ()),
     "rtdetr_r18vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
     "rtdetr_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
+    "rtdetr_r101vd.gin": (16, 72, 1e-4, 1e-6, 1e-4, (), 2000, 0.1, ()),
     # v2-S has no backbone group: the backbone trains at the main rate.
     "rtdetr_v2_r18vd.gin": (16, 120, 1e-4, 1e-4, 1e-4, (), 2000, 0.1, ()),
     "rtdetr_v2_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
@@ -164,6 +165,9 @@ DECAY = {
                                  (r"^(?=.*encoder(?=.*bias|.*norm.*weight)).*$", True),
                                  (r"^(?=.*decoder(?=.*bias|.*norm.*weight)).*$", True)),
                          _RESNET_VD, {("head", "norm"), ("head", "bias")}),
+    # Its one group replaces include/optimizer.yml's list (the config loader merges dicts only).
+    "rtdetr_r101vd.gin": (_groups(("backbone", False)), _RESNET_VD,
+                          {("head", "norm"), ("head", "bias")}),
     "rtdetr_v2_r18vd.gin": (_groups((r"^(?=.*(?:norm|bn)).*$", True)), _RESNET_VD, None),
     "rtdetr_v2_r50vd.gin": (_groups((r"^(?=.*backbone)(?!.*norm).*$", False),
                                     (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn)).*$", True)),
