@@ -70,6 +70,7 @@ OPTIMIZERS = {
     # v2-S has no backbone group: the backbone trains at the main rate.
     "rtdetr_v2_r18vd.gin": (16, 120, 1e-4, 1e-4, 1e-4, (), 2000, 0.1, ()),
     "rtdetr_v2_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
+    "dfine_n.gin": (128, 160, 8e-4, 4e-4, 1e-4, (), 500, 0.1, ()),
     "dfine_s.gin": (32, 132, 2e-4, 1e-4, 1e-4, (), 500, 0.1, ()),
     "dfine_m.gin": (32, 132, 2e-4, 2e-5, 1e-4, (), 500, 0.1, ()),
     "dfine_l.gin": (32, 80, 2.5e-4, 1.25e-5, 1.25e-4, (), 500, 0.1, ()),

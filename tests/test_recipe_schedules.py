@@ -62,6 +62,7 @@ RECIPES = {
     # R101-vd's own backbone rate, 1e-6 (rtdetr_r101vd_6x_coco.yml).
     "rtdetr_r101vd.gin": (16, 72, 1e-4, 1e-6,
                           lambda s, spe, n, b: _step_decay(s, spe, b, [], 2000)),
+    "dfine_n.gin": (128, 160, 8e-4, 4e-4, lambda s, spe, n, b: _step_decay(s, spe, b, [], 500)),
     "dfine_l.gin": (32, 80, 2.5e-4, 1.25e-5, lambda s, spe, n, b: _step_decay(s, spe, b, [], 500)),
     "deim_dfine_l.gin": (32, 58, 5e-4, 2.5e-5, lambda s, spe, n, b: _deim(
         s, n, b, 2000, int(spe * 29), int(spe * 8), 0.5)),
