@@ -178,6 +178,11 @@ DECAY = {
     "dfine_m.gin": (_D_FINE_NSM, _HGNET, None),
     "dfine_l.gin": (_D_FINE_LX, _HGNET, {("head", "norm"), ("head", "bias")}),
     "dfine_x.gin": (_D_FINE_LX, _HGNET, {("head", "norm"), ("head", "bias")}),
+    "deim_dfine_s.gin": (_groups((r"^(?=.*backbone)(?!.*bn).*$", False),
+                                 (r"^(?=.*(?:norm|bn)).*$", True)), _HGNET, None),
+    # DEIM's base config unfreezes D-FINE-L's backbone norms; they take L's groups.
+    "deim_dfine_l.gin": (_D_FINE_LX, _HGNET, {("backbone", "norm"), ("head", "norm"),
+                                              ("head", "bias")}),
 }
 
 
@@ -206,3 +211,13 @@ def test_recipe_weight_decay_exemptions_match_the_reference_groups(name):
            if scopes[kind] == "all" or (scopes[kind] == "head" and part == "head")}
     assert got == want, f"{name}: scopes {scopes}"
 
+
+def test_deim_unfreezes_the_backbone():
+    # DEIM's base/deim.yml: HGNetv2 freeze_at -1 (the stem trains), freeze_norm False.
+    for name in ("deim_dfine_s.gin", "deim_dfine_l.gin"):
+        _parse(name)
+        try:
+            got = (gin.query_parameter("%BACKBONE_NORM"), gin.query_parameter("%TRAIN_STEM"))
+        finally:
+            gin.clear_config()
+        assert got == ("batch", True), name

@@ -1,16 +1,21 @@
 """Which trainable variables take no weight decay: the reference recipes' parameter groups.
 
 DETR decays every parameter. RT-DETR and D-FINE give some groups `weight_decay: 0`, chosen by
-regular expressions over torch parameter names; what those select, per recipe:
+regular expressions over torch parameter names (others by keyword or layer type); what those
+select, per recipe:
 
-    RT-DETR (v1 configs, R18/R50/R101)  norms everywhere, biases outside the backbone
+    RT-DETR (v1 configs, R18/R50)       norms everywhere, biases outside the backbone
+    RT-DETR (v1 config, R101)           none (its one group replaces the shared list)
     RT-DETRv2 R50/R101                  norms outside the backbone
-    RT-DETRv2 R18                       norms everywhere
-    D-FINE N/S/M, DEIM S                norms and biases outside the backbone
+    RT-DETRv2 R18, DEIM S               norms everywhere
+    D-FINE N/S/M                        norms and biases outside the backbone
     D-FINE L/X, DEIM L                  norms outside the backbone
+    Relation-DETR                       norms and biases everywhere
+    detrex's (Rank-, Focus-DETR)        norms everywhere (weight_decay_norm=0.0)
 
 (D-FINE's backbone pattern `(?!.*norm|bn)` reads as "no `norm` in the name", and HGNetV2 names
-its batch norms `bn`, so its backbone norms decay there; L and X freeze them anyway.)
+its batch norms `bn`, so its backbone norms decay there; D-FINE L and X freeze them, DEIM L
+trains and decays them.)
 
 Norms are found by layer type, not name: a layer whose class is a normalization (its name
 ends in `Norm` or `Normalization`) and holds no other layers. Biases are variables named
