@@ -55,6 +55,7 @@ def _effective(fn, arg):
 #        clip norm, 0.1x-rate name patterns)
 OPTIMIZERS = {
     "detr_r50.gin": (64, 300, 1e-4, 1e-5, 1e-4, (200,), 0, 0.1, ()),
+    "detr_r50_dn.gin": (16, 50, 1e-4, 1e-5, 1e-4, (40,), 0, 0.1, ()),
     "deformable_detr_r50.gin": (32, 50, 2e-4, 2e-5, 1e-4, (40,), 0, 0.1,
                                 ("sampling_offsets", "reference_points")),
     "dino_r50_4scale.gin": (16, 12, 1e-4, 1e-5, 1e-4, (11,), 0, 0.1, ("sampling_offsets",)),
