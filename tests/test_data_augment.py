@@ -233,6 +233,43 @@ def test_the_stretched_eval_resize_is_pils_and_scales_boxes_per_axis(hw):
         assert np.abs(plain.numpy() - pil).mean() > 2.0
 
 
+@pytest.mark.parametrize("branch", ["multiscale", "crop_then_multiscale"])
+def test_the_antialiased_train_resize_is_pils_bilinear(branch):
+    """antialias=True: the train transform's resizes are the reference's (torchvision's resize
+    of a PIL image, PIL's bilinear, which filters when shrinking) on a COCO-sized 480 x 640
+    image. With the random ops pinned (no flip; a crop window the whole image), the multi-scale
+    branch is one shrink to 400 x 533 and the crop branch two (to 360 x 480, then 240 x 320).
+    PIL rounds to 8 bits after each of a resize's two passes (rows, then columns), half a grey
+    level each: mean under 0.5, no pixel more than 1.1 grey levels per resize away. The
+    unfiltered resize of before is many grey levels away."""
+    from PIL import Image
+
+    image = _smooth_image(np.random.default_rng(0), 480, 640)
+    boxes = np.array([[10, 20, 600, 470]], np.float32)
+    if branch == "multiscale":
+        sizes, kwargs = [(533, 400)], dict(scales=(400,), multiscale_only_prob=1.0)
+    else:
+        sizes = [(480, 360), (320, 240)]
+        kwargs = dict(crop_scales=(360,), crop_min_size=10_000, crop_max_size=10_000,
+                      scales=(240,), multiscale_only_prob=0.0)
+    pil = Image.fromarray(image)
+    for size in sizes:
+        pil = pil.resize(size, Image.BILINEAR)
+    pil = np.asarray(pil, np.float64)
+
+    def transform(antialias):
+        out, _, _ = augment.detr_train_transform(
+            tf.constant(image), tf.constant(boxes), tf.constant([1]), tf.constant([0, 0]),
+            max_size=1333, flip_prob=0.0, antialias=antialias, **kwargs)
+        assert out.shape == pil.shape
+        return np.abs(out.numpy().astype(np.float64) - pil)
+
+    diff = transform(True)
+    assert diff.mean() < 0.5 and diff.max() < 1.1 * len(sizes)
+    plain = transform(False)
+    assert plain.mean() > 1.0 and plain.max() > 10.0
+
+
 def test_resized_boxes_stay_inside_the_new_image_exactly():
     """A box reaching the image's edge reaches the resized image's edge, not a float32 rounding
     step past it (146 px -> 1333 px overshoots by 1e-4 without the clip), in the aspect-keeping

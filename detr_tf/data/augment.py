@@ -9,6 +9,8 @@ The recipe (`detr_train_transform`) follows the reference DETR: random horizonta
 probability 0.5 a multi-scale resize (shorter side drawn from `scales`, longer side at most
 `max_size`), otherwise resize to one of `crop_scales` -> random size crop -> the multi-scale
 resize. Boxes are clipped to the crop and dropped when empty; `labels` follow their boxes.
+With `antialias` the resizes filter when they shrink, as the reference's PIL resize does (the
+COCO recipes bind it: docs/TRAINING.md).
 An optional photometric op (`color_jitter`, bound as `detr_train_transform.photometric`) runs
 last; it changes pixel values only, never the geometry.
 """
@@ -99,10 +101,12 @@ def resize(image: tf.Tensor, boxes: tf.Tensor, short_side: tf.Tensor,
 
 
 def random_resize(image: tf.Tensor, boxes: tf.Tensor, seed: tf.Tensor,
-                  scales: Sequence[int], max_size: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
+                  scales: Sequence[int], max_size: int = 0,
+                  antialias: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
     """`resize` with the shorter side drawn uniformly from `scales`. Shapes as `resize`."""
     index = tf.random.stateless_uniform([], seed, 0, len(scales), dtype=tf.int32)
-    return resize(image, boxes, tf.gather(tf.constant(scales, tf.int32), index), max_size)
+    return resize(image, boxes, tf.gather(tf.constant(scales, tf.int32), index), max_size,
+                  antialias)
 
 
 def crop(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor, top: tf.Tensor,
@@ -191,7 +195,8 @@ def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
                          flip_prob: float = 0.5,
                          multiscale_only_prob: float = 0.5,
                          photometric: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]]
-                         = None) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+                         = None,
+                         antialias: bool = False) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """The DETR train augmentation.
 
     Args:
@@ -207,6 +212,8 @@ def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
       multiscale_only_prob: probability of the plain multi-scale branch.
       photometric: fn(image, seed) -> image changing pixel values only (e.g. `@color_jitter`),
         applied last; None for none.
+      antialias: low-pass filter the resizes when they shrink, as the reference's PIL bilinear
+        resize does (True in the COCO recipes, data/coco_sizes.gin; docs/TRAINING.md).
 
     Returns:
       image [H', W', 3] float32, boxes [M, 4] absolute xyxy in the new image, labels [M].
@@ -216,13 +223,13 @@ def detr_train_transform(image: tf.Tensor, boxes: tf.Tensor, labels: tf.Tensor,
     image, boxes = random_hflip(image, boxes, s[0], flip_prob)
 
     def multiscale():
-        img, bxs = random_resize(image, boxes, s[2], scales, max_size)
+        img, bxs = random_resize(image, boxes, s[2], scales, max_size, antialias)
         return img, bxs, labels
 
     def crop_then_multiscale():
-        img, bxs = random_resize(image, boxes, s[3], crop_scales)
+        img, bxs = random_resize(image, boxes, s[3], crop_scales, 0, antialias)
         img, bxs, lbl = random_size_crop(img, bxs, labels, s[4], crop_min_size, crop_max_size)
-        img, bxs = random_resize(img, bxs, s[5], scales, max_size)
+        img, bxs = random_resize(img, bxs, s[5], scales, max_size, antialias)
         return img, bxs, lbl
 
     use_multiscale = tf.random.stateless_uniform([], s[1]) < multiscale_only_prob
