@@ -100,3 +100,42 @@ def test_the_backbone_rate_is_the_references_share_of_the_main_rate(name, backbo
         assert backbone == pytest.approx(backbone_share * main, rel=1e-12)
     finally:
         gin.clear_config()
+
+
+# Recipes whose reference trains on PIL images (their resize filters when it shrinks): every
+# COCO file, and the DETR-R50 fine-tune, whose reference is DETR's own train script.
+_REFERENCE_DATA = ("COCO_TRAIN_PATTERN", "TFDS_DATA_DIR")
+_PINNED_UNFILTERED = ("quickstart.gin", "custom_cpu.gin")  # published figures measured so
+
+
+def _bound(parameter: str):
+    """The value bound to `parameter` in the parsed config, None when nothing binds it."""
+    try:
+        return gin.query_parameter(parameter)
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_the_train_resize_filters_as_the_reference_where_it_trains_on_its_data(name):
+    path = GIN_DIR / name
+    required = required_macros(path)
+    reference = (any(m in required for m in _REFERENCE_DATA)
+                 or name == "finetune_detr_r50.gin")
+    bindings = [f"{m} = '/dummy/{m.lower()}'" for m in required]
+    gin.clear_config()
+    try:
+        config.parse_gin_config([str(path)], bindings, finalize=False)
+        # A scoped transform (DEIM's plain tail) reads the unscoped binding unless it has its own.
+        for selector in ("detr_train_transform", "tail/detr_train_transform"):
+            got = _bound(f"{selector}.antialias")
+            if selector.startswith("tail/") and got is None:
+                continue
+            if reference:
+                assert got is True, f"{name}: {selector}.antialias is {got}"
+            elif name in _PINNED_UNFILTERED:
+                assert got is False, f"{name}: {selector}.antialias should be pinned to False"
+            else:
+                assert not got, f"{name}: {selector}.antialias {got}, not the reference's data"
+    finally:
+        gin.clear_config()
