@@ -96,7 +96,8 @@ def _jpeg_gray(h=20, w=24):
 
 def test_decode_equals_model_garden_decoder():
     """Every field we read, on records of our converter and of other writers: PNG and grayscale
-    JPEG, without objects, without is_crowd or area, with an empty source_id (hashed)."""
+    JPEG, without objects, without is_crowd or area, with an empty source_id (hashed). The JPEG's
+    pixels are PIL's instead (the next test): Model Garden's fast IDCT is off by a grey level."""
     from official.vision.dataloaders import tf_example_decoder
 
     boxes = {"image/object/bbox/xmin": [0.1, 0.5], "image/object/bbox/ymin": [0.2, 0.0],
@@ -118,7 +119,9 @@ def test_decode_equals_model_garden_decoder():
     for name, record in records.items():
         ours = tfexample.decode_example(tf.constant(record))
         theirs = reference.decode(tf.constant(record))
-        np.testing.assert_array_equal(ours["image"].numpy(), theirs["image"].numpy(), name)
+        if "jpeg" not in name:
+            np.testing.assert_array_equal(ours["image"].numpy(), theirs["image"].numpy(), name)
+        assert ours["image"].shape == theirs["image"].shape, name
         assert ours["image"].shape[-1] == 3, name
         assert ours["image_id"].numpy() == int(theirs["source_id"].numpy()), name
         np.testing.assert_array_equal(ours["boxes"].numpy(),
@@ -130,6 +133,26 @@ def test_decode_equals_model_garden_decoder():
                                       theirs["groundtruth_is_crowd"].numpy(), name)
     # The empty id's stand-in is the image's hash, not zero: two images, two ids.
     assert tfexample.decode_example(tf.constant(records["empty source_id"]))["image_id"] > 0
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_a_jpeg_decodes_to_pils_pixels_exactly(mode):
+    """The reference DETR reads its images with PIL (libjpeg's accurate integer IDCT); the
+    records' JPEGs decode to the same pixels, grey ones repeated over three channels as PIL's
+    convert('RGB') does. TensorFlow's default (fast) IDCT is a grey level off on average."""
+    rng = np.random.default_rng(5)
+    coarse = rng.uniform(0, 255, (6, 7, 3))
+    smooth = tf.image.resize(coarse[None], [60, 80], method="bicubic")[0].numpy()
+    array = np.clip(smooth + rng.normal(0, 12, smooth.shape), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(array).convert(mode).save(out, format="JPEG", quality=90)
+    record = tfexample.build_tf_example(out.getvalue(), "jpeg", 60, 80, 1, "a.jpg", [], [], [],
+                                        [])
+    decoded = tfexample.decode_example(tf.constant(record.SerializeToString()))["image"]
+    pil = np.asarray(Image.open(io.BytesIO(out.getvalue())).convert("RGB"))
+    np.testing.assert_array_equal(decoded.numpy(), pil)
+    fast = tf.io.decode_jpeg(out.getvalue(), channels=3).numpy()
+    assert np.abs(fast.astype(np.int64) - pil).mean() > 0.2  # what the fast IDCT would give
 
 
 def test_reading_data_imports_no_model_garden_vision_package():

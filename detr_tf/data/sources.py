@@ -183,7 +183,7 @@ class TFDSSource:
             objects = ex["objects"]
             image = ex["image"]
             if self.decode_after_shuffle:
-                image = tf.io.decode_image(image, channels=3, expand_animations=False)
+                image = tfexample.decode_image_bytes(image)
             return {
                 "image": image,
                 "image_id": tf.cast(ex["image/id"], tf.int64),

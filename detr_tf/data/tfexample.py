@@ -17,7 +17,9 @@ Keys written (all readable by `official.vision.dataloaders.tf_example_decoder.Tf
 `decode_example` reads the keys above into the "raw example" every source in this package
 yields. It parses them as Model Garden's TfExampleDecoder does: the same feature types and
 defaults, the image decoded to 3 channels, a missing is_crowd read as zeros, an empty source_id
-replaced by the same hash of the image bytes. A test holds the two equal. Model Garden's decoder
+replaced by the same hash of the image bytes. A test holds the two equal. One difference: a JPEG
+is decoded with the accurate integer IDCT (`decode_image_bytes`), so its pixels are PIL's, as
+the reference DETR reads them; TensorFlow's default fast IDCT is up to a few grey levels off. Model Garden's decoder
 is not imported, because importing any of Model Garden's vision modules imports its whole vision
 package (its configs and tasks), a cost at the start of every process that reads data
 (docs/PERFORMANCE.md#compiles-per-run).
@@ -117,6 +119,19 @@ def check_image_bytes(encoded: tf.Tensor, image_id: tf.Tensor) -> tf.Operation:
         "(re-convert the data: tools/create_coco_tfrecord.py drops and counts such images)"])
 
 
+def decode_image_bytes(encoded: tf.Tensor) -> tf.Tensor:
+    """Encoded image (scalar string) -> uint8 [H, W, 3]; one frame of an animated GIF or WebP.
+
+    A JPEG is decoded with the accurate integer IDCT, libjpeg's default and PIL's, so the pixels
+    are those the reference DETR reads; TensorFlow's default, the fast IDCT, differs by about
+    one grey level on average (measured: no slower). Other formats are lossless.
+    """
+    return tf.cond(
+        tf.io.is_jpeg(encoded),
+        lambda: tf.io.decode_jpeg(encoded, channels=3, dct_method="INTEGER_ACCURATE"),
+        lambda: tf.io.decode_image(encoded, channels=3, expand_animations=False))
+
+
 _OBJECT_KEYS = tuple(f"image/object/bbox/{k}" for k in ("xmin", "ymin", "xmax", "ymax")) + (
     "image/object/class/label",)
 
@@ -160,8 +175,7 @@ def decode_example(serialized: tf.Tensor) -> Dict[str, tf.Tensor]:
                         lambda: tf.strings.as_string(
                             tf.strings.to_hash_bucket_fast(encoded, 2 ** 22 - 1)))
     with tf.control_dependencies([check_image_bytes(encoded, source_id)]):
-        # One frame of an animated GIF or WebP, as every other source reads it.
-        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+        image = decode_image_bytes(encoded)
     image.set_shape([None, None, 3])
     with tf.control_dependencies([check_object_lists(lists, source_id)]):
         boxes = tf.stack([lists[f"image/object/bbox/{k}"]
