@@ -92,7 +92,7 @@ def test_every_bad_input_case_is_counted(tmp_path):
     np.testing.assert_array_equal(records[2]["is_crowd"], [True, False])
     np.testing.assert_array_equal(records[2]["classes"], [1, 2])
     assert records[3]["boxes"].shape == (0, 4)  # kept without annotations
-    assert records[6]["image"].shape == (16, 16, 3)  # RGBA PNG re-encoded as RGB JPEG
+    assert records[6]["image"].shape == (16, 16, 3)  # RGBA PNG re-encoded as RGB PNG
     # Wrong json size: the real 20x20 is used and the box clipped to it.
     assert records[7]["image"].shape == (20, 20, 3)
     np.testing.assert_allclose(records[7]["boxes"], [[0, 0, 0.5, 1]], rtol=1e-6)
@@ -270,3 +270,29 @@ def test_a_file_that_is_no_image_is_named_by_its_size_not_by_a_memory_address(tm
     data, _, _, _, status, reason = coco_records.read_image(str(path))
     assert data is None and status == "corrupt"
     assert reason == "no image format recognised in 31 bytes", reason
+
+
+@pytest.mark.parametrize("name, mode, fmt", [
+    ("alpha.png", "RGBA", "PNG"), ("palette.png", "P", "PNG"), ("cmyk.jpg", "CMYK", "JPEG"),
+    ("plain.bmp", "RGB", "BMP"), ("grey_alpha.png", "LA", "PNG")])
+def test_a_reencoded_image_keeps_the_pixels_the_reference_reads(tmp_path, name, mode, fmt):
+    """The reference DETR reads every image as PIL's convert('RGB'); an image the converter
+    re-encodes (a mode or format TensorFlow's decoders may not read) holds exactly those pixels,
+    not a lossy JPEG of them."""
+    rng = np.random.default_rng(3)
+    coarse = rng.uniform(0, 255, (4, 5, 4))
+    smooth = tf.image.resize(coarse[None], [36, 48], method="bicubic")[0].numpy()
+    array = np.clip(smooth + rng.normal(0, 12, smooth.shape), 0, 255).astype(np.uint8)
+    image = Image.fromarray(array, "RGBA")
+    image = image if "A" in mode else image.convert("RGB")  # a palette without transparency
+    image.convert(mode).save(tmp_path / name, format=fmt)
+    ann = tmp_path / "instances.json"
+    ann.write_text(json.dumps({
+        "images": [{"id": 1, "file_name": name, "height": 36, "width": 48}],
+        "annotations": [], "categories": [{"id": 1, "name": "one"}]}))
+    stats = coco_converter.convert_coco(str(tmp_path), str(ann), str(tmp_path / "out" / "x"),
+                                        num_shards=1, num_processes=1, progress=False)
+    assert stats.counts["images_reencoded"] == 1
+    with Image.open(tmp_path / name) as img:
+        expected = np.asarray(img.convert("RGB"))
+    np.testing.assert_array_equal(_read_all(stats.files)[1]["image"], expected)

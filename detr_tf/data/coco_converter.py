@@ -20,8 +20,9 @@ A json that cannot describe a dataset is refused before anything is written, nam
 and the entry: no `images` list, an image without an integer `id` or a `file_name`, an id given
 twice, no `categories`; so is an `image_dir` that is not a directory.
 
-Images that are neither JPEG nor PNG, or not RGB / grayscale (e.g. CMYK), are re-encoded as RGB
-JPEG (`images_reencoded`) so every TF decoder reads them.
+Images that are neither JPEG nor PNG, or not RGB / grayscale (e.g. CMYK, or a PNG with alpha or a
+palette), are re-encoded as RGB PNG (`images_reencoded`) so every TF decoder reads them: lossless,
+so the pixels are PIL's RGB conversion, as the reference DETR reads the image.
 
 A camera's EXIF orientation is not applied (boxes are read on the stored pixels, as pycocotools
 and the reference DETR read them; `images_orientation_unapplied` names each such image), except

@@ -50,7 +50,7 @@ def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
             unapplied = f"EXIF orientation {orientation}" if orientation in range(2, 9) else ""
             if fmt in ("JPEG", "PNG") and mode in ("RGB", "L"):
                 return data, fmt.lower(), height, width, "ok", unapplied
-            return _jpeg(img), "jpeg", height, width, "reencoded", unapplied
+            return _png(img), "png", height, width, "reencoded", unapplied
     except UnidentifiedImageError:  # its message names the in-memory copy, not the file
         return None, "", 0, 0, "corrupt", f"no image format recognised in {len(data)} bytes"
     except (OSError, ValueError, Image.DecompressionBombError) as e:
@@ -80,6 +80,15 @@ def exif_orientation(img: Image.Image) -> int:
 def _jpeg(img: Image.Image) -> bytes:
     out = io.BytesIO()
     as_rgb(img).save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def _png(img: Image.Image) -> bytes:
+    """`img` as an RGB PNG: lossless, so the record holds the pixels of PIL's RGB conversion,
+    those the reference DETR reads (a JPEG, even at quality 95, halves the colour resolution
+    and moves pixels by several grey levels)."""
+    out = io.BytesIO()
+    as_rgb(img).save(out, format="PNG")
     return out.getvalue()
 
 

@@ -89,8 +89,9 @@ def _file_stamp(path: str, content: bool) -> list:
 
 # Raised when the conversion's output changes, so a cache written by an older one is rebuilt:
 # 2 writes the annotations as converted (boxes clipped, dropped ones left out) and applies a
-# confirmed EXIF orientation; 3 writes the images' own sizes into the json.
-CONVERSION_FORMAT = 3
+# confirmed EXIF orientation; 3 writes the images' own sizes into the json; 4 re-encodes images
+# as PNG, not JPEG (their pixels exactly as PIL converts them to RGB).
+CONVERSION_FORMAT = 4
 
 
 def _image_listing(image_dir: str, images: List[str]) -> list:
