@@ -212,6 +212,23 @@ def test_coco80_label_map_is_contiguous_in_id_order():
     np.testing.assert_array_equal(out, [0, 11, 79, -1, -1, -1])
 
 
+def test_label_map_lookup_takes_any_int64_id():
+    """Ids far apart (a dataset numbering its classes 5 and 2e9) and ids past int32: each maps
+    to its own class or to -1, never to the class of another id that shares its low 32 bits."""
+    small = label_map_lib.LabelMap({5: 0, 7: 1}, 2, ["a", "b"])
+    wrapped = tf.constant([5, 2**32 + 5, 2**32 + 7], tf.int64)
+    np.testing.assert_array_equal(small.lookup(wrapped).numpy(), [0, -1, -1])
+    lm = label_map_lib.label_map_from_categories(
+        [{"id": 2_000_000_000, "name": "far"}, {"id": 5, "name": "near"},
+         {"id": 2**40, "name": "huge"}])
+    ids = [5, 2_000_000_000, 2**40, 2**32 + 5, 2**40 + 1, 4, 6, -5, 2**62]
+    expected = [lm.class_of_id.get(i, -1) for i in ids]
+    assert expected[:3] == [0, 1, 2]
+    np.testing.assert_array_equal(lm.lookup(tf.constant(ids, tf.int64)).numpy(), expected)
+    empty = label_map_lib.LabelMap({}, 0, [])
+    np.testing.assert_array_equal(empty.lookup(tf.constant([1, 2], tf.int64)).numpy(), [-1, -1])
+
+
 def test_contiguous_label_map_from_json(tmp_path):
     path = tmp_path / "ann.json"
     path.write_text(json.dumps({"categories": [{"id": 7, "name": "b"}, {"id": 3, "name": "a"}]}))
@@ -220,4 +237,16 @@ def test_contiguous_label_map_from_json(tmp_path):
     np.testing.assert_array_equal(lm.lookup(tf.constant([3, 7, 5, 100])).numpy(), [0, 1, -1, -1])
     path.write_text(json.dumps({"images": []}))
     with pytest.raises(ValueError, match="ann.json.*categories"):
+        label_map_lib.label_map_from_coco_json(str(path))
+
+
+@pytest.mark.parametrize("bad", [{"id": "3", "name": "a"}, {"id": 3.5, "name": "a"},
+                                 {"id": True, "name": "a"}, {"id": -1, "name": "a"},
+                                 {"id": 3}, "person"])
+def test_a_category_without_an_integer_id_is_refused_naming_file_and_entry(tmp_path, bad):
+    """An id of "3" or 3.5 matches no annotation (or, truncated, another's): refused, with the
+    file, the entry's index and its value, not Python's int() or indexing error."""
+    path = tmp_path / "ann.json"
+    path.write_text(json.dumps({"categories": [{"id": 1, "name": "ok"}, bad]}))
+    with pytest.raises(ValueError, match=r"ann.json: categories\[1\] is .*integer 'id'"):
         label_map_lib.label_map_from_coco_json(str(path))

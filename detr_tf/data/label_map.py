@@ -59,22 +59,25 @@ class LabelMap:
     def lookup(self, category_ids: tf.Tensor) -> tf.Tensor:
         """Maps category ids to class indices.
 
+        The known ids are searched in sorted order, in int64: any id a json may give works
+        (a table indexed by id would need an entry per id up to the largest, and int32 ids
+        would wrap 2**32 + 3 onto 3).
+
         Args:
           category_ids: [N] integer category ids.
 
         Returns:
           [N] int32 class indices; -1 for ids the map does not know (including negative ids).
         """
-        table_size = max(self.class_of_id) + 1 if self.class_of_id else 1
-        table = [-1] * table_size
-        for cat_id, cls in self.class_of_id.items():
-            table[cat_id] = cls
-        table = tf.constant(table, tf.int32)
-        ids = tf.cast(category_ids, tf.int32)
-        known = (ids >= 0) & (ids < table_size)
-        # Clamp before the gather so out-of-range ids never index outside the table.
-        safe = tf.clip_by_value(ids, 0, table_size - 1)
-        return tf.where(known, tf.gather(table, safe), -1)
+        ids = tf.cast(category_ids, tf.int64)
+        if not self.class_of_id:
+            return tf.fill(tf.shape(ids), -1)
+        known = sorted(self.class_of_id)
+        keys = tf.constant(known, tf.int64)
+        classes = tf.constant([self.class_of_id[k] for k in known], tf.int32)
+        # The first key >= each id, clamped into the table; a match only where it equals the id.
+        at = tf.minimum(tf.searchsorted(keys, ids), len(known) - 1)
+        return tf.where(tf.gather(keys, at) == ids, tf.gather(classes, at), -1)
 
 
 @gin.configurable
@@ -115,10 +118,13 @@ def label_map_from_categories(categories: Optional[Sequence[dict]],
     if not categories:
         raise ValueError(f"{source}: field 'categories' is missing or empty; a label map "
                          "needs at least one category with 'id' and 'name'.")
-    for cat in categories:
-        if "id" not in cat or "name" not in cat or int(cat["id"]) < 0:
-            raise ValueError(f"{source}: category {cat!r} in 'categories' needs a non-negative "
-                             "'id' and a 'name'.")
+    for i, cat in enumerate(categories):
+        cat_id = cat.get("id") if isinstance(cat, dict) else None
+        # A text or fractional id would match no annotation's id (or, truncated, another's).
+        if (not isinstance(cat_id, int) or isinstance(cat_id, bool) or cat_id < 0
+                or "name" not in cat):
+            raise ValueError(f"{source}: categories[{i}] is {cat!r}; each category needs a "
+                             "non-negative integer 'id' and a 'name'.")
     ordered = sorted(categories, key=lambda c: int(c["id"]))
     ids = [int(c["id"]) for c in ordered]
     if len(set(ids)) != len(ids):
