@@ -183,3 +183,33 @@ def test_a_lost_process_of_a_multi_process_run_is_one_line_naming_the_checkpoint
     monkeypatch.setattr(trainer, "train", failing_train)
     with pytest.raises(tf.errors.InternalError):
         cli.run_training(str(tmp_path))
+
+
+@pytest.mark.parametrize("is_training", [True, False])
+def test_an_id_the_label_map_lacks_names_the_records_and_the_label_maps_json(tmp_path,
+                                                                          is_training):
+    """Through build_dataset: the error names the image, the category id, the records it was
+    read from and the json whose categories made the label map, the two files that disagree."""
+    import json
+
+    from detr_tf.data import sources
+
+    ann = tmp_path / "instances.json"
+    ann.write_text(json.dumps({"categories": [{"id": 3, "name": "a"}, {"id": 7, "name": "b"}]}))
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(buf, format="PNG")
+    example = tfexample.build_tf_example(buf.getvalue(), "png", 20, 30, 42, "im.png",
+                                         [[0.1, 0.1, 0.5, 0.5]], [99], [0], [1.0])
+    with tf.io.TFRecordWriter(str(tmp_path / "val-0.tfrecord")) as writer:
+        writer.write(example.SerializeToString())
+    source = sources.TFRecordSource(str(tmp_path / "val-*.tfrecord"), num_examples=1,
+                                    label_map=label_map_lib.label_map_from_coco_json(str(ann)))
+    identity = lambda image, boxes, labels, seed=None: (tf.cast(image, tf.float32),  # noqa
+                                                         boxes, labels)
+    ds = pipeline.build_dataset(is_training, 1, train_source=source, eval_source=source,
+                                train_transform=identity, eval_transform=identity,
+                                buckets=[(64, 64)], max_boxes=4, seed=0)
+    expected = (rf"(?s)image_id.*42.*records {tmp_path}/val-\*\.tfrecord.*category ids.*99.*"
+                rf"category ids 3\.\.7, from {ann}")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=expected):
+        next(iter(ds))

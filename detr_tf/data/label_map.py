@@ -50,11 +50,13 @@ class LabelMap:
       class_of_id: dict category id -> class index in [0, num_classes).
       num_classes: number of classes the model predicts (excluding "no object").
       class_names: list of length num_classes; unused indices are named "N/A".
+      source: where the categories came from (a json's path), named in errors; '' for none.
     """
 
     class_of_id: Dict[int, int]
     num_classes: int
     class_names: List[str]
+    source: str = ""
 
     def lookup(self, category_ids: tf.Tensor) -> tf.Tensor:
         """Maps category ids to class indices.
@@ -130,4 +132,4 @@ def label_map_from_categories(categories: Optional[Sequence[dict]],
     if len(set(ids)) != len(ids):
         raise ValueError(f"{source}: duplicate ids in 'categories': {ids}.")
     return LabelMap({cid: i for i, cid in enumerate(ids)}, len(ids),
-                    [str(c["name"]) for c in ordered])
+                    [str(c["name"]) for c in ordered], source=source)

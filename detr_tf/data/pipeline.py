@@ -59,7 +59,18 @@ COCO_BUCKETS = tuple(buckets_lib.canvas_buckets((576, 704, 832), (704, 896, 1088
 BOX_TOLERANCE = 0.01
 
 
-def check_annotations(raw: Dict[str, tf.Tensor], labels: tf.Tensor, label_map) -> tf.Operation:
+def describe_source(source) -> str:
+    """What a source reads, for the input checks' messages: its records' file pattern, or its
+    TFDS name and split; '' when it says neither."""
+    if getattr(source, "file_pattern", None):
+        return f"records {source.file_pattern}"
+    if getattr(source, "name", None):
+        return f"TFDS {source.name}, split {getattr(source, 'split', '?')}"
+    return ""
+
+
+def check_annotations(raw: Dict[str, tf.Tensor], labels: tf.Tensor, label_map,
+                      where: str = "") -> tf.Operation:
     """Fails the input pipeline, naming the image and the values, on annotations no converter
     of ours writes: a category id the label map does not know, a box coordinate outside [0, 1]
     (beyond BOX_TOLERANCE) or not finite, or an inverted box (max < min).
@@ -74,10 +85,13 @@ def check_annotations(raw: Dict[str, tf.Tensor], labels: tf.Tensor, label_map) -
       raw: a decoded example ('image_id', 'boxes' [N, 4] normalized ymin, xmin, ymax, xmax,
         'classes' [N], 'is_crowd' [N]).
       labels: [N] class indices from label_map.lookup (-1: unknown).
-      label_map: the LabelMap, named in the message.
+      label_map: the LabelMap, named in the message (with its source file, if it has one).
+      where: what the records are (`describe_source`), named in the message.
     """
     ids = sorted(label_map.class_of_id)
     known = f"{label_map.num_classes} classes, category ids {ids[0]}..{ids[-1]}" if ids else "empty"
+    known += f", from {label_map.source}" if label_map.source else ""
+    image = ["input data: image_id", raw["image_id"]] + ([f"({where})"] if where else [])
     boxes = tf.reshape(raw["boxes"], [-1, 4])
     unknown = tf.boolean_mask(raw["classes"], (labels < 0) & ~raw["is_crowd"])
     out_of_range = ~tf.reduce_all(tf.math.is_finite(boxes) & (boxes >= -BOX_TOLERANCE)
@@ -85,30 +99,30 @@ def check_annotations(raw: Dict[str, tf.Tensor], labels: tf.Tensor, label_map) -
     inverted = (boxes[:, 2] < boxes[:, 0]) | (boxes[:, 3] < boxes[:, 1])
     bad_boxes = tf.boolean_mask(boxes, out_of_range | inverted)
     return tf.group(
-        tf.debugging.Assert(tf.size(unknown) == 0, [
-            "input data: image_id", raw["image_id"], "has category ids", unknown,
+        tf.debugging.Assert(tf.size(unknown) == 0, image + [
+            "has category ids", unknown,
             f"that the label map ({known}) does not know; the label map and the records "
             "disagree (check the label map / annotations file the data was converted with)"],
             summarize=16),
-        tf.debugging.Assert(tf.size(bad_boxes) == 0, [
-            "input data: image_id", raw["image_id"], "has boxes (ymin, xmin, ymax, xmax)",
+        tf.debugging.Assert(tf.size(bad_boxes) == 0, image + [
+            "has boxes (ymin, xmin, ymax, xmax)",
             bad_boxes, "outside [0, 1] or inverted: image/object/bbox/* must be normalized "
             "ymin <= ymax, xmin <= xmax (tools/create_coco_tfrecord.py writes them so)"],
             summarize=16))
 
 
-def raw_to_instance(raw: Dict[str, tf.Tensor], label_map
+def raw_to_instance(raw: Dict[str, tf.Tensor], label_map, where: str = ""
                     ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Raw example -> (image uint8 [H, W, 3], boxes [N, 4] absolute xyxy, labels int32 [N]).
 
     Crowd boxes and boxes with no area (after clipping to the image) are dropped: neither is a
     training target (the reference DETR drops crowd boxes too). Annotations that cannot be
     right (an unknown category, a box outside the image or inverted) stop the pipeline with an
-    error naming the image (`check_annotations`).
+    error naming the image and `where` it was read (`check_annotations`).
     """
     image = raw["image"]
     labels = label_map.lookup(raw["classes"])
-    with tf.control_dependencies([check_annotations(raw, labels, label_map)]):
+    with tf.control_dependencies([check_annotations(raw, labels, label_map, where)]):
         hw = tf.cast(tf.shape(image)[:2], tf.float32)
     ymin, xmin, ymax, xmax = tf.unstack(tf.reshape(raw["boxes"], [-1, 4]), 4, axis=-1)
     boxes = tf.stack([xmin * hw[1], ymin * hw[0], xmax * hw[1], ymax * hw[0]], axis=-1)
@@ -224,7 +238,8 @@ def build_dataset(is_training: bool, global_batch_size: int,
                               examples_per_epoch=source.num_examples() / shard.num_shards)
     ds = prepare_examples(ds, source.label_map, train_transform if is_training else eval_transform,
                           is_training, buckets, max_boxes, deterministic,
-                          seed=seed * 7919 + shard.shard_index, staged=staged)
+                          seed=seed * 7919 + shard.shard_index, staged=staged,
+                          where=describe_source(source))
     ds = batch_by_bucket(ds, shard.batch_size, shard.replicas_per_pipeline, is_training)
     ds = ds.with_options(input_options(deterministic))
     return ds.prefetch(prefetch)
@@ -328,8 +343,10 @@ class StagedInputs:
             # Another shuffle of the same shard, seeded apart from the main stream's.
             raw = read_source(self.source, self.shard, True, self.deterministic,
                               self.seed * 31 + 17, self.shuffle_buffer)
-            return raw.map(sources_lib.plain(lambda r: raw_to_instance(r, self.source.label_map)),
-                           num_parallel_calls=AUTOTUNE, deterministic=self.deterministic)
+            where = describe_source(self.source)
+            return raw.map(
+                sources_lib.plain(lambda r: raw_to_instance(r, self.source.label_map, where)),
+                num_parallel_calls=AUTOTUNE, deterministic=self.deterministic)
 
         return self.stages.inputs(read_partners, self.examples_per_epoch, self.first_index)
 
@@ -340,7 +357,8 @@ class StagedInputs:
 
 def prepare_examples(ds: tf.data.Dataset, label_map, transform, is_training: bool,
                      buckets: Sequence[Tuple[int, int]], max_boxes: int, deterministic: bool,
-                     seed: int, staged: Optional[StagedInputs] = None) -> tf.data.Dataset:
+                     seed: int, staged: Optional[StagedInputs] = None,
+                     where: str = "") -> tf.data.Dataset:
     """Raw examples -> one dict per image: decoded and checked (`raw_to_instance`), augmented
     (`transform(image, boxes, labels, example_seed)` for training, after the stages when
     `staged` is given; `transform(image, boxes, labels)` for evaluation), normalized and padded
@@ -348,9 +366,10 @@ def prepare_examples(ds: tf.data.Dataset, label_map, transform, is_training: boo
     index under 'bucket'.
 
     seed: the training examples' stateless seed pairs come from it.
+    where: what the examples were read from (`describe_source`), named in the checks' errors.
     """
     def prepare(raw, example_seed=None, extra=None):
-        image, boxes, labels = raw_to_instance(raw, label_map)
+        image, boxes, labels = raw_to_instance(raw, label_map, where)
         orig_size = tf.shape(image)[:2]
         if staged is not None:
             image, boxes, labels = staged.transform(transform, image, boxes, labels,
