@@ -19,10 +19,10 @@ yields. It parses them as Model Garden's TfExampleDecoder does: the same feature
 defaults, the image decoded to 3 channels, a missing is_crowd read as zeros, an empty source_id
 replaced by the same hash of the image bytes. A test holds the two equal. One difference: a JPEG
 is decoded with the accurate integer IDCT (`decode_image_bytes`), so its pixels are PIL's, as
-the reference DETR reads them; TensorFlow's default fast IDCT is up to a few grey levels off. Model Garden's decoder
-is not imported, because importing any of Model Garden's vision modules imports its whole vision
-package (its configs and tasks), a cost at the start of every process that reads data
-(docs/PERFORMANCE.md#compiles-per-run).
+the reference DETR reads them; TensorFlow's default fast IDCT is up to a few grey levels off.
+Model Garden's decoder is not imported, because importing any of Model Garden's vision modules
+imports its whole vision package (its configs and tasks), a cost at the start of every process
+that reads data (docs/PERFORMANCE.md#compiles-per-run).
 """
 import hashlib
 from typing import Dict, Optional, Sequence
