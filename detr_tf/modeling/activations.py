@@ -7,7 +7,7 @@ function, x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (Hendrycks and Gimpel 2016), 
 'gelu' to it; any other name goes to Keras.
 """
 import math
-from typing import Callable, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 import tensorflow as tf
 import tf_keras
@@ -37,3 +37,17 @@ def get(identifier: Activation) -> Optional[Callable[[tf.Tensor], tf.Tensor]]:
     if identifier == "gelu":
         return gelu_erf
     return tf_keras.activations.get(identifier)
+
+
+def check(configurable: str, named: Dict[str, Activation]) -> None:
+    """Raises ValueError naming each argument of `configurable` (as Gin binds it) whose value
+    `get` does not know, e.g. "build_dfine.activation = 'slu' is not an activation ..."."""
+    bad = []
+    for name, value in named.items():
+        try:
+            get(value)
+        except (ValueError, TypeError) as e:
+            bad.append(f"{configurable}.{name} = {value!r} is not an activation ({e}); give a "
+                       "Keras activation name such as 'relu', 'silu' or 'gelu'")
+    if bad:
+        raise ValueError("; ".join(bad))

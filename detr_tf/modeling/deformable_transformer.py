@@ -21,6 +21,8 @@ import gin
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.modeling import activations
+from detr_tf.modeling.activations import Activation
 from detr_tf.modeling.deformable_attention import MultiScaleDeformableAttention
 from detr_tf.modeling.dropout import Dropout
 from detr_tf.modeling.position_encoding import sine_features
@@ -104,19 +106,23 @@ class DeformableDecoderLayer(tf_keras.layers.Layer):
     may give a count per level (MultiScaleDeformableAttention). D-FINE's layer is `gated`: a
     `Gate` (`gateway`) merges the cross-attention into the queries instead of norm2's residual
     add, its cross-attention has no value and output projections (`cross_attn_projections`),
-    and the FFN's sum is clamped to float16's range before norm3.
+    and the FFN's sum is clamped to float16's range before norm3. `activation` is the FFN's
+    (a name for activations.get, or a callable): ReLU, as the references', unless a model sets
+    another (DEIM's decoder: SiLU).
     """
 
     def __init__(self, d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
                  offset_scale: float = 0.5, method: str = "bilinear", gated: bool = False,
-                 cross_attn_projections: bool = True, **kwargs):
+                 cross_attn_projections: bool = True, activation: Activation = "relu",
+                 **kwargs):
         super().__init__(**kwargs)
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout, name="self_attn")
         self.cross_attn = MultiScaleDeformableAttention(
             d_model=d_model, num_heads=num_heads, num_levels=num_levels, num_points=num_points,
             offset_scale=offset_scale, method=method, projections=cross_attn_projections,
             name="cross_attn")
-        self.ffn = FeedForward(d_model, dim_feedforward, dropout, tf.nn.relu, name="ffn")
+        self.ffn = FeedForward(d_model, dim_feedforward, dropout, activations.get(activation),
+                               name="ffn")
         self.norm1 = layer_norm("norm1")
         self.norm2 = None if gated else layer_norm("norm2")
         self.gateway = Gate(d_model, name="gateway") if gated else None

@@ -18,6 +18,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import arg_checks as ac
+from detr_tf.modeling import activations
 from detr_tf.modeling.denoising import DenoisingQueries
 from detr_tf.modeling.detector import BUILDER_RULES
 from detr_tf.modeling.dfine_decoder import DFineDecoder
@@ -80,7 +81,8 @@ def build_dfine(num_classes: int = 80, num_queries: int = 300, hidden_dim: int =
                 sampling_method: str = "bilinear", learn_initial_query: bool = False,
                 num_inference_layers: Optional[int] = None, reg_max: int = 32,
                 up: float = 0.5, reg_scale: float = 4.0, top_prob_values: int = 4,
-                lqe_hidden_dim: int = 64, lqe_layers: int = 2, aux_loss: bool = True,
+                lqe_hidden_dim: int = 64, lqe_layers: int = 2, activation: str = "relu",
+                mlp_activation: str = "relu", aux_loss: bool = True,
                 denoising: bool = True, canvas_sizes: Sequence[Tuple[int, int]] = (),
                 input_normalization: str = "imagenet") -> DFINE:
     """Builds D-FINE (defaults: D-FINE-L's decoder).
@@ -95,11 +97,17 @@ def build_dfine(num_classes: int = 80, num_queries: int = 300, hidden_dim: int =
       num_inference_layers: decoder layers run at inference (None: all; D-FINE's eval_idx).
       reg_max, up, reg_scale: the edge bins (32, 0.5, 4; X: reg_scale 8), fdr.py.
       top_prob_values, lqe_hidden_dim, lqe_layers: the location-quality estimator (4, 64, 2).
+      activation: the decoder layers' FFN and the quality estimators' activation;
+        mlp_activation: the other decoder MLP heads' (query_pos_head, enc_bbox_head,
+        pre_bbox_head, bbox_embed). D-FINE's: 'relu' and 'relu'; DEIM's: 'silu' and 'silu'
+        (train/deim_recipe.gin). Names as activations.get takes them.
       The others: as build_rtdetr's (denoising: bind DenoisingQueries' noise in Gin; D-FINE's
         are contrastive = True, box_noise_scale = 1.0, label_noise_ratio = 0.5,
         num_denoising = 100).
     """
     ac.check("build_dfine", locals(), BUILDER_RULES)
+    activations.check("build_dfine", {"activation": activation,
+                                      "mlp_activation": mlp_activation})
     if backbone is None or encoder is None:
         raise ValueError("build_dfine: backbone and encoder are required; bind them in Gin "
                          "(build_dfine.backbone = @HGNetV2(), build_dfine.encoder = ...)")
@@ -112,7 +120,8 @@ def build_dfine(num_classes: int = 80, num_queries: int = 300, hidden_dim: int =
         learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
         identity_input_proj=all(c == hidden_dim for c in encoder_channels),
         reg_max=reg_max, up=up, reg_scale=reg_scale, top_prob_values=top_prob_values,
-        lqe_hidden_dim=lqe_hidden_dim, lqe_layers=lqe_layers, name="decoder")
+        lqe_hidden_dim=lqe_hidden_dim, lqe_layers=lqe_layers, activation=activation,
+        mlp_activation=mlp_activation, name="decoder")
     denoiser = (DenoisingQueries(num_classes, hidden_dim, padding_row=True) if denoising
                 else None)
     return DFINE(backbone, encoder, decoder, aux_loss=aux_loss, denoising=denoiser,

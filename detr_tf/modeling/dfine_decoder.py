@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import tensorflow as tf
 
 from detr_tf.modeling import fdr
+from detr_tf.modeling.activations import Activation
 from detr_tf.modeling.layers import MLP, inverse_sigmoid
 from detr_tf.modeling.rtdetr_decoder import RTDetrDecoder
 
@@ -44,6 +45,11 @@ class DFineDecoder(RTDetrDecoder):
       top_prob_values: the top probabilities per edge the quality estimator reads (4).
       lqe_hidden_dim, lqe_layers: its MLP (64 wide, 2 layers).
       identity_input_proj: the encoder maps enter unprojected (their width must be d_model).
+      activation: the decoder layers' FFN activation and the quality estimators'
+        (`lqe_layers.i.reg_conf`); mlp_activation: that of the other MLP heads
+        (`query_pos_head`, `enc_bbox_head`, `pre_bbox_head`, `bbox_embed.i`). A name
+        (activations.get) or a callable; D-FINE's are 'relu', DEIM's base config sets both to
+        'silu' (DFINETransformer's `activation` and `mlp_act`, which split the heads so).
     """
 
     def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
@@ -54,6 +60,7 @@ class DFineDecoder(RTDetrDecoder):
                  num_inference_layers: Optional[int] = None, identity_input_proj: bool = True,
                  reg_max: int = 32, up: float = 0.5, reg_scale: float = 4.0,
                  top_prob_values: int = 4, lqe_hidden_dim: int = 64, lqe_layers: int = 2,
+                 activation: Activation = "relu", mlp_activation: Activation = "relu",
                  **kwargs):
         kwargs.setdefault("name", "dfine_decoder")
         if identity_input_proj and num_levels > encoder_levels:
@@ -68,14 +75,15 @@ class DFineDecoder(RTDetrDecoder):
             learn_initial_query=learn_initial_query, num_inference_layers=num_inference_layers,
             identity_input_proj=identity_input_proj,
             layer_options=dict(gated=True, cross_attn_projections=False),
-            box_outputs=4 * (reg_max + 1), **kwargs)
+            box_outputs=4 * (reg_max + 1), activation=activation,
+            mlp_activation=mlp_activation, **kwargs)
         self.reg_max, self.up, self.reg_scale = reg_max, float(up), float(reg_scale)
         self.top_prob_values = top_prob_values
         self.project = fdr.weighting_function(reg_max, up, reg_scale)  # [R + 1] float32
         self.pre_bbox_head = MLP(d_model, 4, 3, last_initializer="zeros",
-                                 name="decoder.pre_bbox_head")
+                                 activation=mlp_activation, name="decoder.pre_bbox_head")
         self.lqe_layers = [MLP(lqe_hidden_dim, 1, lqe_layers, last_initializer="zeros",
-                               name=f"decoder.lqe_layers.{i}.reg_conf")
+                               activation=activation, name=f"decoder.lqe_layers.{i}.reg_conf")
                            for i in range(num_layers)]
 
     def quality(self, i: int, logits: tf.Tensor, corners: tf.Tensor) -> tf.Tensor:

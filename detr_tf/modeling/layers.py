@@ -5,6 +5,8 @@ import math
 import tensorflow as tf
 import tf_keras
 
+from detr_tf.modeling import activations
+from detr_tf.modeling.activations import Activation
 from detr_tf.modeling.dropout import Dropout
 
 
@@ -21,11 +23,14 @@ def inverse_sigmoid(x: tf.Tensor, eps: float = 1e-5) -> tf.Tensor:
 
 
 class MLP(tf_keras.layers.Layer):
-    """num_layers Dense layers with ReLU between them (none after the last)."""
+    """num_layers Dense layers with `activation` between them (none after the last): a name
+    (activations.get) or a callable; ReLU, the DETR family's, unless a model says otherwise."""
 
     def __init__(self, hidden_dim: int, output_dim: int, num_layers: int,
-                 last_initializer: str = "glorot_uniform", **kwargs):
+                 last_initializer: str = "glorot_uniform", activation: Activation = "relu",
+                 **kwargs):
         super().__init__(**kwargs)
+        self.activation = activations.get(activation)
         self.layers = [
             tf_keras.layers.Dense(
                 hidden_dim if i < num_layers - 1 else output_dim, name=f"layers.{i}",
@@ -36,7 +41,7 @@ class MLP(tf_keras.layers.Layer):
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
-                x = tf.nn.relu(x)
+                x = self.activation(x)
         return x
 
 
@@ -71,11 +76,11 @@ def class_head(num_classes: int, name: str, sigmoid: bool) -> tf_keras.layers.De
     return tf_keras.layers.Dense(num_classes + 1, name=name)
 
 
-def box_head(d_model: int, wh_bias: float, name: str) -> MLP:
+def box_head(d_model: int, wh_bias: float, name: str, activation: Activation = "relu") -> MLP:
     """The 3-layer box MLP whose last layer starts at zero: boxes start at their references,
     with sigmoid(wh_bias) sizes when the reference is a point (Deformable DETR's -2 for the
     first head, about 0.12 of the image)."""
-    head = MLP(d_model, 4, 3, last_initializer="zeros", name=name)
+    head = MLP(d_model, 4, 3, last_initializer="zeros", activation=activation, name=name)
     head.layers[-1].bias_initializer = tf_keras.initializers.Constant(
         [0.0, 0.0, wh_bias, wh_bias])
     return head

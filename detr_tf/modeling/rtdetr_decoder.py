@@ -78,6 +78,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf.modeling import query_groups
+from detr_tf.modeling.activations import Activation
 from detr_tf.modeling.csp_rep import ConvNorm
 from detr_tf.modeling.deformable_transformer import DeformableDecoderLayer
 from detr_tf.modeling.layers import MLP, box_head, layer_norm, prior_class_head
@@ -137,6 +138,10 @@ class RTDetrDecoder(QuerySelection, RefinementDecoding, tf_keras.layers.Layer):
       query_rank_layer: Rank-DETR's query rank layer (`query_rank_layer`, QueryRankLayer).
       num_hybrid_queries: Relation-DETR's one-to-many training queries (0: none), see the
         module doc.
+      activation: the decoder layers' FFN activation, a name (activations.get) or a callable
+        ('relu', the references'; DEIM's DFINETransformer `activation` is 'silu').
+      mlp_activation: the activation inside the MLP heads: `query_pos_head`, `enc_bbox_head`
+        (and `hybrid_bbox_head`), `bbox_embed.i` ('relu'; DEIM's `mlp_act` is 'silu').
     """
 
     def __init__(self, num_classes: int = 80, d_model: int = 256, num_queries: int = 300,
@@ -149,7 +154,8 @@ class RTDetrDecoder(QuerySelection, RefinementDecoding, tf_keras.layers.Layer):
                  query_pos: str = "mlp",
                  position_relation: Optional[tf_keras.layers.Layer] = None,
                  rank_class_head: bool = False, query_rank_layer: bool = False,
-                 num_hybrid_queries: int = 0, **kwargs):
+                 num_hybrid_queries: int = 0, activation: Activation = "relu",
+                 mlp_activation: Activation = "relu", **kwargs):
         kwargs.setdefault("name", "rtdetr_decoder")
         super().__init__(**kwargs)
         if query_pos not in QUERY_POS:
@@ -172,21 +178,21 @@ class RTDetrDecoder(QuerySelection, RefinementDecoding, tf_keras.layers.Layer):
         self.enc_output = tf_keras.layers.Dense(d_model, name="enc_output.0")
         self.enc_output_norm = layer_norm("enc_output.1")
         self.enc_score_head = prior_class_head(num_classes, "enc_score_head")
-        self.enc_bbox_head = box_head(d_model, 0.0, "enc_bbox_head")
+        self.enc_bbox_head = box_head(d_model, 0.0, "enc_bbox_head", mlp_activation)
         self.weight_embedding = tf_keras.layers.Embedding(
             num_queries, d_model, embeddings_initializer="glorot_uniform",
             name="weight_embedding") if learn_initial_query else None
         self.num_hybrid_queries = num_hybrid_queries
         if num_hybrid_queries:
             self.hybrid_score_head = prior_class_head(num_classes, "hybrid_score_head")
-            self.hybrid_bbox_head = box_head(d_model, 0.0, "hybrid_bbox_head")
+            self.hybrid_bbox_head = box_head(d_model, 0.0, "hybrid_bbox_head", mlp_activation)
             self.hybrid_embedding = tf_keras.layers.Embedding(
                 num_hybrid_queries, d_model, embeddings_initializer="glorot_uniform",
                 name="hybrid_embedding") if learn_initial_query else None
         self.decoder_layers = [DeformableDecoderLayer(
             d_model, num_heads, num_levels, num_points, dim_feedforward, dropout,
-            offset_scale=offset_scale, method=method, name=f"decoder.layers.{i}",
-            **(layer_options or {})) for i in range(num_layers)]
+            offset_scale=offset_scale, method=method, activation=activation,
+            name=f"decoder.layers.{i}", **(layer_options or {})) for i in range(num_layers)]
         self.query_pos = query_pos
         if position_relation is not None and position_relation.num_heads != num_heads:
             raise ValueError(f"RTDetrDecoder: position_relation gives "
@@ -201,13 +207,14 @@ class RTDetrDecoder(QuerySelection, RefinementDecoding, tf_keras.layers.Layer):
             name="decoder.query_rank_layer") if query_rank_layer else None
         # 'mlp': 4 -> 2d -> d; 'sine': 2d (the embedding) -> d -> d.
         self.query_pos_head = MLP((2 if query_pos == "mlp" else 1) * d_model, d_model, 2,
-                                  name="decoder.query_pos_head")
+                                  activation=mlp_activation, name="decoder.query_pos_head")
         self.class_embed = [prior_class_head(num_classes, f"decoder.class_embed.{i}")
                             for i in range(num_layers)]
         # Zero last layers: every layer starts at its reference (D-FINE: uniform distributions).
-        self.bbox_embed = [box_head(d_model, 0.0, f"decoder.bbox_embed.{i}") if box_outputs == 4
-                           else MLP(d_model, box_outputs, 3, last_initializer="zeros",
-                                    name=f"decoder.bbox_embed.{i}")
+        self.bbox_embed = [box_head(d_model, 0.0, f"decoder.bbox_embed.{i}", mlp_activation)
+                           if box_outputs == 4 else
+                           MLP(d_model, box_outputs, 3, last_initializer="zeros",
+                               activation=mlp_activation, name=f"decoder.bbox_embed.{i}")
                            for i in range(num_layers)]
 
     def memory(self, features: Sequence[tf.Tensor],
