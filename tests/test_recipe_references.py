@@ -17,7 +17,8 @@ Sources (repository, file):
   v2: rtdetrv2_pytorch/configs/rtdetrv2/*.yml and include/optimizer.yml.
 - D-FINE: Peterande/D-FINE's released configs/dfine/dfine_hgnetv2_{n,s,m,l,x}_coco.yml and
   include/optimizer.yml (earlier versions of S and M differed: the recipe headers say which).
-- DEIM: ShihuaHuang95/DEIM, configs/deim_dfine/deim_hgnetv2_{s,l}_coco.yml and base/deim.yml.
+- DEIM: ShihuaHuang95/DEIM, configs/deim_dfine/deim_hgnetv2_{s,l}_coco.yml and base/deim.yml
+  (also its decoder activations, which engine/deim/dfine_decoder.py applies).
 
 The weight-decay exemptions are checked by applying each reference's own parameter-group rule
 (its regular expressions or keywords, first matching group wins) to representative torch
@@ -28,9 +29,12 @@ import inspect
 import re
 
 import gin
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from detr_tf import config
+from detr_tf.modeling import dfine
 from detr_tf.training import decay_groups, optimization, step, trainer
 from tests.test_gin_configs import GIN_DIR, required_macros
 
@@ -222,3 +226,50 @@ def test_deim_unfreezes_the_backbone():
         finally:
             gin.clear_config()
         assert got == ("batch", True), name
+
+
+# DEIM's base/deim.yml sets DFINETransformer's activation and mlp_act to silu; D-FINE's
+# configs leave both at relu. deim_dfine_quickstart.gin pins relu: its figures were measured so.
+ACTIVATIONS = {"deim_dfine_s.gin": "silu", "deim_dfine_l.gin": "silu",
+               "deim_dfine_quickstart.gin": "relu", "dfine_s.gin": "relu", "dfine_l.gin": "relu",
+               "dfine_quickstart.gin": "relu"}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_recipe_decoder_activations_match_the_reference_config(name):
+    _parse(name)
+    try:
+        got = tuple(_effective(dfine.build_dfine, arg) for arg in ("activation", "mlp_activation"))
+    finally:
+        gin.clear_config()
+    assert got == (ACTIVATIONS[name],) * 2, name
+
+
+def _which(fn) -> str:
+    """'silu' or 'relu': the float64 formula the activation `fn` computes on a probe."""
+    x = np.linspace(-3.0, 3.0, 13)
+    y = fn(tf.constant(x, tf.float32)).numpy()
+    found = [name for name, f in (("silu", x / (1.0 + np.exp(-x))), ("relu", np.maximum(x, 0.0)))
+             if np.allclose(y, f, atol=1e-6)]
+    assert len(found) == 1, y
+    return found[0]
+
+
+@pytest.mark.parametrize("recipe, want", [(None, "relu"), ("train/deim_recipe.gin", "silu")])
+def test_deim_recipe_gives_the_decoder_modules_silu(recipe, want):
+    """The model the Gin files build: with DEIM's recipe every module DEIM's `activation` or
+    `mlp_act` reaches computes SiLU, without it ReLU (D-FINE's)."""
+    gin.clear_config()
+    files = [str(GIN_DIR / "dfine_tiny.gin")] + ([str(GIN_DIR / recipe)] if recipe else [])
+    config.parse_gin_config(files, [], finalize=False)
+    try:
+        decoder = dfine.build_dfine().decoder
+    finally:
+        gin.clear_config()
+    modules = {"query_pos_head": decoder.query_pos_head, "enc_bbox_head": decoder.enc_bbox_head,
+               "pre_bbox_head": decoder.pre_bbox_head,
+               **{f"bbox_embed.{i}": m for i, m in enumerate(decoder.bbox_embed)},
+               **{f"lqe_layers.{i}": m for i, m in enumerate(decoder.lqe_layers)},
+               **{f"layers.{i}.ffn": layer.ffn for i, layer in enumerate(decoder.decoder_layers)}}
+    assert {name: _which(m.activation) for name, m in modules.items()} == {
+        name: want for name in modules}
