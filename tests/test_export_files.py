@@ -2,6 +2,8 @@
 are removed first), no partial file after an interrupted conversion, and settings for formats
 not asked for refused before the model is restored. The conversions themselves are faked here;
 tests/test_export_standin.py and tests/test_export_formats.py run them."""
+import sys
+
 import pytest
 
 from detr_tf.evaluation import export
@@ -92,6 +94,21 @@ def test_settings_for_formats_not_asked_for_are_refused_first(fake, tmp_path, kw
     with pytest.raises(ValueError, match=said.replace("[", r"\[").replace("]", r"\]")):
         formats.export_formats("run", str(tmp_path / "out"), **kwargs)
     assert fake == [] and not (tmp_path / "out").exists()  # nothing restored or written
+
+
+@pytest.mark.parametrize("absent", ["tf2onnx", "onnx"])
+def test_onnx_without_its_packages_is_refused_first(fake, tmp_path, monkeypatch, absent):
+    """Without the export extra, --format=onnx stops before the model is restored: no
+    traceback after minutes of work, and the earlier export's files stay."""
+    monkeypatch.setitem(sys.modules, absent, None)  # as if not installed: find_spec -> None
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "detector_float32.tflite").write_text("old")
+    with pytest.raises(ValueError, match=rf"--format=.*onnx needs {absent}.*"
+                                         r"pip install -e \"\.\[export\]\""):
+        formats.export_formats("run", str(out), ["saved_model", "tflite", "onnx"])
+    assert fake == []  # nothing restored
+    assert sorted(p.name for p in out.iterdir()) == ["detector_float32.tflite"]
 
 
 def test_the_fixed_input_is_the_image_predict_reads(tmp_path):

@@ -5,6 +5,7 @@
     EXPORT_DIR/detector_<mode>.tflite    one per TFLite mode (tflite.MODES)
     EXPORT_DIR/detector.onnx
 """
+import importlib.util
 import os
 import re
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -16,6 +17,8 @@ from detr_tf import atomic_files
 FORMATS = ("saved_model", "tflite", "onnx")
 CALIBRATION_IMAGES = 64  # representative images for full-integer int8
 PARTIAL = ".partial"  # a file being written, under its name plus this (removed on failure)
+# What a format needs beyond TensorFlow: the `export` extra (setup.py). TFLite needs nothing more.
+PACKAGES = {"onnx": ("tf2onnx", "onnx")}
 
 
 def tflite_path(export_dir: str, mode: str) -> str:
@@ -126,8 +129,9 @@ def export_formats(model_dir: str, export_dir: str, formats: Sequence[str],
 
 
 def _check_request(formats, tflite_modes, input_size, modes) -> bool:
-    """Refuses unknown formats or modes, and TFLite or ONNX settings without those formats;
-    returns whether a TFLite or ONNX file is asked for."""
+    """Refuses unknown formats or modes, TFLite or ONNX settings without those formats, and a
+    format whose packages are not installed; returns whether a TFLite or ONNX file is asked
+    for."""
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"--format={','.join(formats)}: expected one or more of {FORMATS}")
@@ -141,6 +145,11 @@ def _check_request(formats, tflite_modes, input_size, modes) -> bool:
     if input_size is not None and not edge:
         raise ValueError(f"--input_size={input_size[0]},{input_size[1]} is for the TFLite and "
                          "ONNX files: add tflite or onnx to --format")
+    for fmt in formats:
+        missing = [p for p in PACKAGES.get(fmt, ()) if importlib.util.find_spec(p) is None]
+        if missing:
+            raise ValueError(f"--format={','.join(formats)}: {fmt} needs {', '.join(missing)}, "
+                             "not installed here: pip install -e \".[export]\" (docs/EXPORT.md)")
     return edge
 
 
