@@ -55,8 +55,12 @@ def live_variable_paths(root: tf.Module) -> Dict[str, tf.Variable]:
             if isinstance(obj, tf.Variable)}
 
 
-def _graph(reader) -> Optional[trackable_object_graph_pb2.TrackableObjectGraph]:
-    """The checkpoint's object graph; None for a name-based TF1 checkpoint."""
+Graph = Optional[trackable_object_graph_pb2.TrackableObjectGraph]
+
+
+def object_graph(reader) -> Graph:
+    """The object graph of the checkpoint `reader` (tf.train.load_checkpoint's), parsed once
+    for the functions below; None for a name-based TF1 checkpoint."""
     if not reader.has_tensor(OBJECT_GRAPH_KEY):
         return None
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
@@ -64,11 +68,10 @@ def _graph(reader) -> Optional[trackable_object_graph_pb2.TrackableObjectGraph]:
     return graph
 
 
-def _variables_under(reader, root_child: str) -> Iterator[Tuple[str, str, str]]:
+def _variables_under(graph: Graph, root_child: str) -> Iterator[Tuple[str, str, str]]:
     """(object path under `root_child`, checkpoint key, variable name when saved) for every
     variable the object graph reaches from the root's `root_child`, each at its first path
     breadth first (TensorFlow's own order)."""
-    graph = _graph(reader)
     if graph is None:
         return
     nodes = graph.nodes
@@ -85,23 +88,23 @@ def _variables_under(reader, root_child: str) -> Iterator[Tuple[str, str, str]]:
                 yield path, attribute.checkpoint_key, attribute.full_name
 
 
-def model_variable_keys(reader, root_child: str = "model") -> Dict[str, str]:
+def model_variable_keys(graph: Graph, root_child: str = "model") -> Dict[str, str]:
     """{object path under `root_child` (escaped as in keys, e.g. 'class_embed/kernel'):
-    checkpoint key} for every variable that the object graph of the checkpoint `reader`
-    (tf.train.load_checkpoint's) reaches from the root's `root_child`, each at its first path
+    checkpoint key} for every variable that a checkpoint's object graph (`object_graph`)
+    reaches from the root's `root_child`, each at its first path
     breadth first (TensorFlow's own order). Optimizer slots hang off their variables, not
     under them, so they are not included. Empty when the checkpoint holds no such object, or
     no object graph (a name-based TF1 checkpoint)."""
-    return {path: key for path, key, _ in _variables_under(reader, root_child)}
+    return {path: key for path, key, _ in _variables_under(graph, root_child)}
 
 
-def model_variable_names(reader, root_child: str = "model") -> Dict[str, str]:
+def model_variable_names(graph: Graph, root_child: str = "model") -> Dict[str, str]:
     """{object path under `root_child`: the variable's name as saved (`v.name` without ':0')},
     as `model_variable_keys`."""
-    return {path: name for path, _, name in _variables_under(reader, root_child)}
+    return {path: name for path, _, name in _variables_under(graph, root_child)}
 
 
-def ema_keys(reader, root_child: str = "ema") -> Dict[str, List[str]]:
+def ema_keys(graph: Graph, root_child: str = "ema") -> Dict[str, List[str]]:
     """{name of an averaged model variable: checkpoint keys of its averages} for the EMA the
     checkpoint holds under `root_child` (training/ema.py's ExponentialMovingAverage).
 
@@ -111,19 +114,19 @@ def ema_keys(reader, root_child: str = "ema") -> Dict[str, List[str]]:
     ties it to one variable. More than one key under a name: the saving model's names were
     not unique, and the name alone cannot say which average is whose."""
     out = {}
-    for path, key, name in _variables_under(reader, root_child):
+    for path, key, name in _variables_under(graph, root_child):
         if path.split("/")[0] in ("shadow", "statistics") and name.endswith(EMA_NAME_SUFFIX):
             out.setdefault(name[:-len(EMA_NAME_SUFFIX)], []).append(key)
     return out
 
 
-def average_keys(reader, root_child: str = "model", ema_child: str = "ema") -> Dict[str, str]:
+def average_keys(graph: Graph, averages: Dict[str, List[str]],
+                 root_child: str = "model") -> Dict[str, str]:
     """{object path under `root_child`: checkpoint key of its average} for each model variable
-    that the EMA under `ema_child` averages (`ema_keys`), matched by the variable's saved name.
-    A name the saving model gave more than one variable ties to no single average: those
+    that the EMA averages (`averages`: the graph's `ema_keys`), matched by the variable's saved
+    name. A name the saving model gave more than one variable ties to no single average: those
     variables are left out, as are the ones the EMA does not average."""
-    averages = ema_keys(reader, ema_child)
-    names = model_variable_names(reader, root_child)
+    names = model_variable_names(graph, root_child)
     uses = Counter(names.values())
     return {path: averages[name][0] for path, name in names.items()
             if len(averages.get(name, ())) == 1 and uses[name] == 1}

@@ -38,7 +38,9 @@ def match_averages(model: tf.Module, reader) -> EmaValues:
     Frozen parts of the training model, and batch-norm statistics in checkpoints from before the
     EMA averaged them, have no average: they keep the raw weights, as in training.
     """
-    by_path = checkpoint_graph.average_keys(reader)
+    graph = checkpoint_graph.object_graph(reader)
+    averages = checkpoint_graph.ema_keys(graph)
+    by_path = checkpoint_graph.average_keys(graph, averages)
     shapes = reader.get_variable_to_shape_map()
     pairs = []
     for path, var in checkpoint_graph.live_variable_paths(model).items():
@@ -46,8 +48,7 @@ def match_averages(model: tf.Module, reader) -> EmaValues:
         if key is not None and tuple(shapes[key]) == tuple(var.shape):
             pairs.append((var, key))
     placed = {key for _, key in pairs}
-    named = {key: name for name, keys in checkpoint_graph.ema_keys(reader).items()
-             for key in keys}
+    named = {key: name for name, keys in averages.items() for key in keys}
     unplaced = sorted(named.get(key, key) for key in shapes
                       if key.startswith(_AVERAGE_KEYS) and key not in placed)
     return EmaValues(pairs, unplaced)

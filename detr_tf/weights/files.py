@@ -236,22 +236,23 @@ def read_tf_checkpoint(prefix: str, from_ema: bool = True) -> CheckpointWeights:
       from_ema: False: the raw weights even when the checkpoint holds an EMA.
     """
     reader = tf.train.load_checkpoint(prefix)
+    graph = checkpoint_graph.object_graph(reader)
     # By the object graph, not by key: a variable that another object also held may have been
     # saved under that object's key (training/checkpoint_graph.py).
     out = {path: reader.get_tensor(key)
-           for path, key in checkpoint_graph.model_variable_keys(reader).items()}
+           for path, key in checkpoint_graph.model_variable_keys(graph).items()}
     if not out:
         raise WeightImportError(f"checkpoint {prefix!r} holds no 'model' variables; expected a "
                                 "checkpoint written by detr_tf (tools/train.py or "
                                 "tools/import_weights.py)")
-    averages = checkpoint_graph.ema_keys(reader)
+    averages = checkpoint_graph.ema_keys(graph)
     if not averages:
         return CheckpointWeights(out, "raw weights (the checkpoint holds no EMA)", [])
     if not from_ema:
         return CheckpointWeights(out, "raw weights (the checkpoint's EMA not taken, as "
                                  "asked)", [])
     taken = []
-    for path, key in checkpoint_graph.average_keys(reader).items():
+    for path, key in checkpoint_graph.average_keys(graph, averages).items():
         value = reader.get_tensor(key)
         if value.shape == out[path].shape:
             out[path] = value
