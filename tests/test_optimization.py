@@ -355,9 +355,8 @@ def test_a_run_resumes_its_ema_from_checkpoints_with_and_without_statistics(tmp_
     tf.train.CheckpointManager(ckpt, str(tmp_path / "checkpoints"), 3).save(checkpoint_number=5)
 
     fresh = _bn_state()
-    ckpt = fresh.checkpoint()
-    saver = checkpointing.CheckpointSaver(ckpt, str(tmp_path), True, 0)
-    assert state.resume(fresh, ckpt, saver, distribution.make_engine("default")) == 5
+    saver = checkpointing.CheckpointSaver(fresh.checkpoint(), str(tmp_path), True, 0)
+    assert state.resume(fresh, saver, distribution.make_engine("default")) == 5
     for a, b in zip(saved.model.variables + saved.ema.shadow, fresh.model.variables +
                     fresh.ema.shadow):
         np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -103,11 +103,6 @@ def has_ema(path: str) -> bool:
     return any(name.startswith("ema/") for name, _ in tf.train.list_variables(path))
 
 
-def has_ema_statistics(path: str) -> bool:
-    """Whether the checkpoint's EMA averages batch-norm statistics (written since it does)."""
-    return any(name.startswith("ema/statistics/") for name, _ in tf.train.list_variables(path))
-
-
 def restore_for_eval(model: tf_keras.Model, model_dir: Optional[str] = None,
                      checkpoint: Optional[str] = None, use_ema: bool = True) -> str:
     """Loads trained weights into a built `model` for evaluation, prediction or export.

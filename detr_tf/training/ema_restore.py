@@ -1,4 +1,5 @@
-"""A checkpoint's EMA onto an evaluation model, each average matched to its variable by name.
+"""A checkpoint's EMA onto an evaluation model, or onto a resumed run's EMA, each average
+matched to its variable by name.
 
 The EMA keeps its averages in lists (`ema/shadow/<i>`, `ema/statistics/<i>`) in the order of the
 training model's trainable variables and batch-norm statistics. An evaluation model need not
@@ -6,13 +7,15 @@ share that order: a binding that freezes or unfreezes a part changes the trainab
 layer built in another order moves its variables. Taken by position, averages would then land on
 other variables, silently where the shapes agree. Each average is instead tied to its variable
 as the weight importer ties it (checkpoint_graph.py): the object path of an evaluation variable
-gives the name its variable was saved under, and that name the average (`<name>/ema`).
+gives the name its variable was saved under, and that name the average (`<name>/ema`). A
+resumed run's EMA is restored the same way: its lists follow the resumed model's trainable
+variables, which a code change or a freeze binding can reorder without changing the config.
 """
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
-from detr_tf.training import checkpoint_graph
+from detr_tf.training import checkpoint_graph, checkpoint_restore
 
 _SHOWN = 3
 _AVERAGE_KEYS = ("ema/shadow/", "ema/statistics/")
@@ -67,3 +70,49 @@ def assign_averages(model: tf.Module, path: str) -> EmaValues:
               f"variable by saved name and shape (first: {first}); the variables they average "
               "keep their raw weights", flush=True)
     return found
+
+
+def _named(variables) -> str:
+    return ", ".join(sorted({v.name.split(":")[0] for v in variables})[:_SHOWN])
+
+
+def restore_to_ema(ema, model: tf.Module, path: str, model_dir: Optional[str] = None) -> None:
+    """A resumed run's EMA (training/ema.py's, over `model`'s variables) from checkpoint
+    `path`: each average onto the EMA's copy of the variable it was saved for
+    (`match_averages`), whatever the order of the EMA's lists then and now.
+
+    A checkpoint from before the EMA averaged batch-norm statistics has none: the EMA's start
+    from the model's restored statistics.
+
+    Raises:
+      ValueError (checkpoint_restore.mismatch): the checkpoint has no EMA, averages that fit
+        none of the variables this run averages (by saved name and shape), or variables this
+        run averages that the checkpoint's EMA does not.
+    """
+    reader = tf.train.load_checkpoint(path)
+    keys = reader.get_variable_to_shape_map()
+    if not any(key.startswith("ema/") for key in keys):
+        raise checkpoint_restore.mismatch(path, "it holds no EMA of the weights, and this run "
+                                                "keeps one (train.ema_decay)", model_dir)
+    found = match_averages(model, reader)
+    shadow_of = {var.ref(): shadow for shadow, var in ema.pairs()}
+    homeless = list(found.unplaced) + [v.name.split(":")[0] for v, _ in found.pairs
+                                       if v.ref() not in shadow_of]
+    if homeless:
+        first = ", ".join(sorted(set(homeless))[:_SHOWN])
+        raise checkpoint_restore.mismatch(
+            path, f"{len(homeless)} of its EMA's averages fit none of the variables this run "
+                  f"averages by saved name and shape (first: {first})", model_dir)
+    taken = {var.ref() for var, _ in found.pairs}
+    fresh_statistics = not any(key.startswith(_AVERAGE_KEYS[1]) for key in keys)
+    restarted = {v.ref() for _, v in ema.statistic_pairs()} if fresh_statistics else set()
+    lacking = [v for _, v in ema.pairs() if v.ref() not in taken | restarted]
+    if lacking:
+        raise checkpoint_restore.mismatch(
+            path, f"its EMA averages none of {len(lacking)} variables this run averages "
+                  f"(first: {_named(lacking)})", model_dir)
+    for var, key in found.pairs:
+        shadow = shadow_of[var.ref()]
+        shadow.assign(reader.get_tensor(key).astype(shadow.dtype.as_numpy_dtype))
+    if fresh_statistics:
+        ema.reset_statistics()

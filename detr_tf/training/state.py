@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import (checkpoint_restore, checkpointing, decay_groups, fused_adamw,
-                              hardware, optimization)
+from detr_tf.training import (checkpoint_restore, checkpointing, decay_groups, ema_restore,
+                              fused_adamw, hardware, optimization)
 from detr_tf.training import ema as ema_lib
 from detr_tf.training.step import split_variables
 
@@ -100,13 +100,15 @@ class TrainState:
     loss_scale: Optional[optimization.DynamicLossScale]
     ema: Optional[ema_lib.ExponentialMovingAverage]
 
-    def checkpoint(self, ema_statistics: bool = True) -> tf.train.Checkpoint:
+    def checkpoint(self, ema_statistics: bool = True,
+                   with_ema: bool = True) -> tf.train.Checkpoint:
         """The run's checkpoint; `ema_statistics=False`: the layout of a checkpoint whose EMA
-        did not average the batch norms' statistics (written before it did)."""
+        did not average the batch norms' statistics (written before it did); `with_ema=False`:
+        all but the EMA (a resume restores it by name, ema_restore.restore_to_ema)."""
         items = dict(model=self.model, backbone_optimizer=self.optimizers[0],
                      optimizer=self.optimizers[1], global_step=self.global_step,
                      dropout_rng=dropout_generators(self.model))
-        if self.ema is not None:
+        if self.ema is not None and with_ema:
             items["ema"] = self.ema if ema_statistics else _WeightsOnly(self.ema)
         if self.loss_scale is not None:
             items["loss_scale"] = self.loss_scale
@@ -159,8 +161,7 @@ def create_state(model_fn: Callable[[], tf_keras.Model], build_size: Optional[Tu
     return TrainState(model, optimizers, global_step, loss_scale, ema)
 
 
-def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
-           saver: checkpointing.CheckpointSaver, engine) -> Optional[int]:
+def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> Optional[int]:
     """Restores the chief's latest checkpoint on every process; returns its step (None: there
     is none).
 
@@ -168,7 +169,9 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
     collective, so all take part), then each restores that same file from the shared model_dir.
     Restoring the file everywhere, rather than restoring on the chief and broadcasting, brings
     back the whole state on every process (optimizer slots, EMA, loss scale, step) without a
-    broadcast per variable, and every process starts at the same step by construction.
+    broadcast per variable, and every process starts at the same step by construction. The
+    EMA's averages are matched to their variables by the names saved with them, not by their
+    place in the EMA's lists (training/ema_restore.py).
 
     Raises:
       FileNotFoundError: a process cannot read the chief's checkpoint (the
@@ -185,18 +188,16 @@ def resume(state: TrainState, checkpoint: tf.train.Checkpoint,
             "every process of a run must see the same model_dir (a shared file system)")
     check_optimizer_kind(path, state.optimizers[1])
     model_dir = os.path.dirname(saver.directory)
-    old_ema = (state.ema is not None and state.ema.statistic_pairs()
-               and not checkpointing.has_ema_statistics(path))
-    if old_ema:  # written before the EMA averaged the batch norms' statistics
-        checkpoint = state.checkpoint(ema_statistics=False)
-    status = checkpoint_restore.restore(checkpoint, path, model_dir)
-    checkpoint_restore.assert_matched(status, path, model_dir)
+    status = checkpoint_restore.restore(state.checkpoint(with_ema=False), path, model_dir)
+    # The EMA's values are the checkpoint's only ones meant to stay unused here: restore_to_ema
+    # takes them by name below, and assert_used checks the model's.
+    checkpoint_restore.assert_matched(status.expect_partial(), path, model_dir)
     checkpoint_restore.assert_used(status, path, model_dir, roots=("model",))
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
-    if old_ema:
-        state.ema.reset_statistics()
+    if state.ema is not None:
+        ema_restore.restore_to_ema(state.ema, state.model, path, model_dir)
     saver.saved_step = step
     return step
 
@@ -220,8 +221,8 @@ def check_optimizer_kind(path: str, optimizer) -> None:
                          f"build_optimizers.fused = {not fused} to resume it")
 
 
-def start(state: TrainState, checkpoint: tf.train.Checkpoint,
-          saver: checkpointing.CheckpointSaver, engine, init_weights: Optional[str],
+def start(state: TrainState, saver: checkpointing.CheckpointSaver, engine,
+          init_weights: Optional[str],
           weights_loader: Optional[Callable[..., Any]] = None,
           init_from_ema: bool = True) -> int:
     """Resumes, or initialises a new run (see the module docstring); returns the start step.
@@ -238,7 +239,7 @@ def start(state: TrainState, checkpoint: tf.train.Checkpoint,
         weights_loader.
     """
     say = (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
-    step = resume(state, checkpoint, saver, engine)
+    step = resume(state, saver, engine)
     if step is not None:
         say(f"detr_tf: resumed from {saver.checkpoint_path(step)} at step {step}")
         if not engine.is_chief:

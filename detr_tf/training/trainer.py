@@ -251,7 +251,7 @@ def train(model_dir: str,
     saver = checkpointing.CheckpointSaver(
         ckpt, model_dir, engine.is_chief, engine.rank, keep_checkpoints,
         participates=engine.name != "horovod")
-    start_step = state_lib.start(state, ckpt, saver, engine, init_weights, weights_loader,
+    start_step = state_lib.start(state, saver, engine, init_weights, weights_loader,
                                   init_from_ema)
     writer.resume_at(start_step)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
