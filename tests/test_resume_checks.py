@@ -21,7 +21,7 @@ def _recorded(run_dir):
 
 def test_a_resume_with_other_images_per_step_is_refused(tmp_path):
     run = str(tmp_path / "run")
-    resume_checks.record_images_per_step(run, 8)
+    resume_checks.record_run(run, 8, "float32")
     _checkpoint(run, 12)
     resume_checks.check_images_per_step(run, 8)  # the same size resumes
     with pytest.raises(ValueError, match=r"trained to step 12 at 8 images per step .* gives "
@@ -32,7 +32,7 @@ def test_a_resume_with_other_images_per_step_is_refused(tmp_path):
 
 def test_without_checkpoints_or_a_record_the_run_goes_on(tmp_path):
     run = str(tmp_path / "run")
-    resume_checks.record_images_per_step(run, 8)
+    resume_checks.record_run(run, 8, "float32")
     resume_checks.check_images_per_step(run, 4)  # nothing trained yet
     os.remove(os.path.join(run, "checkpoints", resume_checks.RECORD))
     _checkpoint(run, 3)  # checkpoints older than the record

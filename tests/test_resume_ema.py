@@ -35,11 +35,11 @@ class _Net(tf_keras.Model):
         return x
 
 
-def _state(reverse=False, unaveraged=()):
+def _state(reverse=False, unaveraged=(), loss_scale=None):
     """A run's state; `reverse`: the EMA's lists in the reverse of the model's layer order
     (same-shaped variables in each other's places);
     `unaveraged`: layers whose weights the EMA leaves out (as a freeze binding would, which
-    also changes the optimizer's variables)."""
+    also changes the optimizer's variables); `loss_scale`: mixed_float16's."""
     model = _Net()
     step = tf.Variable(0, dtype=tf.int64)
     opts = optimization.build_optimizers(steps_per_epoch=10, lr_drop_epochs=(),
@@ -52,7 +52,7 @@ def _state(reverse=False, unaveraged=()):
     averaged = [v for v in trainable if v.name.split("/")[1] not in unaveraged]
     ema = ExponentialMovingAverage(order(averaged), 0.9,
                                    statistics=order(moving_statistics(model)))
-    return state_lib.TrainState(model, opts, step, None, ema)
+    return state_lib.TrainState(model, opts, step, loss_scale, ema)
 
 
 def _saved(model_dir, unaveraged=()):

@@ -100,17 +100,19 @@ class TrainState:
     loss_scale: Optional[optimization.DynamicLossScale]
     ema: Optional[ema_lib.ExponentialMovingAverage]
 
-    def checkpoint(self, ema_statistics: bool = True,
-                   with_ema: bool = True) -> tf.train.Checkpoint:
+    def checkpoint(self, ema_statistics: bool = True, with_ema: bool = True,
+                   with_loss_scale: bool = True) -> tf.train.Checkpoint:
         """The run's checkpoint; `ema_statistics=False`: the layout of a checkpoint whose EMA
         did not average the batch norms' statistics (written before it did); `with_ema=False`:
-        all but the EMA (a resume restores it by name, ema_restore.restore_to_ema)."""
+        all but the EMA (a resume restores it by name, ema_restore.restore_to_ema);
+        `with_loss_scale=False`: all but the loss scale (a checkpoint trained without
+        mixed_float16 has none)."""
         items = dict(model=self.model, backbone_optimizer=self.optimizers[0],
                      optimizer=self.optimizers[1], global_step=self.global_step,
                      dropout_rng=dropout_generators(self.model))
         if self.ema is not None and with_ema:
             items["ema"] = self.ema if ema_statistics else _WeightsOnly(self.ema)
-        if self.loss_scale is not None:
+        if self.loss_scale is not None and with_loss_scale:
             items["loss_scale"] = self.loss_scale
         return tf.train.Checkpoint(**items)
 
@@ -171,7 +173,10 @@ def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> O
     back the whole state on every process (optimizer slots, EMA, loss scale, step) without a
     broadcast per variable, and every process starts at the same step by construction. The
     EMA's averages are matched to their variables by the names saved with them, not by their
-    place in the EMA's lists (training/ema_restore.py).
+    place in the EMA's lists (training/ema_restore.py). The weights, optimizer slots and EMA
+    are float32 in every `train.precision`, so a run resumes under another one; only
+    mixed_float16 keeps a loss scale, which starts anew when the checkpoint has none and is
+    left unused when this run keeps none (resume_checks.precision_change says so).
 
     Raises:
       FileNotFoundError: a process cannot read the chief's checkpoint (the
@@ -188,7 +193,9 @@ def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> O
             "every process of a run must see the same model_dir (a shared file system)")
     check_optimizer_kind(path, state.optimizers[1])
     model_dir = os.path.dirname(saver.directory)
-    status = checkpoint_restore.restore(state.checkpoint(with_ema=False), path, model_dir)
+    saved_scale = any(name.startswith("loss_scale/") for name, _ in tf.train.list_variables(path))
+    status = checkpoint_restore.restore(
+        state.checkpoint(with_ema=False, with_loss_scale=saved_scale), path, model_dir)
     # The EMA's values are the checkpoint's only ones meant to stay unused here: restore_to_ema
     # takes them by name below, and assert_used checks the model's.
     checkpoint_restore.assert_matched(status.expect_partial(), path, model_dir)

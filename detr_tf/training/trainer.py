@@ -253,6 +253,10 @@ def train(model_dir: str,
         participates=engine.name != "horovod")
     start_step = state_lib.start(state, saver, engine, init_weights, weights_loader,
                                   init_from_ema)
+    if start_step and engine.is_chief:  # before record_run writes this run's precision
+        changed = resume_checks.precision_change(model_dir, precision, state.loss_scale)
+        if changed:
+            print(f"detr_tf: {changed}", flush=True)
     writer.resume_at(start_step)
     iterator = _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps,
                                deterministic, seed, start_step)
@@ -260,7 +264,7 @@ def train(model_dir: str,
         # Once the run is built, restored and fed: a resumed run whose new bindings fail above
         # keeps the config.gin that its checkpoints were trained with (eval.py reads it).
         atomic_files.write_text(os.path.join(model_dir, "config.gin"), gin.config_str())
-        resume_checks.record_images_per_step(model_dir, global_batch_size * grad_accum_steps)
+        resume_checks.record_run(model_dir, global_batch_size * grad_accum_steps, precision)
     cfg = LoopConfig(num_steps=num_steps, images_per_step=global_batch_size * grad_accum_steps,
                      log_every=log_every, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, nan_policy=nan_policy,
