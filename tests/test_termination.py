@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import sys
 import types
 
@@ -19,6 +20,7 @@ import tensorflow as tf
 from detr_tf import cli
 from detr_tf.training import checkpointing, host_loop, trainer
 from detr_tf.training.device_loop import LoopOutcome
+from tests.test_trainer import REPO, shapes_cache  # noqa: F401
 from tests.tool_helpers import run_python
 
 
@@ -161,3 +163,51 @@ print("RESULT", json.dumps(said))
     assert sorted(os.listdir(ckpts)) == ["checkpoint", "ckpt-1.data-00000-of-00001",
                                          "ckpt-1.index"]
     assert checkpointing.latest_checkpoint(str(tmp_path)) == str(ckpts / "ckpt-1")
+
+
+_CUT_PROG = """
+import os, signal, sys, time
+import gin
+from detr_tf import cli, config
+
+
+@gin.configurable
+def signalled(model, model_dir, step=None):
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(120)
+    print("NOT CUT", flush=True)
+
+
+config.parse_gin_config(["tiny.gin"], ["SHAPES_CACHE_DIR = {cache!r}", "train.num_steps = 1",
+                                       "train.{hook} = @signalled"])
+cli.run_training({model_dir!r})
+"""
+
+
+@pytest.mark.parametrize("sig,hook,what", [
+    ("SIGTERM", "eval_fn", "the final evaluation"),
+    ("SIGINT", "after_train_fn", "the after-train report (train.after_train_fn)"),
+])
+def test_a_signal_during_the_final_evaluation_or_report_cuts_it_in_one_line(
+        shapes_cache, tmp_path, sig, hook, what):
+    """The training is saved before the final evaluation and the after-train report: a signal
+    there cuts them at once, says so in one line (the checkpoint, what was cut, how to redo
+    it) and the run exits 0, as after a first signal during training."""
+    model_dir = str(tmp_path / "run")
+    code = _CUT_PROG.format(sig=sig, cache=shapes_cache, hook=hook, model_dir=model_dir)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO))
+    env.pop("DETR_TF_TRACEBACK", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "NOT CUT" not in log and "Traceback" not in log, log[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "received during" in line]
+    ckpt = os.path.join(model_dir, "checkpoints", "ckpt-1")
+    alone = (f"; or evaluate alone: python tools/eval.py --model_dir={model_dir}"
+             if hook == "eval_fn" else "")
+    assert said == [f"detr_tf: {sig} received during {what}, which was cut; the training is "
+                    f"complete and saved ({ckpt} at step 1). Run the same train.py command "
+                    f"again to redo what was cut: it resumes at step 1 and trains no "
+                    f"further{alone}"], log[-3000:]
+    assert "interrupted" not in log and "done in" not in proc.stdout, log[-3000:]
+    assert checkpointing.latest_checkpoint(model_dir) == ckpt

@@ -183,3 +183,28 @@ class TerminationSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
+
+
+class CutShort(BaseException):
+    """A termination signal cut work that follows the run's last checkpoint (the final
+    evaluation, the after-train report). A BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` of the work it cuts takes it for an error."""
+
+
+@contextlib.contextmanager
+def cut_short_on_signal():
+    """SIGTERM or SIGINT inside the block raises CutShort at once (main thread only): the
+    training is saved, and the work the block does is redone by a rerun, so there is nothing
+    to wait for."""
+    def cut(signum, frame):
+        raise CutShort(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, cut) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -30,12 +30,11 @@ import gin
 import tensorflow as tf
 import tf_keras
 
-from detr_tf import arg_checks as ac, atomic_files, config, machine
-from detr_tf.durations import format_elapsed
-from detr_tf.training import checkpointing, hardware, resume_checks, state as state_lib
+from detr_tf import arg_checks as ac, atomic_files, machine
+from detr_tf.training import checkpointing, finish, hardware, resume_checks, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
-from detr_tf.training.host_loop import LoopConfig, TrainingError, evaluate, ema_weights, run_loop
+from detr_tf.training.host_loop import LoopConfig, TrainingError, run_loop
 from detr_tf.training.metrics_writer import MetricsWriter
 from detr_tf.training.step import (  # noqa: F401
     StepBuilder, resolve_jit, resolve_jit_why, split_variables)
@@ -275,8 +274,8 @@ def train(model_dir: str,
     if result.terminated:
         writer.close()
         return {"step": result.step, **result.last_train}
-    return _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing,
-                   watch)
+    return finish.finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn,
+                         timing, watch)
 
 
 def _build(engine, model_fn, criterion, info, steps_per_epoch, num_steps, precision, ema,
@@ -347,39 +346,3 @@ def _train_iterator(engine, dataset_fn, global_batch_size, grad_accum_steps, det
 
     with engine.scope():
         return iter(engine.distribute_dataset(replica_dataset_fn))
-
-
-def _finish(result, state, engine, writer, model_dir, eval_fn, after_train_fn, timing, watch):
-    """The final evaluation, the summary line, the after-train hook and, last, how long the
-    run took and where, after the machine it ran on: its CPU kind, and whether other processes
-    took CPU time from it since `watch` started (on the chief)."""
-    eval_metrics = result.eval_metrics
-    if eval_fn is not None and engine.is_chief:
-        t0 = time.time()
-        eval_metrics = evaluate(eval_fn, state, model_dir, result.step, writer)
-        timing["final evaluation"] = time.time() - t0
-    if engine.is_chief:
-        shown = {k: result.last_train[k] for k in ("loss", "class_error")
-                 if k in result.last_train}
-        shown.update({k: eval_metrics[k] for k in ("AP", "AP50") if k in eval_metrics})
-        said = ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or (
-            "no step to take (the run had already reached it)" if result.step else
-            "no step to take (train.num_steps = 0)")
-        print(f"detr_tf: finished at step {result.step}: {said}", flush=True)
-    if after_train_fn is not None and engine.is_chief:
-        t0 = time.time()
-        with ema_weights(state.ema):
-            after_train_fn(model=state.model, model_dir=model_dir)
-        timing["after-train"] = time.time() - t0
-    if engine.is_chief:
-        for note in config.unused_binding_notes():
-            print(f"detr_tf: note: {note}", flush=True)
-        print(f"detr_tf: machine: {machine.summary(machine.record(watch))}", flush=True)
-        # The process's own start-up (imports) comes before train() and is not counted.
-        print(f"detr_tf: done in {format_elapsed(sum(timing.values()))} ("
-              + ", ".join(f"{k} {format_elapsed(v)}" for k, v in timing.items()) + ")",
-              flush=True)
-    writer.close()
-    engine.barrier()
-    return {"step": result.step, **result.last_train,
-            **{f"eval/{k}": v for k, v in eval_metrics.items()}}
