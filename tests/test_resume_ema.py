@@ -35,21 +35,23 @@ class _Net(tf_keras.Model):
         return x
 
 
-def _state(reverse=False, unaveraged=(), loss_scale=None):
+def _state(reverse=False, unaveraged=(), loss_scale=None, model_fn=None, order=None):
     """A run's state; `reverse`: the EMA's lists in the reverse of the model's layer order
     (same-shaped variables in each other's places);
     `unaveraged`: layers whose weights the EMA leaves out (as a freeze binding would, which
-    also changes the optimizer's variables); `loss_scale`: mixed_float16's."""
-    model = _Net()
+    also changes the optimizer's variables); `loss_scale`: mixed_float16's; `model_fn`
+    (default `_Net`) and `order` (fn(variables) -> the EMA's list) replace them."""
+    model = (model_fn or _Net)()
     step = tf.Variable(0, dtype=tf.int64)
     opts = optimization.build_optimizers(steps_per_epoch=10, lr_drop_epochs=(),
                                          step_counter=step)
     trainable = model.trainable_variables
     for opt, vars_ in zip(opts, (trainable[:1], trainable[1:])):
         opt.build(vars_)
-    order = ((lambda vs: sorted(vs, key=lambda v: v.name.split("/")[1][0], reverse=True))
-             if reverse else list)
-    averaged = [v for v in trainable if v.name.split("/")[1] not in unaveraged]
+    if order is None:
+        order = ((lambda vs: sorted(vs, key=lambda v: v.name.split("/")[1][0], reverse=True))
+                 if reverse else list)
+    averaged = [v for v in trainable if not unaveraged or v.name.split("/")[1] not in unaveraged]
     ema = ExponentialMovingAverage(order(averaged), 0.9,
                                    statistics=order(moving_statistics(model)))
     return state_lib.TrainState(model, opts, step, loss_scale, ema)
@@ -100,3 +102,44 @@ def test_averages_and_variables_without_a_partner_are_one_error_naming_them(
                                    f"builds: {said}."), str(e.value)
     for b, (shadow, _) in zip(before, fresh.ema.pairs()):  # nothing half-restored
         np.testing.assert_array_equal(shadow.numpy(), b)
+
+
+class _Twins(tf_keras.Model):
+    """Two variables of one name (as layers built outside any name scope have) and a third."""
+
+    def __init__(self):
+        super().__init__(name="twins")
+        self.first = tf.Variable(tf.ones([2]), name="kernel")
+        self.second = tf.Variable(tf.ones([2]), name="kernel")
+        self.other = tf.Variable(tf.ones([2]), name="other")
+        self.backbone = self.first
+
+
+def _by_attribute(run):
+    """{model attribute: its average}: how the test tells the twins apart."""
+    average = {v.ref(): s.numpy() for s, v in run.ema.pairs()}
+    return {a: average[getattr(run.model, a).ref()] for a in ("first", "second", "other")}
+
+
+@pytest.mark.parametrize("order", [
+    list,  # as saved: the twins' averages are taken by their place, which their names confirm
+    lambda vs: vs[:1] + vs[2:] + vs[1:2],  # `second` where `other`'s average was: not taken
+])
+def test_averages_no_name_tells_apart_resume_by_place_where_the_names_agree(tmp_path, order):
+    saved = _state(model_fn=_Twins)
+    for i, (shadow, _) in enumerate(saved.ema.pairs()):
+        shadow.assign([i + 10.0, i + 20.0])
+    saved.global_step.assign(5)
+    tf.train.CheckpointManager(saved.checkpoint(), str(tmp_path / "checkpoints"),
+                               max_to_keep=1).save(checkpoint_number=5)
+    fresh = _state(model_fn=_Twins, order=order)
+    if order is list:
+        assert _resume(tmp_path, fresh) == 5
+        got, want = _by_attribute(fresh), _by_attribute(saved)
+        for attribute in want:
+            np.testing.assert_array_equal(got[attribute], want[attribute], err_msg=attribute)
+        return
+    with pytest.raises(ValueError, match=r"1 of its EMA's averages fit none of the variables "
+                                         r"this run averages by saved name and shape \(first: "
+                                         r"kernel\)"):
+        _resume(tmp_path, fresh)

@@ -34,14 +34,15 @@ class EmaValues(NamedTuple):
     unplaced: List[str]
 
 
-def match_averages(model: tf.Module, reader) -> EmaValues:
+def match_averages(model: tf.Module, reader, graph=None) -> EmaValues:
     """Each variable of `model` whose saved variable the EMA of checkpoint `reader`
-    (tf.train.load_checkpoint's) averages, with its average's key.
+    (tf.train.load_checkpoint's) averages, with its average's key (`graph`: the checkpoint's
+    object graph when the caller has already read it).
 
     Frozen parts of the training model, and batch-norm statistics in checkpoints from before the
     EMA averaged them, have no average: they keep the raw weights, as in training.
     """
-    graph = checkpoint_graph.object_graph(reader)
+    graph = checkpoint_graph.object_graph(reader) if graph is None else graph
     averages = checkpoint_graph.ema_keys(graph)
     by_path = checkpoint_graph.average_keys(graph, averages)
     shapes = reader.get_variable_to_shape_map()
@@ -76,10 +77,34 @@ def _named(variables) -> str:
     return ", ".join(sorted({v.name.split(":")[0] for v in variables})[:_SHOWN])
 
 
+def _by_place(ema, model: tf.Module, graph, shapes, saved_as,
+              taken) -> List[Tuple[tf.Variable, str]]:
+    """(model variable, average key) for the variables of `ema` not in `taken` whose average
+    no name tells (the saving model gave its name to more than one variable), taken from the
+    same place in the checkpoint's EMA lists as in `ema`'s when the name saved there
+    (`saved_as`: key -> name) is the variable's own and the shapes agree: the same order, as
+    far as the names can tell."""
+    names = checkpoint_graph.model_variable_names(graph)
+    path_of = {v.ref(): p for p, v in checkpoint_graph.live_variable_paths(model).items()}
+    lists = (("shadow", ema.model_variables), ("statistics", [v for _, v in
+                                                              ema.statistic_pairs()]))
+    out = []
+    for kind, variables in lists:
+        for i, var in enumerate(variables):
+            key = f"ema/{kind}/{i}/.ATTRIBUTES/VARIABLE_VALUE"
+            name = names.get(path_of.get(var.ref()))
+            if (var.ref() not in taken and name is not None and saved_as.get(key) == name
+                    and tuple(shapes[key]) == tuple(var.shape)):
+                out.append((var, key))
+    return out
+
+
 def restore_to_ema(ema, model: tf.Module, path: str, model_dir: Optional[str] = None) -> None:
     """A resumed run's EMA (training/ema.py's, over `model`'s variables) from checkpoint
     `path`: each average onto the EMA's copy of the variable it was saved for
-    (`match_averages`), whatever the order of the EMA's lists then and now.
+    (`match_averages`), whatever the order of the EMA's lists then and now. An average whose
+    name the saving model gave more than one variable is taken by its place in the lists, when
+    the name saved there is its variable's (`_by_place`).
 
     A checkpoint from before the EMA averaged batch-norm statistics has none: the EMA's start
     from the model's restored statistics.
@@ -94,16 +119,23 @@ def restore_to_ema(ema, model: tf.Module, path: str, model_dir: Optional[str] = 
     if not any(key.startswith("ema/") for key in keys):
         raise checkpoint_restore.mismatch(path, "it holds no EMA of the weights, and this run "
                                                 "keeps one (train.ema_decay)", model_dir)
-    found = match_averages(model, reader)
+    graph = checkpoint_graph.object_graph(reader)
+    found = match_averages(model, reader, graph)
+    saved_as = {key: name for name, keys in checkpoint_graph.ema_keys(graph).items()
+                for key in keys}
+    pairs = found.pairs + _by_place(ema, model, graph, keys, saved_as,
+                                    {var.ref() for var, _ in found.pairs})
+    placed = {key for _, key in pairs}
     shadow_of = {var.ref(): shadow for shadow, var in ema.pairs()}
-    homeless = list(found.unplaced) + [v.name.split(":")[0] for v, _ in found.pairs
-                                       if v.ref() not in shadow_of]
+    homeless = [saved_as.get(key, key) for key in keys
+                if key.startswith(_AVERAGE_KEYS) and key not in placed]
+    homeless += [v.name.split(":")[0] for v, _ in pairs if v.ref() not in shadow_of]
     if homeless:
         first = ", ".join(sorted(set(homeless))[:_SHOWN])
         raise checkpoint_restore.mismatch(
             path, f"{len(homeless)} of its EMA's averages fit none of the variables this run "
                   f"averages by saved name and shape (first: {first})", model_dir)
-    taken = {var.ref() for var, _ in found.pairs}
+    taken = {var.ref() for var, _ in pairs}
     fresh_statistics = not any(key.startswith(_AVERAGE_KEYS[1]) for key in keys)
     restarted = {v.ref() for _, v in ema.statistic_pairs()} if fresh_statistics else set()
     lacking = [v for _, v in ema.pairs() if v.ref() not in taken | restarted]
@@ -111,7 +143,7 @@ def restore_to_ema(ema, model: tf.Module, path: str, model_dir: Optional[str] = 
         raise checkpoint_restore.mismatch(
             path, f"its EMA averages none of {len(lacking)} variables this run averages "
                   f"(first: {_named(lacking)})", model_dir)
-    for var, key in found.pairs:
+    for var, key in pairs:
         shadow = shadow_of[var.ref()]
         shadow.assign(reader.get_tensor(key).astype(shadow.dtype.as_numpy_dtype))
     if fresh_statistics:
