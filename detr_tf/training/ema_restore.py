@@ -9,7 +9,7 @@ other variables, silently where the shapes agree. Each average is instead tied t
 as the weight importer ties it (checkpoint_graph.py): the object path of an evaluation variable
 gives the name its variable was saved under, and that name the average (`<name>/ema`). A
 resumed run's EMA is restored the same way: its lists follow the resumed model's trainable
-variables, which a code change or a freeze binding can reorder without changing the config.
+variables, which a code change between versions or a freeze binding can reorder.
 """
 from typing import List, NamedTuple, Optional, Tuple
 
