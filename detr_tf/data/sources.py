@@ -48,13 +48,20 @@ class ReadSpec:
     repeat: bool = False
 
 
-def _repeat_and_shuffle(ds: tf.data.Dataset, spec: ReadSpec) -> tf.data.Dataset:
+def _shuffle_and_repeat(ds: tf.data.Dataset, spec: ReadSpec) -> tf.data.Dataset:
+    """One epoch of this shard's records -> the source's stream: the records shuffled through
+    the buffer within the epoch, then the epoch repeated. Each repetition reads `ds` afresh, so
+    its own shuffles (a file list's) draw a new order too: every epoch is a permutation of the
+    shard's records, as with the reference's per-epoch sampler. Seeded shuffles draw the same
+    orders on every run, which a deterministic resume relies on."""
     # Runs on still-encoded records: a buffer of 1000 JPEGs is ~160 MB for COCO, of decoded
-    # images ~1 GB, and an iterator checkpoint would have to save that buffer too.
-    if spec.repeat:
-        ds = ds.repeat()
+    # images ~1 GB, and an iterator checkpoint would have to save that buffer too. tf.data
+    # fuses this shuffle with the repeat: the buffer fills with the next epoch's records while
+    # it still gives the current epoch's, so an epoch boundary does not wait for a refill.
     if spec.shuffle:
         ds = ds.shuffle(spec.shuffle_buffer, seed=spec.seed, reshuffle_each_iteration=True)
+    if spec.repeat:
+        ds = ds.repeat()
     return ds
 
 
@@ -114,7 +121,7 @@ class TFRecordSource:
                            deterministic=spec.deterministic or not by_file)
         if not by_file:
             ds = ds.shard(spec.num_shards, spec.shard_index)
-        ds = _repeat_and_shuffle(ds, spec)
+        ds = _shuffle_and_repeat(ds, spec)
         return ds.map(plain(tfexample.decode_example), num_parallel_calls=AUTOTUNE,
                       deterministic=spec.deterministic)
 
@@ -169,14 +176,15 @@ class TFDSSource:
                                              input_pipeline_id=spec.shard_index)
         options = tf.data.Options()
         options.deterministic = spec.deterministic
+        # A new file order for every epoch: the repeat reads the files afresh.
         read_config = tfds.ReadConfig(input_context=context, shuffle_seed=spec.seed,
-                                      options=options)
-        # Images stay encoded until after the shuffle (see _repeat_and_shuffle).
+                                      shuffle_reshuffle_each_iteration=True, options=options)
+        # Images stay encoded until after the shuffle (see _shuffle_and_repeat).
         decoders = ({"image": tfds.decode.SkipDecoding()} if self.decode_after_shuffle
                     else None)
         ds = self._builder().as_dataset(split=self.split, shuffle_files=spec.shuffle,
                                         read_config=read_config, decoders=decoders)
-        ds = _repeat_and_shuffle(ds, spec)
+        ds = _shuffle_and_repeat(ds, spec)
         coco_ids = tf.constant([cid for cid, _ in label_map_lib.COCO_CATEGORIES], tf.int64)
 
         def to_raw(ex):
