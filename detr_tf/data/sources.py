@@ -32,11 +32,12 @@ class ReadSpec:
     Attributes:
       num_shards: number of input pipelines (workers / Horovod ranks) splitting the data.
       shard_index: this pipeline's index in [0, num_shards).
-      shuffle: shuffle file order (training).
+      shuffle: shuffle the records and, when shards are whole files, the file order; anew
+        every epoch (training).
       deterministic: keep a reproducible element order.
       seed: seed for the shuffles, or None.
       shuffle_buffer: records in the example shuffle buffer (when shuffle is set).
-      repeat: repeat forever (training).
+      repeat: repeat the epoch forever (training).
     """
 
     num_shards: int = 1
@@ -113,6 +114,7 @@ class TFRecordSource:
             # Each pipeline reads its own files: no pipeline reads a byte it does not use.
             ds = ds.shard(spec.num_shards, spec.shard_index)
             if spec.shuffle:
+                # Before the repeat (in _shuffle_and_repeat): a new file order every epoch.
                 ds = ds.shuffle(len(files), seed=spec.seed, reshuffle_each_iteration=True)
         ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(self.cycle_length,
                                                                        len(files)),
