@@ -2,15 +2,16 @@
 its own (files and records reshuffled), and a replayed stream continues exactly.
 
 The reference is plain bookkeeping of record ids: record r of file f has id f * PER_FILE + r,
-so an id says which file it came from and which records a shard owns.
+so an id says which file it came from and which records a shard owns. The streams are
+deterministic: otherwise the parallel decode after the repeat may let the next epoch's first
+records overtake this one's last, which no exact count survives.
 """
 import io
 
 import numpy as np
 import pytest
-from PIL import Image
-
 import tensorflow as tf
+from PIL import Image
 
 from detr_tf.data import sources, tfexample
 
