@@ -25,14 +25,19 @@ MODEL_SHAPE = {"custom_cpu.gin": ["NUM_CLASSES = 3", "NUM_QUERIES = 12"],
                "finetune_detr_r50.gin": ["NUM_CLASSES = 3"]}
 
 
-def _model_weights(gin_file, params=()):
+def build_experiment_model(gin_file, params=()):
+    """The model `gin_file` builds, with none of its data or weights macros given."""
     gin.clear_config()
     try:
         config.parse_gin_config([gin_file], list(params), defer_required=True)
-        model = run_lib.assemble().build_model()
-        return type(model).__name__, {v.name: v.numpy() for v in model.variables}
+        return run_lib.assemble().build_model()
     finally:
         gin.clear_config()
+
+
+def _model_weights(gin_file, params=()):
+    model = build_experiment_model(gin_file, params)
+    return type(model).__name__, {v.name: v.numpy() for v in model.variables}
 
 
 @pytest.mark.slow

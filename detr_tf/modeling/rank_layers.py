@@ -68,9 +68,11 @@ class RankAdaptiveClassHead(tf_keras.layers.Layer):
         kwargs.setdefault("dtype", "float32")  # it offsets the float32 logits
         super().__init__(**kwargs)
         self.num_layers, self.num_queries, self.num_classes = num_layers, num_queries, num_classes
-        self.tables = [self.add_weight(name=f"rank_adaptive_classhead_emb.{i}",
-                                       shape=(num_queries, num_classes), initializer="zeros")
-                       for i in range(num_layers)]
+        with tf.name_scope(self.name):  # created outside a call: see QueryRankLayer
+            self.tables = [self.add_weight(name=f"rank_adaptive_classhead_emb.{i}",
+                                           shape=(num_queries, num_classes),
+                                           initializer="zeros")
+                           for i in range(num_layers)]
 
     def call(self, logits: tf.Tensor, layer: int) -> tf.Tensor:
         """logits [B, N, C] float32 of decoder layer `layer`, slots in rank order -> the same
@@ -94,14 +96,21 @@ class QueryRankLayer(tf_keras.layers.Layer):
         super().__init__(**kwargs)
         self.num_queries, self.d_model = num_queries, d_model
         stages = range(num_layers - 1)
-        self.tables = [self.add_weight(name=f"rank_aware_content_query.{i}",
-                                       shape=(num_queries, d_model), initializer="glorot_uniform")
-                       for i in stages]
         self.pre = [tf_keras.layers.Dense(d_model, name=f"pre_racq_trans.{i}") for i in stages]
         self.post = [tf_keras.layers.Dense(d_model, name=f"post_racq_trans.{i}") for i in stages]
-        for pre, post in zip(self.pre, self.post):  # every stage, even those a short run skips
-            pre.build((None, d_model))
-            post.build((None, 2 * d_model))
+        # Every stage is built here, even those a short run skips, so every run saves them all.
+        # Outside a call no scope names the variables: under the layer's and each Dense's own
+        # they read '<name>/pre_racq_trans.0/kernel', not a plain 'kernel' every stage shares
+        # (the EMA ties each average to its variable by name; checkpoint keys do not change).
+        with tf.name_scope(self.name):
+            self.tables = [self.add_weight(name=f"rank_aware_content_query.{i}",
+                                           shape=(num_queries, d_model),
+                                           initializer="glorot_uniform") for i in stages]
+            for pre, post in zip(self.pre, self.post):
+                with tf.name_scope(pre.name):
+                    pre.build((None, d_model))
+                with tf.name_scope(post.name):
+                    post.build((None, 2 * d_model))
 
     def call(self, x: tf.Tensor, stage: int) -> tf.Tensor:
         """x [B, N, d], the first Q slots ranked, before decoder layer stage + 1 -> [B, N, d];

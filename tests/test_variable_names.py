@@ -1,0 +1,28 @@
+"""Every model a shipped experiment file builds gives each of its variables a name of its own.
+
+A checkpoint's EMA keeps its averages in lists, each named after its variable
+(`<name>/ema`), and evaluation, prediction, export and a resumed run give each average to the
+variable of that saved name (training/ema_restore.py). A name two variables share ties its
+averages to neither: evaluation then keeps their raw weights. Each experiment file's model is
+built as tools/import_weights.py builds it (no data or weights macro given; at most ~4 s each at
+full size) and its trainable and non-trainable variables are counted by name.
+"""
+from collections import Counter
+
+import pytest
+
+from detr_tf.training import checkpoint_graph
+from tests.test_import_configs import EXPERIMENTS, MODEL_SHAPE, build_experiment_model
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_file_names_each_variable_once(experiment):
+    model = build_experiment_model(experiment, MODEL_SHAPE.get(experiment, ()))
+    variables = model.trainable_variables + model.non_trainable_variables
+    assert len({v.ref() for v in variables}) == len(model.variables) > 0
+    uses = Counter(v.name for v in variables)
+    shared = {name for name, n in uses.items() if n > 1}
+    paths = sorted(path for path, v in checkpoint_graph.live_variable_paths(model).items()
+                   if v.name in shared)
+    assert not shared, f"{experiment}: {len(paths)} variables share {len(shared)} names " \
+                       f"{sorted(shared)[:5]}, at {paths[:5]}"
