@@ -6,8 +6,8 @@ saved under that object's name: checkpoints written while the EMA kept its own l
 model's variables hold the trainable weights as `ema/_model_variables/<i>/...`, not
 `model/...`. The checkpoint's object graph still records every path, so walking it from the
 `model` object finds every model variable under its own path, whatever key it was saved under.
-The graph also keeps each variable's name as saved, which is how the EMA's averages, kept in
-lists, are tied to their variables (`ema_keys`).
+The graph also keeps each variable's name as saved, which is how the EMA's averages and the
+optimizers' slots, kept in lists, are tied to their variables (`ema_keys`, `copy_keys`).
 """
 from collections import Counter, deque
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
@@ -113,19 +113,34 @@ def ema_keys(graph: Graph, root_child: str = "ema") -> Dict[str, List[str]]:
     average is named after its variable (`<name>/ema`), and that name, saved with it, is what
     ties it to one variable. More than one key under a name: the saving model's names were
     not unique, and the name alone cannot say which average is whose."""
+    def averaged(path: str, name: str) -> Optional[str]:
+        if path.split("/")[0] in ("shadow", "statistics") and name.endswith(EMA_NAME_SUFFIX):
+            return name[:-len(EMA_NAME_SUFFIX)]
+        return None
+
+    return copy_keys(graph, root_child, averaged)
+
+
+def copy_keys(graph: Graph, root_child: str,
+              copied: Callable[[str, str], Optional[str]]) -> Dict[str, List[str]]:
+    """{name of a model variable: checkpoint keys of the values kept for it} among the
+    variables the checkpoint holds under `root_child`, each named after its model variable:
+    `copied(object path, saved name)` gives that model variable's name, or None for a variable
+    that copies none (the EMA's averages, `ema_keys`; an optimizer's slots, slot_restore.py)."""
     out = {}
     for path, key, name in _variables_under(graph, root_child):
-        if path.split("/")[0] in ("shadow", "statistics") and name.endswith(EMA_NAME_SUFFIX):
-            out.setdefault(name[:-len(EMA_NAME_SUFFIX)], []).append(key)
+        original = copied(path, name)
+        if original is not None:
+            out.setdefault(original, []).append(key)
     return out
 
 
 def average_keys(graph: Graph, averages: Dict[str, List[str]],
                  root_child: str = "model") -> Dict[str, str]:
     """{object path under `root_child`: checkpoint key of its average} for each model variable
-    that the EMA averages (`averages`: the graph's `ema_keys`), matched by the variable's saved
-    name. A name the saving model gave more than one variable ties to no single average: those
-    variables are left out, as are the ones the EMA does not average."""
+    that the EMA averages (`averages`: the graph's `ema_keys`, or any `copy_keys`), matched by
+    the variable's saved name. A name the saving model gave more than one variable ties to no
+    single average: those variables are left out, as are the ones the EMA does not average."""
     names = model_variable_names(graph, root_child)
     uses = Counter(names.values())
     return {path: averages[name][0] for path, name in names.items()

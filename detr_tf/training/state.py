@@ -12,13 +12,13 @@ one of three ways, in this order of precedence:
 """
 import dataclasses
 import os
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 import tf_keras
 
 from detr_tf.training import (checkpoint_restore, checkpointing, decay_groups, ema_restore,
-                              fused_adamw, hardware, optimization)
+                              fused_adamw, hardware, optimization, slot_restore)
 from detr_tf.training import ema as ema_lib
 from detr_tf.training.step import split_variables
 
@@ -101,20 +101,26 @@ class TrainState:
     ema: Optional[ema_lib.ExponentialMovingAverage]
 
     def checkpoint(self, ema_statistics: bool = True, with_ema: bool = True,
-                   with_loss_scale: bool = True) -> tf.train.Checkpoint:
+                   with_loss_scale: bool = True, with_slots: bool = True) -> tf.train.Checkpoint:
         """The run's checkpoint; `ema_statistics=False`: the layout of a checkpoint whose EMA
         did not average the batch norms' statistics (written before it did); `with_ema=False`:
         all but the EMA (a resume restores it by name, ema_restore.restore_to_ema);
         `with_loss_scale=False`: all but the loss scale (a checkpoint trained without
-        mixed_float16 has none)."""
-        items = dict(model=self.model, backbone_optimizer=self.optimizers[0],
-                     optimizer=self.optimizers[1], global_step=self.global_step,
+        mixed_float16 has none); `with_slots=False`: all but the optimizers' slots (a resume
+        restores them by name, slot_restore.restore_slots)."""
+        optimizers = {root: opt if with_slots else slot_restore.without_slots(opt)
+                      for root, opt in self.optimizer_roots().items()}
+        items = dict(model=self.model, **optimizers, global_step=self.global_step,
                      dropout_rng=dropout_generators(self.model))
         if self.ema is not None and with_ema:
             items["ema"] = self.ema if ema_statistics else _WeightsOnly(self.ema)
         if self.loss_scale is not None and with_loss_scale:
             items["loss_scale"] = self.loss_scale
         return tf.train.Checkpoint(**items)
+
+    def optimizer_roots(self) -> Dict[str, Any]:
+        """{the checkpoint's name for each optimizer: the optimizer}."""
+        return dict(backbone_optimizer=self.optimizers[0], optimizer=self.optimizers[1])
 
 
 def build_groups(optimizers: Sequence[Any], variables: Sequence[Sequence[tf.Variable]],
@@ -172,8 +178,9 @@ def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> O
     Restoring the file everywhere, rather than restoring on the chief and broadcasting, brings
     back the whole state on every process (optimizer slots, EMA, loss scale, step) without a
     broadcast per variable, and every process starts at the same step by construction. The
-    EMA's averages are matched to their variables by the names saved with them, not by their
-    place in the EMA's lists (training/ema_restore.py). The weights, optimizer slots and EMA
+    EMA's averages and the optimizers' slots are matched to their variables by the names saved
+    with them, not by their place in their lists (training/ema_restore.py, slot_restore.py).
+    The weights, optimizer slots and EMA
     are float32 in every `train.precision`, so a run resumes under another one; only
     mixed_float16 keeps a loss scale, which starts anew when the checkpoint has none and is
     left unused when this run keeps none (resume_checks.precision_change says so).
@@ -195,11 +202,14 @@ def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> O
     model_dir = os.path.dirname(saver.directory)
     saved_scale = any(name.startswith("loss_scale/") for name, _ in tf.train.list_variables(path))
     status = checkpoint_restore.restore(
-        state.checkpoint(with_ema=False, with_loss_scale=saved_scale), path, model_dir)
-    # The EMA's values are the checkpoint's only ones meant to stay unused here: restore_to_ema
-    # takes them by name below, and assert_used checks the model's.
+        state.checkpoint(with_ema=False, with_loss_scale=saved_scale, with_slots=False), path,
+        model_dir)
+    # The EMA's values and the optimizers' slots stay unused here: restore_slots and
+    # restore_to_ema take them by name below (each refusing those no variable takes), and
+    # assert_used checks the model's.
     checkpoint_restore.assert_matched(status.expect_partial(), path, model_dir)
     checkpoint_restore.assert_used(status, path, model_dir, roots=("model",))
+    slot_restore.restore_slots(state.optimizer_roots(), state.model, path, model_dir)
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
