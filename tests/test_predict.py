@@ -30,8 +30,21 @@ def test_list_images(images_dir, tmp_path):
     files = predict.list_images(images_dir)
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.bmp", "a.png", "b.jpg"]
     assert predict.list_images(images_dir / "a.png") == [str(images_dir / "a.png")]
-    with pytest.raises(FileNotFoundError, match="no .jpg"):
+    with pytest.raises(FileNotFoundError, match="no image file"):
         predict.list_images(tmp_path)
+
+
+def test_a_bad_images_path_is_named_by_its_flag_with_the_extensions_read(tmp_path):
+    """What the user typed (--images=...) and what would have been read, never the function."""
+    (tmp_path / "notes.txt").write_text("not an image")
+    extensions = ", ".join(predict.IMAGE_EXTENSIONS)
+    for path, what in ((tmp_path / "missing", "does not exist: give an image file"),
+                       (tmp_path, "is a directory with no image file in it")):
+        with pytest.raises(FileNotFoundError) as raised:
+            predict.list_images(path)
+        said = str(raised.value)
+        assert said.startswith(f"--images={str(path)!r} {what}"), said
+        assert extensions in said and "list_images" not in said, said
 
 
 def test_predict_writes_json_and_pngs_and_agrees_with_export(images_dir, tmp_path):

@@ -42,21 +42,29 @@ DETECTIONS_FILENAME = "detections.json"
 DEFAULT_SCORE_THRESHOLD = 0.5
 
 
-def list_images(path_or_dir: Union[str, os.PathLike]) -> List[str]:
+def list_images(path_or_dir: Union[str, os.PathLike], flag: str = "--images") -> List[str]:
     """An image file, or the image files directly inside a directory (sorted by name).
 
+    Args:
+      path_or_dir: the path given.
+      flag: the command-line flag that gave it, which the error message names.
+
     Raises:
-      FileNotFoundError: the path does not exist, or a directory holds no image files.
+      FileNotFoundError: the path does not exist, or a directory holds no image files; the
+        message names the flag, the path and the image extensions read.
     """
     path = os.fspath(path_or_dir)
     if os.path.isfile(path):
         return [path]
+    extensions = ", ".join(IMAGE_EXTENSIONS)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"list_images: {path} is neither an image file nor a directory")
+        raise FileNotFoundError(f"{flag}={path!r} does not exist: give an image file "
+                                f"({extensions}) or a directory of them")
     files = sorted(os.path.join(path, f) for f in os.listdir(path)
                    if f.lower().endswith(IMAGE_EXTENSIONS))
     if not files:
-        raise FileNotFoundError(f"list_images: no {'/'.join(IMAGE_EXTENSIONS)} files in {path}")
+        raise FileNotFoundError(f"{flag}={path!r} is a directory with no image file in it "
+                                f"(looked for {extensions}, not in its subdirectories)")
     return files
 
 
