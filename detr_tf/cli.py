@@ -121,9 +121,10 @@ def define_run_flags(example: str = "") -> None:
     config.gin), --model_dir (required) and --checkpoint."""
     define_gin_flags(example, saved_config_default=True)
     define_path_flag("model_dir", "The training run's directory.")
-    flags.DEFINE_string("checkpoint", None, "A checkpoint prefix, one of its files, or a "
-                        "name in MODEL_DIR/checkpoints such as ckpt-2000 (default: the latest "
-                        "there).")
+    flags.DEFINE_string("checkpoint", None, "A checkpoint prefix, one of its files, a "
+                        "name in MODEL_DIR/checkpoints such as ckpt-2000, or a directory (a "
+                        "run's or a checkpoints/ folder: its latest) (default: the latest in "
+                        "MODEL_DIR/checkpoints).")
     flags.mark_flag_as_required("model_dir")
 
 

@@ -3,7 +3,9 @@ run), and where tools/eval.py writes: the run's eval/ only for what the trainer 
 evaluates (its latest checkpoint, with the EMA weights when it kept them), a folder of its own
 otherwise."""
 import os
+import re
 
+import pytest
 import tensorflow as tf
 
 from detr_tf.evaluation import evaluate
@@ -60,6 +62,36 @@ def test_a_checkpoint_is_found_by_its_prefix_a_file_of_it_or_its_name_in_the_run
         assert restore.checkpoint_prefix(run, given) == latest, given
     # Not in the run: left as given, for the restore to name it.
     assert restore.checkpoint_prefix(run, "ckpt-99") == "ckpt-99"
+
+
+def test_a_directory_gives_its_latest_checkpoint_and_says_which(tmp_path, capsys):
+    from detr_tf.evaluation import restore
+
+    run = str(tmp_path / "run")
+    _, latest = _save_run(run, (10, 20), ema=False)
+    for given in (run, os.path.join(run, "checkpoints"), os.path.join(run, "checkpoints", "")):
+        assert restore.checkpoint_prefix(str(tmp_path / "other"), given) == latest, given
+        said = capsys.readouterr().out.splitlines()
+        assert said == [f"detr_tf: --checkpoint={given} is a directory: restoring its latest "
+                        f"checkpoint, {latest}"], said
+
+
+def test_a_checkpoint_that_is_not_there_is_named_before_the_model_is_built(tmp_path):
+    """No Gin configuration is parsed here: building the model would fail otherwise."""
+    from detr_tf.evaluation import restore
+
+    run = str(tmp_path / "run")
+    _save_run(run, (10,), ema=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"--checkpoint={str(empty)!r} is a directory holding no checkpoint (looked in it "
+            f"and in {os.path.join(str(empty), 'checkpoints')!r})")):
+        restore.load_trained_model(run, checkpoint=str(empty))
+    missing = os.path.join(run, "checkpoints", "ckpt-99")
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"--checkpoint={missing!r} names no checkpoint (no {missing}.index)")):
+        restore.load_trained_model(run, checkpoint=missing)
 
 
 def test_bindings_that_differ_from_the_runs_config_are_named(tmp_path, capsys):

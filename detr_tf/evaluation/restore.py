@@ -36,16 +36,27 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
     Args:
       model_dir: the training run's directory; its latest checkpoint is used unless
         `checkpoint` is given.
-      checkpoint: a checkpoint prefix, e.g. model_dir/checkpoints/ckpt-2000.
+      checkpoint: what --checkpoint gave (`checkpoint_prefix`): a checkpoint prefix, e.g.
+        model_dir/checkpoints/ckpt-2000, one of its files, its name in the run, or a directory
+        (a run's, or its checkpoints/), whose latest checkpoint is used and named first.
       use_ema: restore the EMA weights when the checkpoint has them.
 
     Returns:
       (model, path of the restored checkpoint).
 
     Raises:
-      FileNotFoundError: model_dir does not exist, has no checkpoint, or `checkpoint` does not
-        exist; the message names the path.
+      FileNotFoundError: model_dir does not exist or has no checkpoint, or `checkpoint` names
+        none; checked before the model is built, and the message names the path.
     """
+    path = _checkpoint_to_restore(model_dir, checkpoint)
+    model = build_eval_model()
+    path = checkpointing.restore_for_eval(model, model_dir, path, use_ema)
+    note_differences(model_dir)
+    return model, path
+
+
+def _checkpoint_to_restore(model_dir: Optional[str], checkpoint: Optional[str]) -> Optional[str]:
+    """The prefix `checkpoint` means, or None for model_dir's latest, checked to exist."""
     if checkpoint is None:
         if not model_dir:
             raise FileNotFoundError("no --model_dir and no --checkpoint given: nothing to load")
@@ -55,11 +66,14 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
             raise FileNotFoundError(
                 f"model_dir {model_dir!r} holds no checkpoint (looked in "
                 f"{checkpointing.checkpoint_dir(model_dir)!r}); train first or pass --checkpoint")
-    model = build_eval_model()
-    checkpoint = checkpoint_prefix(model_dir, checkpoint) if checkpoint else checkpoint
-    path = checkpointing.restore_for_eval(model, model_dir, checkpoint, use_ema)
-    note_differences(model_dir)
-    return model, path
+        return None
+    prefix = checkpoint_prefix(model_dir, checkpoint)
+    if not tf.io.gfile.exists(prefix + ".index"):
+        raise FileNotFoundError(
+            f"--checkpoint={checkpoint!r} names no checkpoint (no {prefix}.index): give a "
+            "checkpoint prefix such as MODEL_DIR/checkpoints/ckpt-2000, one of its files, "
+            "its name ckpt-2000, or a directory holding checkpoints")
+    return prefix
 
 
 def note_differences(model_dir: Optional[str]) -> None:
@@ -74,8 +88,24 @@ def note_differences(model_dir: Optional[str]) -> None:
 
 def checkpoint_prefix(model_dir: Optional[str], checkpoint: str) -> str:
     """The checkpoint prefix a user means: the prefix itself, one of its files
-    (`ckpt-20.index`, `ckpt-20.data-00000-of-00001`), or a bare name of the run's
-    (`ckpt-20`, found in model_dir/checkpoints)."""
+    (`ckpt-20.index`, `ckpt-20.data-00000-of-00001`), a bare name of the run's (`ckpt-20`,
+    found in model_dir/checkpoints), or a directory: a run's or a folder of checkpoints, whose
+    latest complete checkpoint is taken and named in a line.
+
+    Raises:
+      FileNotFoundError: a directory holding no checkpoint, named with where it was looked.
+    """
+    if tf.io.gfile.isdir(checkpoint):
+        latest = checkpointing.latest_in(checkpoint)
+        if latest is None:
+            raise FileNotFoundError(
+                f"--checkpoint={checkpoint!r} is a directory holding no checkpoint (looked in "
+                f"it and in {checkpointing.checkpoint_dir(checkpoint)!r}); give a run "
+                "directory, its checkpoints/ folder or a checkpoint prefix such as "
+                "MODEL_DIR/checkpoints/ckpt-2000")
+        print(f"detr_tf: --checkpoint={checkpoint} is a directory: restoring its latest "
+              f"checkpoint, {latest}", flush=True)
+        return latest
     prefix = re.sub(r"\.(index|data-\d+-of-\d+)$", "", checkpoint)
     if model_dir and os.sep not in prefix and not os.path.exists(prefix + ".index"):
         in_run = os.path.join(checkpointing.checkpoint_dir(model_dir), prefix)

@@ -99,6 +99,21 @@ def latest_checkpoint(model_dir: str) -> Optional[str]:
     return checkpoint_restore.latest_intact(checkpoint_dir(model_dir))
 
 
+def latest_in(path: str) -> Optional[str]:
+    """The latest complete checkpoint a directory holds: a run directory's (in its
+    checkpoints/), else a folder of checkpoints' own; None when it holds none.
+
+    Raises:
+      FileNotFoundError: checkpoint files there but no complete checkpoint (`latest_intact`).
+    """
+    for directory in (checkpoint_dir(path), path):
+        if tf.io.gfile.isdir(directory):
+            latest = checkpoint_restore.latest_intact(directory)
+            if latest:
+                return latest
+    return None
+
+
 def has_ema(path: str) -> bool:
     return any(name.startswith("ema/") for name, _ in tf.train.list_variables(path))
 

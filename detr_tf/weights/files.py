@@ -15,7 +15,7 @@ from typing import Dict, List, NamedTuple, Optional
 import numpy as np
 import tensorflow as tf
 
-from detr_tf.training import checkpoint_graph, checkpoint_restore
+from detr_tf.training import checkpoint_graph, checkpoint_restore, checkpointing
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy format starts with a pickle protocol opcode
@@ -198,13 +198,7 @@ def find_tf_checkpoint(path: str) -> Optional[str]:
     """
     if tf.io.gfile.exists(path + ".index"):
         return path
-    if tf.io.gfile.isdir(path):
-        for directory in (os.path.join(path, "checkpoints"), path):
-            if tf.io.gfile.isdir(directory):
-                latest = checkpoint_restore.latest_intact(directory)
-                if latest:
-                    return latest
-    return None
+    return checkpointing.latest_in(path) if tf.io.gfile.isdir(path) else None
 
 
 class CheckpointWeights(NamedTuple):
