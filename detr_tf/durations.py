@@ -1,4 +1,5 @@
-"""Human-readable durations for the console: the progress line's ETA and final summaries.
+"""Human-readable durations and counts for the console: the progress line's ETA, final
+summaries, and a count with its noun ('1 step', '4 steps').
 
 Standard library only, so tools that never load TensorFlow (the CPU report and its verdict)
 print durations the way a training run does.
@@ -29,3 +30,10 @@ def format_elapsed(seconds: float) -> str:
     if total < 86400:
         return f"{total // 3600} h {total % 3600 // 60:02d} min"
     return f"{total // 86400} d {total % 86400 // 3600} h"
+
+
+def counted(n: int, noun: str) -> str:
+    """A count with its noun, singular for one: '1 step', '4 steps', '0 images', '2 batches'."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}{'es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's'}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from detr_tf.durations import format_duration, format_elapsed
+from detr_tf.durations import counted, format_duration, format_elapsed
 from detr_tf.training import metrics_writer
 from detr_tf.training.metrics_writer import Progress
 
@@ -29,6 +29,14 @@ def test_format_duration_counts_days_instead_of_wrapping(seconds, text):
 ])
 def test_format_elapsed(seconds, text):
     assert format_elapsed(seconds) == text
+
+
+@pytest.mark.parametrize("n, noun, text", [
+    (1, "step", "1 step"), (4, "step", "4 steps"), (0, "image", "0 images"),
+    (1, "batch", "1 batch"), (2, "batch", "2 batches"), (1, "epoch", "1 epoch"),
+])
+def test_counts_take_the_singular_for_one_only(n, noun, text):
+    assert counted(n, noun) == text
 
 
 def test_progress_eta_of_a_multi_day_run(monkeypatch):

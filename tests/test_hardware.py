@@ -4,6 +4,7 @@ Every machine here is faked (device lists, compute capabilities, CPU flag sets),
 choices are tested whatever CPU runs the tests.
 """
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,10 +186,13 @@ def test_a_run_says_what_auto_chose_and_why(tiny_run, capsys):
     # An AVX2-only CPU: float32 (a faked bfloat16 CPU would make this test emulate bfloat16).
     operative = tiny_run(hardware.Hardware(cpu_flags=AVX2), "train.precision = 'auto'")
     # The trainer's first line (data generation may print before it).
-    first = next(line for line in capsys.readouterr().out.splitlines()
-                 if line.startswith("detr_tf:"))
+    out = capsys.readouterr().out
+    first = next(line for line in out.splitlines() if line.startswith("detr_tf:"))
     why = hardware.auto_precision(hardware.Hardware(cpu_flags=AVX2))[1]
     assert f"precision=float32 (auto: {why})" in first, first
     assert "jit=loss" in first  # tiny.gin's own choice, not 'auto': no reason shown
+    # The one-step run's last line counts its step in the singular.
+    last = out.splitlines()[-1]
+    assert last.startswith("detr_tf: done in ") and re.search(r"[(,] ?1 step \d", last), last
     assert operative.startswith(f"# train.precision resolved to float32 (auto: {why})\n")
     assert "train.precision = 'auto'" in operative

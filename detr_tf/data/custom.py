@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import gin
 
 from detr_tf import config
+from detr_tf.durations import counted
 from detr_tf.data import cache_dirs, coco_records, custom_layouts as layouts
 from detr_tf.data import custom_yolo, json_files
 
@@ -252,7 +253,8 @@ def _convert(layout: layouts.Layout, work: str) -> dict:
         with open(ann_path, "w") as f:
             json.dump(coco, f)
         n = len(coco["images"])
-        print(f"custom data: converting {name} ({n} images) from {layout.data_dir}", flush=True)
+        print(f"custom data: converting {name} ({counted(n, 'image')}) from {layout.data_dir}",
+              flush=True)
         stats = coco_converter.convert_coco(
             "", ann_path, os.path.join(work, "tfrecords", name),
             num_shards=max(1, min(64, -(-n // _IMAGES_PER_SHARD))),

@@ -21,6 +21,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import config, run as run_lib
+from detr_tf.durations import counted
 from detr_tf.evaluation import coco_metrics, restore
 from detr_tf.evaluation import postprocess as pp
 from detr_tf.training import checkpointing
@@ -117,11 +118,11 @@ def evaluate_model(model: Any,
         detections = step(images, pixel_mask, targets["orig_size"])
         evaluator.update(detections, targets)
         if log_every and (n + 1) % log_every == 0:
-            print(f"eval: {n + 1} batches, {evaluator.num_images} images, "
+            print(f"eval: {counted(n + 1, 'batch')}, {counted(evaluator.num_images, 'image')}, "
                   f"{time.time() - start:.0f}s", flush=True)
 
     metrics = evaluator.evaluate()
-    print(f"eval: {evaluator.num_images} images in {time.time() - start:.0f}s")
+    print(f"eval: {counted(evaluator.num_images, 'image')} in {time.time() - start:.0f}s")
     if max_batches is None:
         _report_skipped(evaluator)
     print(evaluator.table(metrics), flush=True)

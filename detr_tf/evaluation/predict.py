@@ -30,6 +30,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from detr_tf import atomic_files, config, run as run_lib
 from detr_tf.data import coco_records, json_files
+from detr_tf.durations import counted
 from detr_tf.evaluation import export, preprocess, restore, visualize
 
 PREDICTIONS_SUBDIR = "predictions"
@@ -285,7 +286,8 @@ def predict_eval_images(model: tf_keras.Model, model_dir: str, num_images: int =
                              class_names=list(info.class_names),
                              category_ids=list(info.category_ids),
                              score_threshold=score_threshold)
-    print(f"predict: wrote {len(records)} images with detections to {out}", flush=True)
+    print(f"predict: wrote {counted(len(records), 'image')} with detections to {out}",
+          flush=True)
     return out
 
 

@@ -17,6 +17,7 @@ import gin
 import tf_keras
 
 from detr_tf import config, run as run_lib
+from detr_tf.durations import counted
 from detr_tf.evaluation import coco_metrics, evaluate
 
 TRAIN_EVAL_SUBDIR = "train_eval"
@@ -65,7 +66,7 @@ def evaluate_and_keep_best(model: tf_keras.Model, model_dir: str, step: Optional
     if keep_best is not None:
         keep_best(model, model_dir, step, metrics)
     if train_source is not None and train_batches:
-        print(f"eval: train split, first {train_batches} batches", flush=True)
+        print(f"eval: train split, first {counted(train_batches, 'batch')}", flush=True)
         train = evaluate_source(model, train_source, os.path.join(model_dir, TRAIN_EVAL_SUBDIR),
                                 batch_size=batch_size, max_batches=train_batches)
         metrics.update({f"train_{k}": v for k, v in train.items()})

@@ -14,6 +14,7 @@ import math
 import time
 from typing import Callable, Dict, Optional
 
+from detr_tf.durations import counted
 from detr_tf.training import checkpointing, optimization
 from detr_tf.training.device_loop import DeviceLoop, LoopOutcome
 from detr_tf.training.metrics_writer import MetricsWriter, Progress
@@ -147,8 +148,8 @@ def _apply_nan_policy(outcome: LoopOutcome, first_step: int, cfg: LoopConfig,
     if cfg.nan_skip_limit and skips.in_a_row >= cfg.nan_skip_limit:
         writer.close()
         raise TrainingError(
-            f"{skips.in_a_row} steps in a row skipped (steps {skips.since}-{last}), each with a "
-            f"non-finite loss or gradients: the weights have not changed since step "
+            f"{counted(skips.in_a_row, 'step')} in a row skipped (steps {skips.since}-{last}), "
+            "each with a non-finite loss or gradients: the weights have not changed since step "
             f"{skips.since - 1}, and an update before it may have left them unusable. The last "
             f"checkpoint is {saver.latest or 'none yet'}; an earlier one of "
             "model_dir/checkpoints may predate the fault. Lower the learning rate, or raise "

@@ -31,6 +31,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import arg_checks as ac, atomic_files, machine
+from detr_tf.durations import counted
 from detr_tf.training import checkpointing, finish, hardware, resume_checks, state as state_lib
 from detr_tf.training import distribution as dist
 from detr_tf.training.device_loop import DeviceLoop, resolve_steps_per_loop
@@ -313,7 +314,7 @@ def _run(builder, iterator, state, engine, saver, writer, cfg, model_dir, eval_f
     loop_started = time.time()
     result = run_loop(device_loop, iterator, state, engine, saver, writer, cfg, model_dir,
                       eval_fn, on_first_step=write_operative_config)
-    timing[f"{result.step - start_step} steps"] = time.time() - loop_started
+    timing[counted(result.step - start_step, "step")] = time.time() - loop_started
     return result
 
 
