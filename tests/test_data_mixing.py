@@ -134,6 +134,61 @@ def test_mixup_resizes_the_second_image_to_the_first():
     np.testing.assert_array_equal(labels.numpy(), [0])
 
 
+def _textured(rng, h, w):
+    """uint8 [h, w, 3] with texture at several scales (noise alone would exaggerate a filter)."""
+    coarse = rng.uniform(0, 255, (h // 16 + 2, w // 16 + 2, 3))
+    up = tf.image.resize(coarse[None], [h, w], method="bicubic")[0].numpy()
+    return np.clip(up + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def _pil_resized(image, hw):
+    from PIL import Image
+
+    return np.asarray(Image.fromarray(image).resize(hw[::-1], Image.BILINEAR), np.float64)
+
+
+def _far_from_pil_unless_filtered(make, pils):
+    """make(antialias) -> [float32 array] the op's resized images, each compared with its PIL
+    resize: filtered, within PIL's rounding to 8 bits after each of its two passes (mean under
+    0.5, no pixel more than 1.1 grey levels away); unfiltered, grey levels away."""
+    for antialias in (True, False):
+        diffs = [np.abs(got.astype(np.float64) - pil) for got, pil in zip(make(antialias), pils)]
+        for diff in diffs:
+            if antialias:
+                assert diff.mean() < 0.5 and diff.max() < 1.1, (diff.mean(), diff.max())
+            else:
+                assert diff.mean() > 1.0 and diff.max() > 10.0, (diff.mean(), diff.max())
+
+
+def test_antialiased_mosaic_tiles_are_pils_bilinear_shrink():
+    """antialias=True: each tile is the image shrunk as DEIM's reference shrinks its PIL images
+    (COCO-sized 480 x 640 to 240 x 320; the centre puts every tile whole on the canvas)."""
+    rng = np.random.default_rng(5)
+    images = [_textured(rng, 480, 640) for _ in range(4)]
+    instances = _instances(images, [np.zeros((0, 4))] * 4, [np.zeros(0)] * 4)
+    pils = [_pil_resized(image, (240, 320)) for image in images]
+    corners = [(0, 0), (0, 320), (240, 0), (240, 320)]  # (y, x) of tiles 0-3
+
+    def make(antialias):
+        canvas, _, _ = mixing.mosaic(instances, tf.constant([320, 240]), tf.fill([4], 0.5), 640,
+                                     antialias=antialias)
+        return [canvas.numpy()[y:y + 240, x:x + 320] for y, x in corners]
+
+    _far_from_pil_unless_filtered(make, pils)
+
+
+def test_antialiased_mixup_shrinks_its_partner_as_pil_does():
+    rng = np.random.default_rng(6)
+    first = (tf.zeros([240, 320, 3]), tf.zeros([0, 4]), tf.zeros([0], tf.int32))
+    partner = _textured(rng, 480, 640)
+    second = (tf.constant(partner), tf.zeros([0, 4]), tf.zeros([0], tf.int32))
+
+    def make(antialias):  # ratio 0: the image is the resized partner alone
+        return [mixing.mixup(first, second, 0.0, antialias=antialias)[0].numpy()]
+
+    _far_from_pil_unless_filtered(make, [_pil_resized(partner, (240, 320))])
+
+
 def test_random_ops_same_eagerly_and_in_dataset_map():
     sizes, images, boxes, labels = _constructed()
     seed = tf.constant([3, 4], tf.int64)

@@ -116,16 +116,21 @@ def _bound(parameter: str):
         return None
 
 
-@pytest.mark.parametrize("name", TOP_LEVEL)
-def test_the_train_resize_filters_as_the_reference_where_it_trains_on_its_data(name):
+def _parse_with_dummy_data(name: str) -> bool:
+    """Parses top-level file `name` with its required macros bound to dummy paths; True when
+    it trains on a reference's data (`_REFERENCE_DATA`, or the DETR-R50 fine-tune)."""
     path = GIN_DIR / name
     required = required_macros(path)
-    reference = (any(m in required for m in _REFERENCE_DATA)
-                 or name == "finetune_detr_r50.gin")
-    bindings = [f"{m} = '/dummy/{m.lower()}'" for m in required]
     gin.clear_config()
+    config.parse_gin_config([str(path)], [f"{m} = '/dummy/{m.lower()}'" for m in required],
+                            finalize=False)
+    return any(m in required for m in _REFERENCE_DATA) or name == "finetune_detr_r50.gin"
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_the_train_resize_filters_as_the_reference_where_it_trains_on_its_data(name):
     try:
-        config.parse_gin_config([str(path)], bindings, finalize=False)
+        reference = _parse_with_dummy_data(name)
         # A scoped transform (DEIM's plain tail) reads the unscoped binding unless it has its own.
         for selector in ("detr_train_transform", "tail/detr_train_transform"):
             got = _bound(f"{selector}.antialias")
@@ -137,5 +142,26 @@ def test_the_train_resize_filters_as_the_reference_where_it_trains_on_its_data(n
                 assert got is False, f"{name}: {selector}.antialias should be pinned to False"
             else:
                 assert not got, f"{name}: {selector}.antialias {got}, not the reference's data"
+    finally:
+        gin.clear_config()
+
+
+_MIXING_PINNED_UNFILTERED = ("deim_dfine_quickstart.gin",)  # published figures measured so
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_mosaic_and_mixup_resizes_filter_as_the_reference_where_it_trains_on_its_data(name):
+    """DEIM's reference resizes PIL images before its mosaic and mixup (mixing.py)."""
+    try:
+        reference = _parse_with_dummy_data(name)
+        uses_mosaic = _bound("random_mosaic.output_size") is not None
+        for parameter in ("random_mosaic.antialias", "random_mixup.antialias"):
+            got = _bound(parameter)
+            if uses_mosaic and reference:
+                assert got is True, f"{name}: {parameter} is {got}"
+            elif name in _MIXING_PINNED_UNFILTERED:
+                assert uses_mosaic and got is False, f"{name}: {parameter} should be pinned False"
+            else:
+                assert not got, f"{name}: {parameter} {got}, not the reference's data"
     finally:
         gin.clear_config()

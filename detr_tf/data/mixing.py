@@ -8,6 +8,11 @@ Both ops take decoded instances: an image [H, W, 3] (uint8 or float32 in [0, 255
 [N, 4] absolute x0, y0, x1, y1 and labels [N] int32, and return a float32 image with the same
 box layout. The `random_*` forms draw their parameters from a stateless seed (int [2]), so a
 seed gives the same result eagerly, inside `Dataset.map` and on every run.
+
+Their resizes are bilinear; with `antialias` they filter when they shrink, as PIL's bilinear
+resize does. DEIM's reference resizes PIL images (its mosaic tiles: each image's shorter side to
+320 px, a shrink of COCO's ~640 x 480 images; its mixup blends images already resized so), and
+the COCO DEIM recipes bind it (train/deim_recipe.gin).
 """
 from typing import Sequence, Tuple
 
@@ -19,13 +24,15 @@ from detr_tf.data import augment
 Instance = Tuple[tf.Tensor, tf.Tensor, tf.Tensor]  # image, boxes, labels
 
 
-def scale_instance(image: tf.Tensor, boxes: tf.Tensor, factor: tf.Tensor
-                   ) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Bilinear resize by `factor` (sides rounded, at least 1 pixel); boxes follow each side's
-    exact ratio. image [H, W, 3] -> float32 [H', W', 3]; boxes [N, 4] -> [N, 4]."""
+def scale_instance(image: tf.Tensor, boxes: tf.Tensor, factor: tf.Tensor,
+                   antialias: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Bilinear resize by `factor` (sides rounded, at least 1 pixel), filtered when it shrinks
+    with `antialias`; boxes follow each side's exact ratio.
+    image [H, W, 3] -> float32 [H', W', 3]; boxes [N, 4] -> [N, 4]."""
     hw = tf.shape(image)[:2]
     new_hw = tf.maximum(tf.cast(tf.round(tf.cast(hw, tf.float32) * factor), tf.int32), 1)
-    out = tf.image.resize(tf.cast(image, tf.float32), new_hw, method="bilinear")
+    out = tf.image.resize(tf.cast(image, tf.float32), new_hw, method="bilinear",
+                          antialias=antialias)
     return out, augment.scale_boxes(boxes, hw, new_hw)
 
 
@@ -102,7 +109,7 @@ def place_image(image: tf.Tensor, origin: tf.Tensor, visible: tf.Tensor,
 
 def mosaic(instances: Sequence[Instance], center: tf.Tensor, factors: tf.Tensor,
            output_size: int, min_size: float = 1.0, min_visible: float = 0.1,
-           fill_value: float = 0.0) -> Instance:
+           fill_value: float = 0.0, antialias: bool = False) -> Instance:
     """Four instances tiled 2x2 around `center` on one canvas (see `mosaic_layout`).
 
     Args:
@@ -112,12 +119,14 @@ def mosaic(instances: Sequence[Instance], center: tf.Tensor, factors: tf.Tensor,
       output_size: S, the canvas side.
       min_size, min_visible: which cut boxes are dropped (`place_boxes`).
       fill_value: pixel value where no image lies.
+      antialias: filter the resizes that shrink (`scale_instance`).
 
     Returns:
       image float32 [S, S, 3], boxes [M, 4] absolute xyxy on it, labels [M] (the boxes of
       image 0, then 1, 2, 3).
     """
-    scaled = [scale_instance(img, bxs, factors[k]) for k, (img, bxs, _) in enumerate(instances)]
+    scaled = [scale_instance(img, bxs, factors[k], antialias)
+              for k, (img, bxs, _) in enumerate(instances)]
     sizes = tf.stack([tf.shape(img)[:2] for img, _ in scaled])
     origin, visible = mosaic_layout(tf.cast(center, tf.int32), sizes, output_size)
     canvas = tf.zeros([output_size, output_size, 3], tf.float32)
@@ -138,7 +147,8 @@ def mosaic(instances: Sequence[Instance], center: tf.Tensor, factors: tf.Tensor,
 def random_mosaic(instances: Sequence[Instance], seed: tf.Tensor, output_size: int = 640,
                   center_range: Tuple[float, float] = (0.25, 0.75),
                   scale_range: Tuple[float, float] = (0.5, 1.5), min_size: float = 1.0,
-                  min_visible: float = 0.1, fill_value: float = 0.0) -> Instance:
+                  min_visible: float = 0.1, fill_value: float = 0.0,
+                  antialias: bool = False) -> Instance:
     """`mosaic` with a random centre and random scales.
 
     Args:
@@ -148,7 +158,7 @@ def random_mosaic(instances: Sequence[Instance], seed: tf.Tensor, output_size: i
       center_range: each centre coordinate is drawn uniformly in this fraction of S.
       scale_range: each image's longer side becomes S / 2 (a quadrant at the middle) times a
         factor drawn uniformly from this range (DEIM's scaling_range).
-      min_size, min_visible, fill_value: as `mosaic`.
+      min_size, min_visible, fill_value, antialias: as `mosaic`.
 
     Returns:
       As `mosaic`.
@@ -160,12 +170,15 @@ def random_mosaic(instances: Sequence[Instance], seed: tf.Tensor, output_size: i
     longer = tf.stack([tf.cast(tf.reduce_max(tf.shape(img)[:2]), tf.float32)
                        for img, _, _ in instances])
     factors = draws * (output_size / 2.0) / longer
-    return mosaic(instances, center, factors, output_size, min_size, min_visible, fill_value)
+    return mosaic(instances, center, factors, output_size, min_size, min_visible, fill_value,
+                  antialias)
 
 
-def mixup(first: Instance, second: Instance, ratio: tf.Tensor) -> Instance:
-    """`ratio` of the first image plus `1 - ratio` of the second, resized to the first's size;
-    the boxes of both (the second's scaled with its image).
+def mixup(first: Instance, second: Instance, ratio: tf.Tensor,
+          antialias: bool = False) -> Instance:
+    """`ratio` of the first image plus `1 - ratio` of the second, resized (bilinear, filtered
+    when it shrinks with `antialias`) to the first's size; the boxes of both (the second's
+    scaled with its image).
 
     Returns:
       image float32 of the first's shape, boxes [N1 + N2, 4], labels [N1 + N2].
@@ -174,7 +187,8 @@ def mixup(first: Instance, second: Instance, ratio: tf.Tensor) -> Instance:
     other, other_boxes, other_labels = second
     hw = tf.shape(image)[:2]
     other_boxes = augment.scale_boxes(tf.cast(other_boxes, boxes.dtype), tf.shape(other)[:2], hw)
-    other = tf.image.resize(tf.cast(other, tf.float32), hw, method="bilinear")
+    other = tf.image.resize(tf.cast(other, tf.float32), hw, method="bilinear",
+                            antialias=antialias)
     ratio = tf.cast(ratio, tf.float32)
     blended = ratio * tf.cast(image, tf.float32) + (1.0 - ratio) * other
     return (blended, tf.concat([boxes, other_boxes], 0),
@@ -183,7 +197,9 @@ def mixup(first: Instance, second: Instance, ratio: tf.Tensor) -> Instance:
 
 @gin.configurable(denylist=["first", "second", "seed"])
 def random_mixup(first: Instance, second: Instance, seed: tf.Tensor,
-                 ratio_range: Tuple[float, float] = (0.45, 0.55)) -> Instance:
-    """`mixup` with the first image's ratio drawn uniformly from `ratio_range` (DEIM's)."""
+                 ratio_range: Tuple[float, float] = (0.45, 0.55),
+                 antialias: bool = False) -> Instance:
+    """`mixup` with the first image's ratio drawn uniformly from `ratio_range` (DEIM's);
+    `antialias` as `mixup`'s."""
     ratio = tf.random.stateless_uniform([], seed, ratio_range[0], ratio_range[1])
-    return mixup(first, second, ratio)
+    return mixup(first, second, ratio, antialias)
