@@ -74,6 +74,9 @@ def test_a_directory_gives_its_latest_checkpoint_and_says_which(tmp_path, capsys
         said = capsys.readouterr().out.splitlines()
         assert said == [f"detr_tf: --checkpoint={given} is a directory: restoring its latest "
                         f"checkpoint, {latest}"], said
+    # The kept best weights: one checkpoint named otherwise, without a state file.
+    best = tf.train.Checkpoint(w=tf.Variable(0.0)).write(os.path.join(run, "best", "ckpt"))
+    assert restore.checkpoint_prefix(run, os.path.join(run, "best")) == best
 
 
 def test_a_checkpoint_that_is_not_there_is_named_before_the_model_is_built(tmp_path):

@@ -101,7 +101,8 @@ def latest_checkpoint(model_dir: str) -> Optional[str]:
 
 def latest_in(path: str) -> Optional[str]:
     """The latest complete checkpoint a directory holds: a run directory's (in its
-    checkpoints/), else a folder of checkpoints' own; None when it holds none.
+    checkpoints/), else a folder of checkpoints' own, else the one checkpoint of a folder
+    holding one of another name (the kept best weights, best/ckpt); None when it holds none.
 
     Raises:
       FileNotFoundError: checkpoint files there but no complete checkpoint (`latest_intact`).
@@ -111,7 +112,8 @@ def latest_in(path: str) -> Optional[str]:
             latest = checkpoint_restore.latest_intact(directory)
             if latest:
                 return latest
-    return None
+    indexes = tf.io.gfile.glob(os.path.join(path, "*.index"))
+    return indexes[0][:-len(".index")] if len(indexes) == 1 else None
 
 
 def has_ema(path: str) -> bool:
