@@ -28,6 +28,8 @@ flags.DEFINE_integer("num_images", 256, "Images generated for the benchmark data
 flags.DEFINE_integer("batch_size", 8, "Global batch size.", lower_bound=1)
 flags.DEFINE_integer("num_batches", 60, "Timed batches per run (after warm-up).", lower_bound=1)
 flags.DEFINE_integer("runs", 3, "Runs per setting; the report gives the median.", lower_bound=1)
+flags.DEFINE_multi_string("gin_param", [], "Extra Gin bindings after the sizes file, e.g. "
+                          "--gin_param='detr_train_transform.antialias = False'.")
 cli.define_json_out_flag()
 flags.adopt_module_key_flags(cli)  # list --json_out in this tool's --help
 
@@ -51,7 +53,8 @@ def _run(config: str, threads):
     gin.add_config_file_search_path(gin_dir)
     # Only the recipe sizes and buckets are used; the source is the generated data.
     gin.parse_config_files_and_bindings(
-        ["data/coco_sizes.gin" if config == "coco" else "data/shapes_sizes.gin"], [])
+        ["data/coco_sizes.gin" if config == "coco" else "data/shapes_sizes.gin"],
+        FLAGS.gin_param)
     src = sources.TFRecordSource(_data(config))
     ds = pipeline.build_dataset(True, FLAGS.batch_size, train_source=src, eval_source=src,
                                 seed=0)
@@ -63,7 +66,7 @@ def _run(config: str, threads):
 
 def main(argv):
     del argv
-    report = {"cores": pipeline.usable_cpus()}
+    report = {"cores": pipeline.usable_cpus(), "gin_param": FLAGS.gin_param}
     configs = ["coco", "shapes"] if FLAGS.config == "both" else [FLAGS.config]
     for config in configs:
         report[config] = {"images_per_s_all_cores": round(_run(config, None), 1),
