@@ -17,6 +17,7 @@ from typing import Dict
 
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
 ULPS = 4
 UPDATE_FRACTION = 1e-3
@@ -80,3 +81,15 @@ def assert_resumed_exactly(full: Path, resumed: Path, start: int, end: int) -> N
     assert set(steps) <= set(losses), (sorted(losses), steps)
     np.testing.assert_allclose([losses[s] for s in steps], [ref_losses[s] for s in steps],
                                rtol=RTOL, err_msg=f"losses of steps {steps}")
+
+
+class Twins(tf_keras.Model):
+    """Two variables of one name (as layers built outside any name scope have) and a third;
+    `backbone` is the attribute the optimizers' backbone group takes."""
+
+    def __init__(self, backbone: str = "first"):
+        super().__init__(name="twins")
+        self.first = tf.Variable(tf.ones([2]), name="kernel")
+        self.second = tf.Variable(tf.ones([2]), name="kernel")
+        self.other = tf.Variable(tf.ones([2]), name="other")
+        self.backbone = getattr(self, backbone)

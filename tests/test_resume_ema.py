@@ -13,6 +13,7 @@ import tf_keras
 from detr_tf.training import checkpointing, distribution, optimization
 from detr_tf.training import state as state_lib
 from detr_tf.training.ema import ExponentialMovingAverage, moving_statistics
+from tests.resume_helpers import Twins
 
 _LAYERS = ("a", "b", "c")
 
@@ -104,17 +105,6 @@ def test_averages_and_variables_without_a_partner_are_one_error_naming_them(
         np.testing.assert_array_equal(shadow.numpy(), b)
 
 
-class _Twins(tf_keras.Model):
-    """Two variables of one name (as layers built outside any name scope have) and a third."""
-
-    def __init__(self):
-        super().__init__(name="twins")
-        self.first = tf.Variable(tf.ones([2]), name="kernel")
-        self.second = tf.Variable(tf.ones([2]), name="kernel")
-        self.other = tf.Variable(tf.ones([2]), name="other")
-        self.backbone = self.first
-
-
 def _by_attribute(run):
     """{model attribute: its average}: how the test tells the twins apart."""
     average = {v.ref(): s.numpy() for s, v in run.ema.pairs()}
@@ -126,13 +116,13 @@ def _by_attribute(run):
     lambda vs: vs[:1] + vs[2:] + vs[1:2],  # `second` where `other`'s average was: not taken
 ])
 def test_averages_no_name_tells_apart_resume_by_place_where_the_names_agree(tmp_path, order):
-    saved = _state(model_fn=_Twins)
+    saved = _state(model_fn=Twins)
     for i, (shadow, _) in enumerate(saved.ema.pairs()):
         shadow.assign([i + 10.0, i + 20.0])
     saved.global_step.assign(5)
     tf.train.CheckpointManager(saved.checkpoint(), str(tmp_path / "checkpoints"),
                                max_to_keep=1).save(checkpoint_number=5)
-    fresh = _state(model_fn=_Twins, order=order)
+    fresh = _state(model_fn=Twins, order=order)
     if order is list:
         assert _resume(tmp_path, fresh) == 5
         got, want = _by_attribute(fresh), _by_attribute(saved)

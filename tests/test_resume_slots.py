@@ -12,6 +12,7 @@ import tf_keras
 
 from detr_tf.training import checkpointing, distribution, optimization
 from detr_tf.training import state as state_lib
+from tests.resume_helpers import Twins
 
 _LAYERS = ("a", "b", "c")
 
@@ -121,20 +122,9 @@ def test_saved_slots_of_a_variable_the_run_no_longer_trains_are_one_error(tmp_pa
 
 
 
-class _Twins(tf_keras.Model):
-    """Two variables of one name (as layers built outside any name scope have) and a third."""
-
-    def __init__(self):
-        super().__init__(name="twins")
-        self.first = tf.Variable(tf.ones([2]), name="kernel")
-        self.second = tf.Variable(tf.ones([2]), name="kernel")
-        self.other = tf.Variable(tf.ones([2]), name="other")
-        self.backbone = self.other
-
-
 def _twins(fused, order):
     """A run's state whose main group lists the model's attributes `order`, and that list."""
-    model = _Twins()
+    model = Twins("other")
     step = tf.Variable(0, dtype=tf.int64)
     opts = optimization.build_optimizers(steps_per_epoch=10, lr_drop_epochs=(),
                                          step_counter=step, fused=fused)
