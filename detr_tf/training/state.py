@@ -180,10 +180,10 @@ def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> O
     broadcast per variable, and every process starts at the same step by construction. The
     EMA's averages and the optimizers' slots are matched to their variables by the names saved
     with them, not by their place in their lists (training/ema_restore.py, slot_restore.py).
-    The weights, optimizer slots and EMA
-    are float32 in every `train.precision`, so a run resumes under another one; only
-    mixed_float16 keeps a loss scale, which starts anew when the checkpoint has none and is
-    left unused when this run keeps none (resume_checks.precision_change says so).
+    The weights, optimizer slots and EMA are float32 in every `train.precision`, so a run
+    resumes under another one; only mixed_float16 keeps a loss scale, which starts anew when
+    the checkpoint has none and is left unused when this run keeps none
+    (resume_checks.precision_change says so).
 
     Raises:
       FileNotFoundError: a process cannot read the chief's checkpoint (the
