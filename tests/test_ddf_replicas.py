@@ -109,7 +109,11 @@ def mirrored():
 
 
 # jit='step': the forward pass and the loss compiled, the counts averaged after them.
-@pytest.mark.parametrize("union, jit", [(False, "none"), (True, "none"), (True, "step")])
+# The default suite runs each path once (the union off and eager, the union on and one XLA
+# program per step); `pytest -m slow` adds the union on, eager.
+@pytest.mark.parametrize("union, jit", [(False, "none"),
+                                        pytest.param(True, "none", marks=pytest.mark.slow),
+                                        (True, "step")])
 def test_two_replicas_distil_as_one_device(mirrored, union, jit):
     case = _case(union)
     assert mirrored.num_replicas == 2

@@ -186,7 +186,9 @@ cli.run_training({model_dir!r})
 
 @pytest.mark.parametrize("sig,hook,what", [
     ("SIGTERM", "eval_fn", "the final evaluation"),
-    ("SIGINT", "after_train_fn", "the after-train report (train.after_train_fn)"),
+    # The same cut through the other signal and stage: in the slow set (a second tiny run).
+    pytest.param("SIGINT", "after_train_fn", "the after-train report (train.after_train_fn)",
+                 marks=pytest.mark.slow),
 ])
 def test_a_signal_during_the_final_evaluation_or_report_cuts_it_in_one_line(
         shapes_cache, tmp_path, sig, hook, what):
