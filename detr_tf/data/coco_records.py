@@ -45,12 +45,12 @@ def read_image(path: str, json_size: Optional[Tuple[int, int]] = None
             orientation = exif_orientation(img)
             if orientation in TURNED and width != height and json_size == (width, height):
                 upright = ImageOps.exif_transpose(img)
-                return (_jpeg(upright), "jpeg", width, height, "reoriented",
-                        f"EXIF orientation {orientation}")
+                return (_encoded(upright, "JPEG", quality=95), "jpeg", width, height,
+                        "reoriented", f"EXIF orientation {orientation}")
             unapplied = f"EXIF orientation {orientation}" if orientation in range(2, 9) else ""
             if fmt in ("JPEG", "PNG") and mode in ("RGB", "L"):
                 return data, fmt.lower(), height, width, "ok", unapplied
-            return _png(img), "png", height, width, "reencoded", unapplied
+            return _encoded(img, "PNG"), "png", height, width, "reencoded", unapplied
     except UnidentifiedImageError:  # its message names the in-memory copy, not the file
         return None, "", 0, 0, "corrupt", f"no image format recognised in {len(data)} bytes"
     except (OSError, ValueError, Image.DecompressionBombError) as e:
@@ -77,18 +77,13 @@ def exif_orientation(img: Image.Image) -> int:
     return orientation if orientation in range(1, 9) else 1
 
 
-def _jpeg(img: Image.Image) -> bytes:
+def _encoded(img: Image.Image, fmt: str, **options) -> bytes:
+    """`img` as RGB (`as_rgb`), encoded as `fmt` with PIL's save `options`. Re-encoded images
+    are PNG: lossless, so the record holds the pixels of PIL's RGB conversion, those the
+    reference DETR reads (a JPEG, even at quality 95, halves the colour resolution and moves
+    pixels by several grey levels)."""
     out = io.BytesIO()
-    as_rgb(img).save(out, format="JPEG", quality=95)
-    return out.getvalue()
-
-
-def _png(img: Image.Image) -> bytes:
-    """`img` as an RGB PNG: lossless, so the record holds the pixels of PIL's RGB conversion,
-    those the reference DETR reads (a JPEG, even at quality 95, halves the colour resolution
-    and moves pixels by several grey levels)."""
-    out = io.BytesIO()
-    as_rgb(img).save(out, format="PNG")
+    as_rgb(img).save(out, format=fmt, **options)
     return out.getvalue()
 
 
