@@ -22,32 +22,32 @@ def _query(selector):
 
 _COCO_EVAL = {"detr_eval_transform.short_side": 800, "detr_eval_transform.max_size": 1333}
 _640 = {"detr_eval_transform.short_side": 640, "detr_eval_transform.max_size": 640}
+# The contrastive denoising DINO introduced, with the numbers RT-DETR's and D-FINE's configs
+# keep: 100 denoising queries, box noise 1.0, label flips 0.5 (0.25 here, module doc).
+_CDN = {"DenoisingQueries.num_denoising": 100, "DenoisingQueries.box_noise_scale": 1.0,
+        "DenoisingQueries.label_noise_ratio": 0.25}
 # DINO's config/DINO/DINO_4scale.py (the box noise 1.0 of its training scripts; the file: 0.4).
-_DINO = {"%NUM_QUERIES": 900, "DenoisingQueries.num_denoising": 100,
-         "DenoisingQueries.box_noise_scale": 1.0, "DenoisingQueries.label_noise_ratio": 0.25,
-         "RTDetrCriterion.cost_class": 2.0, "RTDetrCriterion.cost_bbox": 5.0,
-         "RTDetrCriterion.cost_giou": 2.0, "RTDetrCriterion.matcher_alpha": 0.25,
-         "RTDetrCriterion.weight_vfl": 1.0, "RTDetrCriterion.weight_bbox": 5.0,
-         "RTDetrCriterion.weight_giou": 2.0, "FocalClassLoss.alpha": 0.25,
-         "FocalClassLoss.gamma": 2.0, "%DIM_FEEDFORWARD": 2048, "build_rtdetr.num_levels": 4,
-         "%NUM_POINTS": 4, "sigmoid_topk_postprocess.num_top": 300, **_COCO_EVAL}
+_DINO = {"%NUM_QUERIES": 900, **_CDN, "RTDetrCriterion.cost_class": 2.0,
+         "RTDetrCriterion.cost_bbox": 5.0, "RTDetrCriterion.cost_giou": 2.0,
+         "RTDetrCriterion.matcher_alpha": 0.25, "RTDetrCriterion.weight_vfl": 1.0,
+         "RTDetrCriterion.weight_bbox": 5.0, "RTDetrCriterion.weight_giou": 2.0,
+         "FocalClassLoss.alpha": 0.25, "FocalClassLoss.gamma": 2.0, "%DIM_FEEDFORWARD": 2048,
+         "build_rtdetr.num_levels": 4, "%NUM_POINTS": 4, "sigmoid_topk_postprocess.num_top": 300,
+         **_COCO_EVAL}
 # rtdetr_pytorch's include/rtdetr_r50vd.yml and include/optimizer.yml (EMA).
-_RTDETR = {"%NUM_QUERIES": 300, "DenoisingQueries.num_denoising": 100,
-           "DenoisingQueries.box_noise_scale": 1.0, "DenoisingQueries.label_noise_ratio": 0.25,
-           "RTDetrCriterion.cost_class": 2.0, "RTDetrCriterion.cost_bbox": 5.0,
-           "RTDetrCriterion.cost_giou": 2.0, "RTDetrCriterion.weight_vfl": 1.0,
-           "RTDetrCriterion.weight_bbox": 5.0, "RTDetrCriterion.weight_giou": 2.0,
-           "build_rtdetr.num_levels": 3, "sigmoid_topk_postprocess.num_top": 300,
-           "train.ema_decay": 0.9999, "train.ema_warmup_steps": 2000, **_640}
+_RTDETR = {"%NUM_QUERIES": 300, **_CDN, "RTDetrCriterion.cost_class": 2.0,
+           "RTDetrCriterion.cost_bbox": 5.0, "RTDetrCriterion.cost_giou": 2.0,
+           "RTDetrCriterion.weight_vfl": 1.0, "RTDetrCriterion.weight_bbox": 5.0,
+           "RTDetrCriterion.weight_giou": 2.0, "build_rtdetr.num_levels": 3,
+           "sigmoid_topk_postprocess.num_top": 300, "train.ema_decay": 0.9999,
+           "train.ema_warmup_steps": 2000, **_640}
 # D-FINE's include/dfine_hgnetv2.yml and include/optimizer.yml (EMA).
-_DFINE = {"%NUM_QUERIES": 300, "DenoisingQueries.num_denoising": 100,
-          "DenoisingQueries.box_noise_scale": 1.0, "DenoisingQueries.label_noise_ratio": 0.25,
-          "DFineCriterion.cost_class": 2.0, "DFineCriterion.cost_bbox": 5.0,
-          "DFineCriterion.cost_giou": 2.0, "DFineCriterion.weight_vfl": 1.0,
-          "DFineCriterion.weight_bbox": 5.0, "DFineCriterion.weight_giou": 2.0,
-          "DFineCriterion.weight_fgl": 0.15, "DFineCriterion.weight_ddf": 1.5,
-          "%REG_MAX": 32, "%REG_SCALE": 4.0, "%NUM_POINTS": (3, 6, 3),
-          "sigmoid_topk_postprocess.num_top": 300,
+_DFINE = {"%NUM_QUERIES": 300, **_CDN, "DFineCriterion.cost_class": 2.0,
+          "DFineCriterion.cost_bbox": 5.0, "DFineCriterion.cost_giou": 2.0,
+          "DFineCriterion.weight_vfl": 1.0, "DFineCriterion.weight_bbox": 5.0,
+          "DFineCriterion.weight_giou": 2.0, "DFineCriterion.weight_fgl": 0.15,
+          "DFineCriterion.weight_ddf": 1.5, "%REG_MAX": 32, "%REG_SCALE": 4.0,
+          "%NUM_POINTS": (3, 6, 3), "sigmoid_topk_postprocess.num_top": 300,
           "train.ema_decay": 0.9999, "train.ema_warmup_steps": 1000, **_640}
 
 SETTINGS = {
