@@ -11,7 +11,7 @@ gives the name its variable was saved under, and that name the average (`<name>/
 resumed run's EMA is restored the same way: its lists follow the resumed model's trainable
 variables, which a code change between versions or a freeze binding can reorder.
 """
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -29,9 +29,11 @@ class EmaValues(NamedTuple):
       unplaced: the averages no variable takes, by name (by key where unnamed), once per
         average; their variables keep the raw weights. A name the saving model gave twice, or
         no variable of that name and shape here.
+      saved_as: {checkpoint key of an average: the name of the variable it averages}.
     """
     pairs: List[Tuple[tf.Variable, str]]
     unplaced: List[str]
+    saved_as: Dict[str, str]
 
 
 def match_averages(model: tf.Module, reader, graph=None) -> EmaValues:
@@ -55,7 +57,7 @@ def match_averages(model: tf.Module, reader, graph=None) -> EmaValues:
     named = {key: name for name, keys in averages.items() for key in keys}
     unplaced = sorted(named.get(key, key) for key in shapes
                       if key.startswith(_AVERAGE_KEYS) and key not in placed)
-    return EmaValues(pairs, unplaced)
+    return EmaValues(pairs, unplaced, named)
 
 
 def assign_averages(model: tf.Module, path: str) -> EmaValues:
@@ -121,8 +123,7 @@ def restore_to_ema(ema, model: tf.Module, path: str, model_dir: Optional[str] = 
                                                 "keeps one (train.ema_decay)", model_dir)
     graph = checkpoint_graph.object_graph(reader)
     found = match_averages(model, reader, graph)
-    saved_as = {key: name for name, keys in checkpoint_graph.ema_keys(graph).items()
-                for key in keys}
+    saved_as = found.saved_as
     pairs = found.pairs + _by_place(ema, model, graph, keys, saved_as,
                                     {var.ref() for var, _ in found.pairs})
     placed = {key for _, key in pairs}
