@@ -2,13 +2,17 @@
 inside the images, and (digits) validation objects drawn from scans the train split never uses."""
 import json
 import os
+from importlib.util import find_spec
 
 import pytest
 
-pytest.importorskip("sklearn")
-pytest.importorskip("matplotlib")
+from detr_tf.data import custom_layouts, demo_photos
 
-from detr_tf.data import custom_layouts, demo_photos  # noqa: E402
+# Looked up, not imported: importing scikit-learn and matplotlib takes about 1.5 s, which every
+# test worker would pay at collection; the generator imports them when a test runs it.
+pytestmark = pytest.mark.skipif(
+    find_spec("sklearn") is None or find_spec("matplotlib") is None,
+    reason="the demo generator needs scikit-learn and matplotlib")
 
 
 @pytest.mark.parametrize("objects,names", [("photos", demo_photos.CLASSES),
