@@ -50,9 +50,12 @@ def test_progress_eta_of_a_multi_day_run(monkeypatch):
     assert stream.getvalue().splitlines()[-1].endswith("ETA 5d 18:51:39")
 
 
-NOISY = """
-from detr_tf import cli  # what every tool imports first
+TOOL_START = """
+import runpy, sys
+sys.argv = ["{tool}"]
+runpy.run_path("{tool}", run_name="imported_not_main")  # the tool's imports, not its main()
 import tensorflow as tf
+from tensorflow.python.util import _pywrap_util_port
 
 @tf.function(jit_compile=True)
 def f(x):
@@ -61,55 +64,37 @@ def f(x):
 
 f(tf.ones([2]))
 f(tf.ones([3]))
-print("result ok")
-"""
-
-
-@pytest.mark.parametrize("verbose", [False, True])
-def test_tools_hide_tensorflow_cpp_logs_unless_verbose(verbose):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CPP_MIN_LOG_LEVEL", "DETR_TF_VERBOSE")}
-    env["PYTHONPATH"] = str(REPO)
-    # TensorFlow turns oneDNN on by default (and says so) only on some CPUs, e.g. with AVX-512;
-    # asked explicitly, it does on every x86 CPU, so its notice is there to be hidden.
-    env["TF_ENABLE_ONEDNN_OPTS"] = "1"
-    if verbose:
-        env["DETR_TF_VERBOSE"] = "1"
-    proc = subprocess.run([sys.executable, "-c", NOISY], capture_output=True, text=True,
-                          env=env, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "result ok" in out, out[-3000:]
-    assert ("Ignoring Assert operator" in out) == verbose, out[-3000:]
-    assert ("oneDNN custom operations" in out) == verbose, out[-3000:]
-
-
-ONEDNN = """
-import runpy, sys
-sys.argv = ["{tool}"]
-runpy.run_path("{tool}", run_name="imported_not_main")  # the tool's imports, not its main()
-import tensorflow as tf
-from tensorflow.python.util import _pywrap_util_port
 print("onednn", _pywrap_util_port.IsMklEnabled())
 print("keras3", "keras" in sys.modules, tf.keras.__name__.startswith("tf_keras"))
 """
 
 
-@pytest.mark.parametrize("user_value, expected", [(None, True), ("0", False), ("1", True)])
-def test_tools_turn_onednn_on_and_use_keras_2_unless_the_user_set_them(user_value, expected):
+# One process per setting (each takes effect only as TensorFlow loads): a tool's imports, then
+# a function that makes TensorFlow's C++ log speak.
+@pytest.mark.parametrize("user_value, verbose, expected", [
+    (None, True, True), ("0", False, False), ("1", False, True)])
+def test_tools_set_tensorflows_environment_unless_the_user_did(user_value, verbose, expected):
     """TF_ENABLE_ONEDNN_OPTS and TF_USE_LEGACY_KERAS: 1 unless the user set them (here both
     to `user_value`). With Keras 2, TensorFlow leaves Keras 3 unimported, and tf.keras is
-    tf_keras."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS")}
-    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3")
+    tf_keras. TensorFlow's C++ log is hidden unless DETR_TF_VERBOSE=1: with oneDNN on, the
+    notice TensorFlow gives as it loads is there to be hidden (None: the tool turned it on;
+    TensorFlow's own default turns it on only on some CPUs, e.g. with AVX-512)."""
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS", "TF_CPP_MIN_LOG_LEVEL", "DETR_TF_VERBOSE")}
+    env["PYTHONPATH"] = str(REPO)
     if user_value is not None:
         env.update(TF_ENABLE_ONEDNN_OPTS=user_value, TF_USE_LEGACY_KERAS=user_value)
-    code = ONEDNN.format(tool=REPO / "tools" / "train.py")
+    if verbose:
+        env["DETR_TF_VERBOSE"] = "1"
+    code = TOOL_START.format(tool=REPO / "tools" / "train.py")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert f"onednn {expected}" in proc.stdout
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"onednn {expected}" in proc.stdout, out[-3000:]
     assert f"keras3 {not expected} {expected}" in proc.stdout, proc.stdout
+    assert ("Ignoring Assert operator" in out) == verbose, out[-3000:]
+    assert ("oneDNN custom operations" in out) == (verbose and expected), out[-3000:]
 
 
 def _first_imports(path):
