@@ -18,13 +18,6 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from absl import app, flags  # noqa: E402
 from detr_tf import cli  # noqa: E402 -- first: quiets TensorFlow's C++ logs before it loads
-import tensorflow as tf  # noqa: E402
-import tf_keras  # noqa: E402
-
-from detr_tf.benchmarks import deformable_attention as bench  # noqa: E402
-from detr_tf.benchmarks import timing  # noqa: E402
-
-tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
 
 FLAGS = flags.FLAGS
 cli.define_json_out_flag("Write the results as JSON here.")
@@ -47,6 +40,15 @@ flags.DEFINE_enum("policy", "float32", ["float32", "mixed_bfloat16", "mixed_floa
 
 def main(argv):
     del argv
+    # TensorFlow loads once the flags are accepted: a bad flag is refused in a fraction of the
+    # ~3 s its import takes.
+    import tensorflow as tf
+    import tf_keras
+
+    from detr_tf.benchmarks import deformable_attention as bench
+    from detr_tf.benchmarks import timing
+
+    tf.get_logger().setLevel("ERROR")  # one new tf.function per variant: retracing warnings
     tf_keras.mixed_precision.set_global_policy(FLAGS.policy)
     report = {"config": {"policy": FLAGS.policy, "d_model": FLAGS.d_model,
                          "num_heads": FLAGS.num_heads, "num_points": FLAGS.num_points,
