@@ -88,6 +88,16 @@ def test_train_script_rejects_bad_config_without_traceback(tmp_path):
     assert "does_not_exist.gin" in missing.stderr and "Traceback" not in missing.stderr
 
 
+def test_a_missing_gin_file_is_named_before_tensorflow_loads():
+    proc = tool_helpers.run_python(
+        "import sys\nfrom detr_tf import config\ntry:\n"
+        "    config.parse_gin_config(['does_not_exist.gin'])\n"
+        "except config.ConfigError as e:\n    print(e)\n"
+        "print('tensorflow loaded:', 'tensorflow' in sys.modules)")
+    assert "gin file 'does_not_exist.gin' not found; looked in: " in proc.stdout, proc.stdout
+    assert proc.stdout.splitlines()[-1] == "tensorflow loaded: False", proc.stdout
+
+
 def test_train_names_a_model_dir_that_is_empty_or_a_file_and_expands_home(tmp_path,
                                                                            monkeypatch):
     a_file = tmp_path / "a_file"
