@@ -26,10 +26,27 @@ DEFAULT_SET = {"quickstart.gin", "detr_r50_dn.gin", "deformable_quickstart.gin",
                "focus_detr_r50.gin", "rtdetr_v2_r18vd.gin", "dfine_n.gin"}
 
 
-@pytest.mark.parametrize("experiment", [
-    e if e in DEFAULT_SET else pytest.param(e, marks=pytest.mark.slow) for e in EXPERIMENTS])
-def test_every_experiment_file_names_each_variable_once(experiment):
-    model = build_experiment_model(experiment, MODEL_SHAPE.get(experiment, ()))
+# Rank-, Relation- and Focus-DETR build six encoder and six decoder layers on ResNet-50 (~2-4 s
+# of CPU each); the default suite builds three of each, `pytest -m slow` all six. Their per-layer
+# parts name their variables by index, so what can collide is there with three: two of every
+# part, also of those with one stage per decoder layer after the first (rank_layers.py).
+THREE_LAYERS = ["ENCODER_LAYERS = 3", "DECODER_LAYERS = 3", "DIM_FEEDFORWARD = 64"]
+SMALL = {"rank_detr_r50.gin": THREE_LAYERS, "relation_detr_r50.gin": THREE_LAYERS,
+         "focus_detr_r50.gin": THREE_LAYERS + ["FocusSelector.cascade = (1.0, 0.8, 0.6)"]}
+
+
+def _cases():
+    for e in EXPERIMENTS:
+        full = MODEL_SHAPE.get(e, ())
+        if e in SMALL:
+            yield pytest.param(e, SMALL[e], id=f"{e}-three_layers")
+        fast = e in DEFAULT_SET and e not in SMALL
+        yield pytest.param(e, full, id=e, marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("experiment, params", _cases())
+def test_every_experiment_file_names_each_variable_once(experiment, params):
+    model = build_experiment_model(experiment, params)
     variables = model.trainable_variables + model.non_trainable_variables
     assert len({v.ref() for v in variables}) == len(model.variables) > 0
     uses = Counter(v.name for v in variables)
