@@ -66,24 +66,32 @@ f(tf.ones([2]))
 f(tf.ones([3]))
 print("onednn", _pywrap_util_port.IsMklEnabled())
 print("keras3", "keras" in sys.modules, tf.keras.__name__.startswith("tf_keras"))
+from detr_tf.training import hardware
+hw = hardware.detect()
+print("detected", hw.onednn, hw.onednn_max_isa)
 """
 
 
 # One process per setting (each takes effect only as TensorFlow loads): a tool's imports, then
-# a function that makes TensorFlow's C++ log speak.
-@pytest.mark.parametrize("user_value, verbose, expected", [
-    (None, True, True), ("0", False, False), ("1", False, True)])
-def test_tools_set_tensorflows_environment_unless_the_user_did(user_value, verbose, expected):
+# a function that makes TensorFlow's C++ log speak, then what hardware.detect() reads of the
+# process's oneDNN (in a process with oneDNN off, its limit set through DNNL_MAX_CPU_ISA).
+@pytest.mark.parametrize("user_value, verbose, expected, max_isa", [
+    (None, True, True, None), ("0", False, False, "AVX2"), ("1", False, True, None)])
+def test_tools_set_tensorflows_environment_unless_the_user_did(user_value, verbose, expected,
+                                                                max_isa):
     """TF_ENABLE_ONEDNN_OPTS and TF_USE_LEGACY_KERAS: 1 unless the user set them (here both
     to `user_value`). With Keras 2, TensorFlow leaves Keras 3 unimported, and tf.keras is
     tf_keras. TensorFlow's C++ log is hidden unless DETR_TF_VERBOSE=1: with oneDNN on, the
     notice TensorFlow gives as it loads is there to be hidden (None: the tool turned it on;
     TensorFlow's own default turns it on only on some CPUs, e.g. with AVX-512)."""
     env = {k: v for k, v in os.environ.items() if k not in (
-        "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS", "TF_CPP_MIN_LOG_LEVEL", "DETR_TF_VERBOSE")}
+        "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS", "TF_CPP_MIN_LOG_LEVEL", "DETR_TF_VERBOSE",
+        "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
     env["PYTHONPATH"] = str(REPO)
     if user_value is not None:
         env.update(TF_ENABLE_ONEDNN_OPTS=user_value, TF_USE_LEGACY_KERAS=user_value)
+    if max_isa:
+        env["DNNL_MAX_CPU_ISA"] = max_isa
     if verbose:
         env["DETR_TF_VERBOSE"] = "1"
     code = TOOL_START.format(tool=REPO / "tools" / "train.py")
@@ -95,6 +103,8 @@ def test_tools_set_tensorflows_environment_unless_the_user_did(user_value, verbo
     assert f"keras3 {not expected} {expected}" in proc.stdout, proc.stdout
     assert ("Ignoring Assert operator" in out) == verbose, out[-3000:]
     assert ("oneDNN custom operations" in out) == (verbose and expected), out[-3000:]
+    # TensorFlow fixes its oneDNN choice as it loads; detect() reads it, and the limit set.
+    assert f"detected {expected} {max_isa}" in proc.stdout, proc.stdout
 
 
 def _first_imports(path):
