@@ -185,20 +185,27 @@ def test_sanitize_boxes_matches_numpy():
 
 def test_rtdetr_train_transform_invariants_and_eager_equals_map():
     rng = np.random.default_rng(5)
+    cases = []
     for i in range(10):
         h, w = (int(v) for v in rng.integers(40, 150, 2))
         img = rng.integers(0, 256, (h, w, 3)).astype(np.uint8)
-        boxes = _boxes(rng, 7, h, w)
-        labels = np.arange(7, dtype=np.int32) + 1
-        args = (tf.constant(img), tf.constant(boxes), tf.constant(labels), tf.constant([i, 3]))
-        out, got, got_labels = (t.numpy() for t in ra.rtdetr_train_transform(*args, size=96))
+        cases.append((img, _boxes(rng, 7, h, w), np.arange(7, dtype=np.int32) + 1,
+                      np.array([i, 3], np.int32)))
+    # Every case through one Dataset.map, traced once for images of any size (as decoded
+    # images come), rather than one trace per case.
+    signature = (tf.TensorSpec([None, None, 3], tf.uint8), tf.TensorSpec([None, 4], tf.float32),
+                 tf.TensorSpec([None], tf.int32), tf.TensorSpec([2], tf.int32))
+    mapped = tf.data.Dataset.from_generator(lambda: iter(cases), output_signature=signature).map(
+        lambda *a: ra.rtdetr_train_transform(*a, size=96))
+    for args, from_map in zip(cases, mapped, strict=True):
+        labels = args[2]
+        out, got, got_labels = (t.numpy() for t in ra.rtdetr_train_transform(
+            *(tf.constant(a) for a in args), size=96))
         assert out.shape == (96, 96, 3) and out.min() >= 0 and out.max() <= 255.001
         assert np.all(got >= 0) and np.all(got <= 96)
         assert np.all(got[:, 2:] - got[:, :2] >= 1)
         assert np.all(np.isin(got_labels, labels)) and np.all(np.diff(got_labels) > 0)
-        mapped = next(iter(tf.data.Dataset.from_tensors(args).map(
-            lambda *a: ra.rtdetr_train_transform(*a, size=96))))
-        for e, m in zip((out, got, got_labels), mapped):
+        for e, m in zip((out, got, got_labels), from_map, strict=True):
             np.testing.assert_allclose(e, m.numpy(), rtol=1e-5, atol=1e-3)
 
 
