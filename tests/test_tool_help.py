@@ -43,7 +43,7 @@ for script in {scripts!r}:
             try:
                 runpy.run_path(sys.argv[0], run_name="__main__")
             except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         results[script + " " + arg] = [code, out.getvalue(), err.getvalue()]
 print(json.dumps(results))
 """
