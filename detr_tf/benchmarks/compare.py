@@ -15,10 +15,9 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import tf_keras
-
+# TensorFlow, tf_keras and Model Garden are imported where a variant is built: a tool that
+# defines its flags here answers --help or a bad flag without them (~3 s).
 from detr_tf.benchmarks import flops as flops_lib
-from detr_tf.benchmarks import model_garden, ours, synthetic, timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +90,8 @@ def setup(tool: str, gin_files: Sequence[str], gin_params: Sequence[str],
       (detr_tf/run.py).
     """
     from detr_tf import cli, run as run_lib
+    from detr_tf.benchmarks import model_garden
+
     model_garden.import_model_garden()
     # The data is synthetic: an experiment file's data paths are not asked for.
     cli.parse_gin_or_exit(tool, gin_files, gin_params, defer_required=True)
@@ -106,6 +107,10 @@ def build_call(variant: Variant, model_fn, criterion, image_size, raw
                ) -> Tuple[Callable[[], object], Callable[[], object]]:
     """Builds one variant; returns (call, trace): call() runs one train step, trace() traces
     its tf.function for the same inputs without running it (a later call reuses the trace)."""
+    import tf_keras
+
+    from detr_tf.benchmarks import model_garden, ours, synthetic
+
     if variant.side == "model_garden":
         previous = tf_keras.mixed_precision.global_policy().name
         tf_keras.mixed_precision.set_global_policy(variant.precision)
@@ -125,6 +130,8 @@ def run(model_fn, criterion, variants: Sequence[Variant], image_size: Tuple[int,
         analytic_shape: Optional[flops_lib.DetrShape] = None,
         log: Callable[[str], None] = print) -> Dict[str, object]:
     """Builds, compiles and times every variant; returns the report (see tools' JSON)."""
+    from detr_tf.benchmarks import synthetic, timing
+
     raw = synthetic.draw(batch_size, image_size, num_boxes, max_boxes, num_classes)
     calls, results = {}, {}
     for v in variants:
