@@ -1,9 +1,8 @@
 """Export: default preprocessing by hand, SavedModel round trips with a stand-in model and
 with a tiny D-FINE (dfine_tiny.gin: its sigmoid top-k post-processing and its extra outputs),
-and what a SavedModel holds (the tiny DETR's)."""
+and what a SavedModel holds (the tiny DETR's, in tests/test_export_eval_parity.py beside its
+parity with the eval step, which exports the same model)."""
 import io
-import os
-from collections import Counter
 
 import gin
 import numpy as np
@@ -11,13 +10,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 from PIL import Image
-from tensorflow.core.protobuf import saved_model_pb2
 
 from detr_tf import config
 from detr_tf import run as run_lib
 from detr_tf.evaluation import export
 from detr_tf.evaluation import postprocess as pp
-from tests import export_helpers
 from tests.detr_standin import StandInDetr
 
 # Chosen between the seeded stand-in's scores (about 0.20 .. 0.29) so that some images keep
@@ -126,44 +123,6 @@ def test_an_empty_batch_gets_empty_outputs(exported):
         assert shapes == {"boxes": (0, 4, 4), "scores": (0, 4), "classes": (0, 4),
                           "num_detections": (0,)}
         assert served["classes"].dtype == tf.int32
-
-
-def _object_graph(export_dir):
-    """The SavedModel's object graph: what `tf.saved_model.load` rebuilds."""
-    saved = saved_model_pb2.SavedModel()
-    with open(os.path.join(export_dir, "saved_model.pb"), "rb") as f:
-        saved.ParseFromString(f.read())
-    return saved.meta_graphs[0].object_graph_def
-
-
-def test_the_saved_model_holds_the_serving_functions_and_the_weights_alone(tmp_path):
-    """Not the Keras model's object graph: tf_keras saves each layer with call functions of its
-    own, traced once more for the purpose and used by no signature (docs/EXPORT.md)."""
-    gin.clear_config()
-    try:
-        config.parse_gin_config(["tiny.gin"], defer_required=True)
-        tf_keras.utils.set_random_seed(0)
-        model = run_lib.assemble().build_model()
-    finally:
-        gin.clear_config()
-    export_dir = export.export_saved_model(
-        model, tmp_path / "saved_model",
-        preprocess_fn=export.make_resize_pad_preprocess(shorter_side=64, max_size=64))
-    kinds = Counter(node.WhichOneof("kind") for node in _object_graph(export_dir).nodes)
-    assert kinds["variable"] == len(model.variables) > 100
-    # The root, the variables' list and the signatures' map: no layer.
-    assert kinds["user_object"] == 3, kinds
-    export_helpers.assert_stores_the_variables(export_dir, model.variables)
-    loaded = tf.saved_model.load(export_dir)
-    assert set(loaded.signatures) == {export.SERVING_DEFAULT, export.SERVING_IMAGES}
-    image = np.random.default_rng(4).integers(0, 256, (48, 64, 3), np.uint8)
-    module = export.DetectionModule(model, export.make_resize_pad_preprocess(64, 64))
-    expected = module.detect(image[None])
-    # What predict.py calls on a loaded export, besides the signatures.
-    served = loaded.serve_encoded(tf.constant([_png(image)]))
-    for key in ("boxes", "scores", "classes", "num_detections"):
-        np.testing.assert_allclose(served[key], expected[key], rtol=1e-5, atol=1e-4,
-                                   err_msg=key)
 
 
 class _ShapeRecorder(StandInDetr):
