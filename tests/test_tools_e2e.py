@@ -6,7 +6,8 @@ quickstart's (anchor queries, two-stage proposals), and those and eval on a tiny
 (rtdetr_tiny.gin) and a tiny D-FINE (dfine_tiny.gin). The runs also bind the
 quickstart's end-of-training hooks (COCO evaluation, prediction images, next steps), so the path
 every new user takes is exercised too. Each script runs in a subprocess, as a user runs it, and
-is judged by its exit status, its files and its message.
+is judged by its exit status, its files and its message; eval.py, predict.py and export.py
+share one (tool_helpers.run_tools), one TensorFlow start-up for the three.
 """
 import contextlib
 import io
@@ -71,8 +72,7 @@ def trained(request, tmp_path_factory):
     yield _trained(tmp_path_factory, request.param)
 
 
-# eval.py on the plain, RT-DETR and D-FINE runs: the two-stage model's evaluation runs in its
-# training run's end-of-training hook, through the same code.
+# eval.py on the plain, RT-DETR and D-FINE runs (EVALUATED).
 @pytest.fixture(scope="module", params=[
     "detr", *(pytest.param(v, marks=pytest.mark.slow) for v in ("rtdetr", "dfine"))])
 def trained_for_eval(request, tmp_path_factory):
@@ -103,7 +103,7 @@ def _train(tmp_path_factory, variant: str) -> dict:
     for path in sorted(val_dir.glob("*.jpg"))[:2]:
         shutil.copy(path, images / path.name)
     return {"model_dir": model_dir, "gin": gin_flags, "cache_binding": cache_binding,
-            "images": images, "train": train}
+            "images": images, "train": train, "variant": variant}
 
 
 def test_train_ends_with_metrics_predictions_and_next_steps(trained):
@@ -126,13 +126,11 @@ def test_train_ends_with_metrics_predictions_and_next_steps(trained):
     assert "after-train" in last, last
 
 
-def test_eval_writes_exactly_the_six_metrics(trained_for_eval):
+def test_eval_writes_exactly_the_six_metrics(trained_for_eval, tmp_path_factory):
     trained = trained_for_eval
     model_dir = trained["model_dir"]
-    shutil.rmtree(model_dir / "eval")
     ckpt = model_dir / "checkpoints" / "ckpt-4"
-    result = _ok(_run("eval.py", *trained["gin"], f"--model_dir={model_dir}",
-                      f"--checkpoint={ckpt}"))
+    result = _tools_ran(tmp_path_factory, trained["variant"])["eval"]
     assert f"restored {ckpt}" in result.stdout and "AP50" in result.stdout
     metrics = json.loads((model_dir / "eval" / "metrics.json").read_text())
     assert set(metrics) == METRIC_KEYS
@@ -156,13 +154,47 @@ def test_eval_writes_exactly_the_six_metrics(trained_for_eval):
         assert re.search(rf"^{name} +{re.escape(shown)}", result.stdout, re.M), name
 
 
+# The variants eval.py runs on (the two-stage model's evaluation runs in its training run's
+# end-of-training hook, through the same code).
+EVALUATED = ("detr", "rtdetr", "dfine")
+_TOOLS_RAN = {}
+
+
+def _tools_ran(tmp_path_factory, variant: str) -> dict:
+    """eval.py (on the variants in EVALUATED), predict.py and export.py on the variant's
+    trained run, in one process (tool_helpers.run_tools: one TensorFlow start-up for the
+    three). eval.py writes into the run's eval/, which training's own evaluation is first
+    removed from; predict.py keeps every query (threshold 0) so that the comparison with the
+    export is not empty; export.py reads the run's config.gin (no --gin_file)."""
+    if variant not in _TOOLS_RAN:
+        trained = _trained(tmp_path_factory, variant)
+        model_dir = trained["model_dir"]
+        root = tmp_path_factory.mktemp(f"tools_{variant}")
+        calls = {"predict": ("predict.py", *trained["gin"], f"--model_dir={model_dir}",
+                             f"--images={trained['images']}", f"--output_dir={root / 'pred'}",
+                             "--score_threshold=0"),
+                 "export": ("export.py", f"--model_dir={model_dir}",
+                            f"--export_dir={root / 'export'}")}
+        if variant in EVALUATED:
+            shutil.rmtree(model_dir / "eval", ignore_errors=True)  # the training run's
+            calls = {"eval": ("eval.py", *trained["gin"], f"--model_dir={model_dir}",
+                              f"--checkpoint={model_dir / 'checkpoints' / 'ckpt-4'}"),
+                     **calls}
+        failing = {}
+        if variant == "detr":  # and its one-line exit on a run directory with no checkpoint
+            (model_dir.parent / "empty").mkdir()
+            failing["no_checkpoint"] = ("eval.py", *trained["gin"],
+                                        f"--model_dir={model_dir.parent / 'empty'}")
+        results = tool_helpers.run_tools(*calls.values(), *failing.values())
+        _TOOLS_RAN[variant] = {name: _ok(result) for name, result in zip(calls, results)}
+        _TOOLS_RAN[variant].update(zip(failing, results[len(calls):]))
+        _TOOLS_RAN[variant].update(predicted=root / "pred", export_dir=root / "export")
+    return _TOOLS_RAN[variant]
+
+
 @pytest.fixture(scope="module")
 def predicted(trained, tmp_path_factory):
-    out = tmp_path_factory.mktemp("predicted")
-    # Threshold 0: every query is a detection, so the comparison with the export is not empty.
-    _ok(_run("predict.py", *trained["gin"], f"--model_dir={trained['model_dir']}",
-             f"--images={trained['images']}", f"--output_dir={out}", "--score_threshold=0"))
-    return out
+    return _tools_ran(tmp_path_factory, trained["variant"])["predicted"]
 
 
 def test_predict_writes_a_png_per_image_and_one_json(trained, predicted):
@@ -180,10 +212,8 @@ def test_predict_writes_a_png_per_image_and_one_json(trained, predicted):
             assert 0 <= x0 <= x1 <= record["width"] and 0 <= y0 <= y1 <= record["height"]
 
 
-def test_export_loads_and_matches_predict(trained, predicted, tmp_path):
-    export_dir = tmp_path / "export"
-    # Without --gin_file: the run's config.gin.
-    _ok(_run("export.py", f"--model_dir={trained['model_dir']}", f"--export_dir={export_dir}"))
+def test_export_loads_and_matches_predict(trained, predicted, tmp_path_factory, tmp_path):
+    export_dir = _tools_ran(tmp_path_factory, trained["variant"])["export_dir"]
     _assert_export_matches_predict(export_dir, predicted, trained["images"], tmp_path)
 
 
@@ -233,16 +263,12 @@ def _assert_export_matches_predict(export_dir, predicted, images, tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
-def _failed_cleanly(result: subprocess.CompletedProcess, *needles: str) -> None:
+def test_script_exits_with_one_line_for_a_run_without_checkpoint(run, tmp_path_factory):
+    result = _tools_ran(tmp_path_factory, "detr")["no_checkpoint"]
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
-    for needle in needles:
+    for needle in ("eval.py", str(run["model_dir"].parent / "empty"), "no checkpoint"):
         assert needle in result.stderr, f"{needle!r} not in: {result.stderr}"
-
-
-def test_script_exits_with_one_line_for_a_run_without_checkpoint(run, tmp_path):
-    _failed_cleanly(_run("eval.py", *run["gin"], f"--model_dir={tmp_path}"),
-                    "eval.py", str(tmp_path), "no checkpoint")
 
 
 def test_errors_name_the_missing_thing(run, tmp_path):
