@@ -35,13 +35,14 @@ def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
 # other: flags, Gin config and Keras session reset in between, each one's output and exit
 # status its own (a SystemExit message is its stderr's last line and status 1, as Python does).
 _TOOLS_PROGRAM = """
-import contextlib, io, json, runpy, sys, traceback
+import contextlib, io, json, runpy, sys, time, traceback
 import gin
 from absl import app, flags
 app.define_help_flags()  # absl's own flags stay; each tool's are removed after it
 results = []
 for script, *args in json.loads(sys.argv[1]):
     before, out, err, code = set(flags.FLAGS), io.StringIO(), io.StringIO(), 0
+    started = time.time()
     sys.argv = [script, *args]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -59,7 +60,7 @@ for script, *args in json.loads(sys.argv[1]):
     gin.clear_config()
     import tf_keras  # after the tool: the first one's imports set TensorFlow's environment
     tf_keras.backend.clear_session()
-    results.append([code or 0, out.getvalue(), err.getvalue()])
+    results.append([code or 0, out.getvalue(), err.getvalue(), started])
 print(json.dumps(results))
 """
 
@@ -67,7 +68,8 @@ print(json.dumps(results))
 def run_tools(*calls: Sequence[str], timeout: int = 900) -> List[subprocess.CompletedProcess]:
     """Several tools/*.py runs, each `(script, *args)`, in one fresh interpreter one after the
     other, as `run_tool` runs each alone but paying TensorFlow's start-up (~3.4 s) once.
-    Returns one CompletedProcess per call, with its own exit status, stdout and stderr."""
+    Returns one CompletedProcess per call, with its own exit status, stdout and stderr, and
+    `started`: the time.time() it started at."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("DETR_TF_TRACEBACK", None)
     argv = json.dumps([[str(REPO / "tools" / script), *args] for script, *args in calls])
@@ -75,5 +77,8 @@ def run_tools(*calls: Sequence[str], timeout: int = 900) -> List[subprocess.Comp
                           text=True, timeout=timeout, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    return [subprocess.CompletedProcess([script, *args], code, out, err)
-            for (script, *args), (code, out, err) in zip(calls, results)]
+    done = []
+    for (script, *args), (code, out, err, started) in zip(calls, results):
+        done.append(subprocess.CompletedProcess([script, *args], code, out, err))
+        done[-1].started = started
+    return done
