@@ -144,8 +144,8 @@ def _assert_holds_the_serving_functions_and_the_weights_alone(export_dir, loaded
     """Not the Keras model's object graph: tf_keras saves each layer with call functions of its
     own, traced once more for the purpose and used by no signature (docs/EXPORT.md). What
     predict.py calls on a loaded export besides the signatures, `serve_encoded`, gives the eval
-    step's detections of the PNG's pixels. (Merged here from tests/test_export.py, whose own
-    export of the same model cost a test of its own.)"""
+    step's detections of the PNG's pixels. (Checked here, on this test's export, rather than
+    on an export of the same model of tests/test_export.py's own.)"""
     saved = saved_model_pb2.SavedModel()
     with open(os.path.join(export_dir, "saved_model.pb"), "rb") as f:
         saved.ParseFromString(f.read())
