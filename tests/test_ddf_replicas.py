@@ -108,12 +108,17 @@ def mirrored():
     return distribution.make_engine("mirrored", cpu_devices=2)
 
 
-# jit='step': the forward pass and the loss compiled, the counts averaged after them.
-# The default suite runs each path once (the union off and eager, the union on and one XLA
-# program per step); `pytest -m slow` adds the union on, eager.
+# The default suite runs the union off, eager, and on with jit='matcher' (a CPU's 'auto'): the
+# matcher one XLA program, the criterion and the counts' average in the step's graph.
+# `pytest -m slow` adds the union on, eager, and with jit='step' (the forward pass and the loss
+# compiled, the counts averaged after them; on two devices XLA compiles the criterion and its
+# gradient once per device, the longest case by far). The step's average of a deferred count outside
+# its compiled forward pass stays in the default suite with a toy criterion:
+# test_step_deferred.py's test_two_replicas_average_the_deferred_count[step].
 @pytest.mark.parametrize("union, jit", [(False, "none"),
                                         pytest.param(True, "none", marks=pytest.mark.slow),
-                                        (True, "step")])
+                                        (True, "matcher"),
+                                        pytest.param(True, "step", marks=pytest.mark.slow)])
 def test_two_replicas_distil_as_one_device(mirrored, union, jit):
     case = _case(union)
     assert mirrored.num_replicas == 2
