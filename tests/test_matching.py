@@ -13,8 +13,10 @@ from detr_tf.training import distribution
 _JIT = tf.function(matching.hungarian_matching, jit_compile=True)
 _PLAIN = tf.function(matching.hungarian_matching)
 
-# A few fixed shapes so XLA compiles only a few programs: [N, Q, T].
+# A few fixed shapes so XLA compiles only a few programs: [N, Q, T]. The other tests of _JIT
+# reuse them where the shape is not what they check (each new shape costs a compile of seconds).
 _SHAPES = [(64, 8, 5), (64, 6, 6), (64, 4, 7), (64, 1, 3), (64, 5, 1), (32, 30, 12)]
+_CROWDED, _SPARSE = _SHAPES[0], _SHAPES[5]  # the JV start, and the greedy one
 _KINDS = ["uniform", "negative", "int_ties", "constant_rows", "huge", "duplicates", "sparse"]
 
 
@@ -129,8 +131,9 @@ def test_no_mask_means_all_targets_real():
 def test_batched_equals_one_at_a_time_and_modes_agree():
     # Continuous random costs have a unique optimum, so the assignments themselves must agree.
     rng = np.random.default_rng(7)
-    cost = rng.normal(size=(8, 9, 6)).astype(np.float32)
-    mask = rng.random((8, 6)) < 0.7
+    n, q, t = _CROWDED
+    cost = rng.normal(size=_CROWDED).astype(np.float32)
+    mask = rng.random((n, t)) < 0.7
     batched = _JIT(tf.constant(cost), tf.constant(mask)).numpy()
     eager = matching.hungarian_matching(tf.constant(cost), tf.constant(mask)).numpy()
     plain = _PLAIN(tf.constant(cost), tf.constant(mask)).numpy()
@@ -138,9 +141,9 @@ def test_batched_equals_one_at_a_time_and_modes_agree():
     np.testing.assert_array_equal(batched, plain)
     # An unknown batch size (no static N) takes the path without batch shrinking.
     dynamic = tf.function(matching.hungarian_matching, input_signature=[
-        tf.TensorSpec([None, 9, 6], tf.float32), tf.TensorSpec([None, 6], tf.bool)])
+        tf.TensorSpec([None, q, t], tf.float32), tf.TensorSpec([None, t], tf.bool)])
     np.testing.assert_array_equal(dynamic(cost, mask).numpy(), batched)
-    for b in range(8):
+    for b in range(0, n, 8):
         single = matching.hungarian_matching(cost[b:b + 1], mask[b:b + 1]).numpy()
         np.testing.assert_array_equal(single[0], batched[b])
     _assert_optimal(cost, mask, batched)
@@ -178,22 +181,24 @@ def test_leading_dims_and_broadcast_mask():
     np.testing.assert_array_equal(broadcast, out)
 
 
-@pytest.mark.parametrize("num_queries", [8, 20])  # the JV start, and the greedy one
-def test_padded_targets_never_influence_the_result(num_queries):
+@pytest.mark.parametrize("shape", [_CROWDED, _SPARSE], ids=["jv_start", "greedy_start"])
+def test_padded_targets_never_influence_the_result(shape):
     rng = np.random.default_rng(11)
-    cost = rng.normal(size=(16, num_queries, 6)).astype(np.float32)
-    mask = rng.random((16, 6)) < 0.5
+    n, _, t = shape
+    cost = rng.normal(size=shape).astype(np.float32)
+    mask = rng.random((n, t)) < 0.5
     base = _JIT(tf.constant(cost), tf.constant(mask)).numpy()
     for fill in [-1e9, 1e9, np.nan, -np.inf, 0.0]:
         poked = cost.copy()
         poked[np.broadcast_to(~mask[:, None, :], cost.shape)] = fill
         np.testing.assert_array_equal(_JIT(tf.constant(poked), tf.constant(mask)).numpy(), base)
-    assert np.all(mask[np.arange(16)[:, None], np.maximum(base, 0)] | (base < 0))
+    assert np.all(mask[np.arange(n)[:, None], np.maximum(base, 0)] | (base < 0))
 
 
 def test_zero_real_targets_gives_all_unmatched():
-    out = _JIT(tf.ones([4, 8, 5]), tf.zeros([4, 5], tf.bool)).numpy()
-    np.testing.assert_array_equal(out, -np.ones((4, 8), np.int32))
+    n, q, t = _CROWDED
+    out = _JIT(tf.ones(_CROWDED), tf.zeros([n, t], tf.bool)).numpy()
+    np.testing.assert_array_equal(out, -np.ones((n, q), np.int32))
 
 
 def test_more_targets_than_queries_mixed_with_fewer():
@@ -223,11 +228,12 @@ def test_non_finite_costs_give_a_valid_optimal_matching():
 
 
 def test_non_finite_entries_are_avoided_when_possible():
-    cost = np.zeros((1, 3, 3), np.float32)
-    cost[0, 0, 0] = np.nan
-    cost[0, 1, 1] = -np.inf
-    out = _JIT(tf.constant(cost)).numpy()[0]
-    assert out[0] != 0 and out[1] != 1, out
+    # Square (every query is matched), at a shape _JIT has compiled.
+    cost = np.zeros(_SHAPES[1], np.float32)
+    cost[:, 0, 0] = np.nan
+    cost[:, 1, 1] = -np.inf
+    out = _JIT(tf.constant(cost), tf.ones(cost.shape[::2], tf.bool)).numpy()
+    assert np.all(out[:, 0] != 0) and np.all(out[:, 1] != 1), out
 
 
 @pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
