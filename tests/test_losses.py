@@ -247,40 +247,27 @@ def test_a_callers_own_tf_function_traces_the_criterion_without_autograph(focal)
     np.testing.assert_array_equal(matched.numpy(), crit.match(logits, boxes, tg).numpy())
 
 
-_MIRRORED_SCRIPT = r"""
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-from detr_tf.losses import SetCriterion
-from tests.test_losses import make_case, to_tf, NUM_CLASSES
-
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-# Replica 0 holds 3 + 0 boxes, replica 1 holds 1 box: the global mean per replica is 2.
-cases = [to_tf(*make_case(np.random.default_rng(20 + r), batch=2, counts=c))
-         for r, c in enumerate([(3, 0), (1, 0)])]
-values = strategy.experimental_distribute_values_from_function(
-    lambda ctx: cases[ctx.replica_id_in_sync_group])
-crit = SetCriterion(NUM_CLASSES)
-per_replica = strategy.run(tf.function(lambda v: crit(*v)), args=(values,))
-for r, got in enumerate(strategy.experimental_local_results(per_replica)):
-    want = crit(*cases[r], num_boxes=tf.constant(2.0))
-    for k in want:
-        np.testing.assert_allclose(got[k].numpy(), want[k].numpy(), rtol=1e-6, err_msg=k)
-print("MIRRORED_OK")
-"""
-
-
 def test_num_boxes_is_all_reduced_across_replicas():
-    """Under MirroredStrategy (2 logical CPUs, own process) num_boxes = global count / 2."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "MIRRORED_OK" in proc.stdout, proc.stderr[-3000:]
+    """Under MirroredStrategy (the two logical CPUs of tests/conftest.py, in this process)
+    num_boxes = global count / 2."""
+    from detr_tf.training import distribution
+    cpus = tf.config.list_logical_devices("CPU")
+    assert len(cpus) >= 2
+    # Keys of its own: no other strategy of the process shares its collectives.
+    strategy = distribution.fresh_mirrored_strategy([d.name for d in cpus[:2]])
+    # Replica 0 holds 3 + 0 boxes, replica 1 holds 1 box: the global mean per replica is 2.
+    cases = [to_tf(*make_case(np.random.default_rng(20 + r), batch=2, counts=c))
+             for r, c in enumerate([(3, 0), (1, 0)])]
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: cases[ctx.replica_id_in_sync_group])
+    crit = SetCriterion(NUM_CLASSES)
+    per_replica = strategy.run(tf.function(lambda v: crit(*v)), args=(values,))
+    results = strategy.experimental_local_results(per_replica)
+    assert len(results) == 2
+    for r, got in enumerate(results):
+        want = crit(*cases[r], num_boxes=tf.constant(2.0))
+        for k in want:
+            np.testing.assert_allclose(got[k].numpy(), want[k].numpy(), rtol=1e-6, err_msg=k)
 
 
 def _split(d, sl):
