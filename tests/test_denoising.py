@@ -156,7 +156,7 @@ def test_matching_queries_do_not_see_denoising_queries_and_inference_has_none(tw
     assert with_dn["dn_outputs"]["pred_logits"].shape == [2, 2, n_dn, C + 1]
     losses = SetCriterion(C, num_groups=2)(with_dn, _targets())
     assert {"loss_dn_ce", "loss_dn_bbox_0"} <= set(losses)
-    infer = tf.function(lambda x, m: model(x, m, training=False))
+    infer = tf.function(lambda x, m: model(x, m, training=False), autograph=False)
     got = infer(IMAGES, PIXEL_MASK)
     assert "dn_outputs" not in got and got["pred_logits"].shape[1] == 4
     read = {v.name for v in infer.get_concrete_function(IMAGES, PIXEL_MASK).variables}

@@ -193,7 +193,8 @@ def test_jit_compiled_forward_equals_eager(decoder):
     model, _ = tiny(**decoder)
     images, mask = batch(np.random.default_rng(5), size=64, real=((64, 64), (40, 50)))
     eager = model(images, mask, training=False)
-    jitted = tf.function(lambda x, m: model(x, m, training=False), jit_compile=True)(images, mask)
+    jitted = tf.function(lambda x, m: model(x, m, training=False), jit_compile=True,
+                         autograph=False)(images, mask)
     for k in ("pred_logits", "pred_boxes"):
         np.testing.assert_allclose(jitted[k].numpy(), eager[k].numpy(), rtol=1e-4, atol=1e-5)
 

@@ -152,7 +152,7 @@ def test_groups_do_not_see_each_other_and_inference_runs_group_0(kind):
     # Inference: group 0 only, and the traced graph never touches the extra groups.
     if kind != "two_stage":
         single.query_embed.embeddings.assign(grouped.query_embed.embeddings)
-    infer = tf.function(lambda x, m: grouped(x, m, training=False))
+    infer = tf.function(lambda x, m: grouped(x, m, training=False), autograph=False)
     got = infer(IMAGES, PIXEL_MASK)
     assert got["pred_logits"].shape[1] == q and "num_groups" not in got
     np.testing.assert_allclose(got["pred_logits"], single(IMAGES, PIXEL_MASK, training=False)
