@@ -1,7 +1,8 @@
 """Trainer settings no other test runs, through the trainer on the tiny model (one process,
 `tests/trainer_prog.py paths`, shared by every test here):
 
-- jit='step' (the GPU default) and 'matcher' (the CPU default) train like 'loss' and 'none';
+- jit='step' (the GPU default) and 'matcher' (the CPU default) train like 'loss' (and, in the
+  slow set, 'none');
 - mixed_float16: a step whose gradients overflow is skipped (weights unchanged) and halves the
   dynamic loss scale;
 - ema_decay: evaluation and the tools (eval, predict, export load through
@@ -19,14 +20,24 @@ import tensorflow as tf
 from tests.test_trainer import ENV, PROG, REPO, _assert_same_weights, shapes_cache  # noqa: F401
 
 
-@pytest.fixture(scope="module")
-def paths_run(shapes_cache, tmp_path_factory):  # noqa: F811
+def _paths(shapes_cache, tmp_path_factory, env):
     out = tmp_path_factory.mktemp("paths")
     proc = subprocess.run([sys.executable, str(PROG), "paths", str(out), shapes_cache],
-                          capture_output=True, text=True, timeout=1200, env=ENV, cwd=REPO)
+                          capture_output=True, text=True, timeout=1200, env=env, cwd=REPO)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "PATHS_DONE" in log, log[-5000:]
     return out, np.load(out / "paths.npz")
+
+
+@pytest.fixture(scope="module")
+def paths_run(shapes_cache, tmp_path_factory):  # noqa: F811
+    return _paths(shapes_cache, tmp_path_factory, ENV)
+
+
+@pytest.fixture(scope="module")
+def paths_run_with_none(shapes_cache, tmp_path_factory):  # noqa: F811
+    """paths_run's runs and a jit='none' one (slow: a fifth trace and run)."""
+    return _paths(shapes_cache, tmp_path_factory, dict(ENV, PATHS_JIT_NONE="1"))
 
 
 def _ckpt(path):
@@ -44,16 +55,27 @@ def _ema_shadows(values):
     return [values[f"ema/shadow/{i}/.ATTRIBUTES/VARIABLE_VALUE"] for i in range(n)]
 
 
-def test_jit_step_and_matcher_train_like_loss_and_none(paths_run):
-    _, arrays = paths_run
-    for jit in ("step", "none", "matcher"):
-        # XLA fuses and reorders float32 arithmetic: equal up to rounding, not bit for bit.
-        np.testing.assert_allclose(arrays[f"{jit}/losses"], arrays["loss/losses"], rtol=1e-4)
-        names = [k[len("loss/"):] for k in arrays.files
-                 if k.startswith("loss/model/")]
-        _assert_same_weights({k: arrays["loss/" + k] for k in names},
-                             {k: arrays[f"{jit}/" + k] for k in names},
-                             {k: arrays["loss/step1/" + k] for k in names})
+def _assert_trains_like_loss(arrays, jit):
+    # XLA fuses and reorders float32 arithmetic: equal up to rounding, not bit for bit.
+    np.testing.assert_allclose(arrays[f"{jit}/losses"], arrays["loss/losses"], rtol=1e-4)
+    names = [k[len("loss/"):] for k in arrays.files if k.startswith("loss/model/")]
+    _assert_same_weights({k: arrays["loss/" + k] for k in names},
+                         {k: arrays[f"{jit}/" + k] for k in names},
+                         {k: arrays["loss/step1/" + k] for k in names})
+
+
+def test_jit_step_and_matcher_train_like_loss(paths_run):
+    for jit in ("step", "matcher"):
+        _assert_trains_like_loss(paths_run[1], jit)
+
+
+# jit='none' differs from 'matcher' only in whether the matcher is compiled, and
+# tests/test_matching.py's test_batched_equals_one_at_a_time_and_modes_agree checks that the
+# compiled and plain matchers assign alike: slow (a run of its own), so `pytest -m slow -k
+# jit_none tests/test_trainer_paths.py`.
+@pytest.mark.slow
+def test_jit_none_trains_like_loss(paths_run_with_none):
+    _assert_trains_like_loss(paths_run_with_none[1], "none")
 
 
 def test_float16_overflow_skips_the_step_and_halves_the_loss_scale(paths_run):

@@ -17,7 +17,7 @@
     python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
     python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
         EMA and periodic evaluation in the jit='loss' run; writes OUT_DIR/<run>/... and
-        OUT_DIR/paths.npz)
+        OUT_DIR/paths.npz; PATHS_JIT_NONE=1: a jit='none' run too)
     TF_CONFIG=... python tests/trainer_prog.py multi_worker OUT_DIR SHAPES_CACHE_DIR  (x2 workers)
     [horovodrun -np 2 | TF_CONFIG=...] python tests/trainer_prog.py preempt OUT_DIR CACHE STEPS
         (one run of a 2-process job into OUT_DIR/run: writes OUT_DIR/pid_RANK, prints
@@ -338,7 +338,10 @@ elif MODE == "paths":
 
     ema = dict(ema_decay=0.5, eval_every=2, eval_fn=eval_fn)
     arrays = {}
-    for jit in ("none", "loss", "step", "matcher"):
+    jits = ("loss", "step", "matcher")
+    if os.environ.get("PATHS_JIT_NONE") == "1":  # the slow set's: it differs from 'matcher'
+        jits = ("none",) + jits  # only in the matcher's compile (tests/test_matching.py)
+    for jit in jits:
         # Not deterministic: op determinism refuses XLA's max-pool gradient (jit='step'). The
         # same seed right before each run gives the same initial weights; the input is fixed.
         tf_keras.utils.set_random_seed(0)
