@@ -46,11 +46,12 @@ def train_cli(model_dir, cache, *params):
 
 
 def _prog(mode, name, shapes_cache, tmp_path_factory, **kwargs):
-    """Runs trainer_prog.py `mode` into a new directory `name`, which it returns; it must
-    succeed. kwargs go to `run` (timeout, env)."""
+    """Runs trainer_prog.py `mode` into a new directory `name`, which it returns with its
+    standard output in stdout.txt; it must succeed. kwargs go to `run` (timeout, env)."""
     out = tmp_path_factory.mktemp(name)
     proc, log = run([sys.executable, str(PROG), mode, str(out), shapes_cache], **kwargs)
     assert proc.returncode == 0, log[-4000:]
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
@@ -313,6 +314,20 @@ def test_gradient_accumulation_equals_one_larger_batch(engine_runs):
     _assert_same_training(engine_runs / "default", engine_runs / "accumulated")
 
 
+def test_every_engine_names_the_first_step_that_cut_target_boxes(engine_runs):
+    """The engine runs keep 3 target slots of the shapes images' 1-6 boxes: each run names the
+    boxes cut once, at the first step that cut any (step 2: the first global batch has no image
+    of more than 3), with their count over the replicas and micro-batches."""
+    said = (engine_runs / "stdout.txt").read_text()
+    for name in ("default", "mirrored", "accumulated"):  # trainer_prog.py prints each at its end
+        run_said, said = said.split(f"\n{name} [", 1)
+        cuts = np.load(engine_runs / name / "result.npz")["cuts"]
+        assert cuts.shape == (2,) and cuts[0] == 0 and cuts[1] > 0, (name, cuts)
+        assert run_said.count("target boxes beyond build_dataset.max_boxes were cut") == 1, \
+            run_said[-3000:]
+        assert f"step 2: {int(cuts[1])} target boxes" in run_said, run_said[-3000:]
+
+
 # Two-process engines against one device: slow (each starts two TensorFlow processes that
 # compile and train), so `pytest -m slow -k two_processes tests/test_trainer.py`. Mirrored and
 # gradient accumulation stay in the default suite, and so does tests/test_horovod.py.
@@ -456,21 +471,23 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     assert sorted(os.listdir(full / "checkpoints")) == saved
 
 
-def test_target_boxes_cut_by_max_boxes_are_counted_and_named_once(shapes_cache, tmp_path):
-    proc, log = train_cli(tmp_path, shapes_cache, "train.num_steps = 2", "train.log_every = 1",
-                          "build_dataset.max_boxes = 1")
+def _nan_runs(shapes_cache, out, policies):
+    """trainer_prog.py's runs whose loss turns NaN at step 3, one per NaN policy: (their
+    results, their standard output)."""
+    proc, log = run([sys.executable, str(PROG), "nan", str(out), shapes_cache, policies])
     assert proc.returncode == 0, log[-4000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["targets_cut"] > 0 for r in records] == [True, True], records
-    assert log.count("target boxes beyond build_dataset.max_boxes were cut") == 1, log[-4000:]
-    assert f"step 1: {int(records[0]['targets_cut'])} target boxes" in log, log[-4000:]
+    return json.loads(log.split("NAN_RESULT ", 1)[1].splitlines()[0]), proc.stdout
 
 
-def test_nan_loss_stops_naming_step_and_terms_or_skips(shapes_cache, tmp_path):
-    proc, log = run([sys.executable, str(PROG), "nan", str(tmp_path), shapes_cache])
-    assert proc.returncode == 0, log[-4000:]
-    results = json.loads(log.split("NAN_RESULT ", 1)[1].splitlines()[0])
-    stop = results["stop"]
+@pytest.fixture(scope="module")
+def nan_stop_run(shapes_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("nan")
+    results, said = _nan_runs(shapes_cache, out, "stop")
+    return out / "stop", results["stop"], said
+
+
+def test_nan_loss_stops_naming_step_and_terms(nan_stop_run):
+    _, stop, _ = nan_stop_run
     # The third step's loss is NaN: the run stops there, names it and its terms, and the
     # checkpoints of the two good steps are intact.
     assert "non-finite loss at step 3" in stop["error"] and "loss_giou=" in stop["error"]
@@ -478,7 +495,24 @@ def test_nan_loss_stops_naming_step_and_terms_or_skips(shapes_cache, tmp_path):
     reader = tf.train.load_checkpoint(stop["latest"])
     assert all(np.all(np.isfinite(reader.get_tensor(n)))
                for n, _ in tf.train.list_variables(stop["latest"]) if n.startswith("model/"))
-    skip = results["skip"]
+
+
+def test_target_boxes_cut_by_max_boxes_are_counted_and_named_once(nan_stop_run):
+    # The NaN run keeps one target slot of the shapes images' 1-6 boxes: every step cuts some.
+    run_dir, _, said = nan_stop_run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2], records
+    assert [r["targets_cut"] > 0 for r in records] == [True, True], records
+    assert said.count("target boxes beyond build_dataset.max_boxes were cut") == 1, said[-4000:]
+    assert f"step 1: {int(records[0]['targets_cut'])} target boxes" in said, said[-4000:]
+
+
+# The policy 'skip' on the tiny DETR: slow (a run of its own). The default suite runs it in the
+# trainer on a toy model: tests/test_steps_per_loop.py's
+# test_nan_mid_loop_skipped_is_reported_and_the_run_goes_on.
+@pytest.mark.slow
+def test_nan_loss_skipped_the_run_goes_on(shapes_cache, tmp_path):
+    skip = _nan_runs(shapes_cache, tmp_path, "skip")[0]["skip"]
     assert skip["error"] is None and skip["latest"].endswith("ckpt-4")
 
 

@@ -14,7 +14,9 @@
     horovodrun -np 2 python tests/trainer_prog.py horovod OUT_DIR SHAPES_CACHE_DIR
     horovodrun -np 2 python tests/trainer_prog.py horovod_jit OUT_DIR SHAPES_CACHE_DIR  (jit='step'
         into OUT_DIR/horovod_step, then jit='loss' into OUT_DIR/horovod_loss)
-    python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR
+    python tests/trainer_prog.py nan OUT_DIR SHAPES_CACHE_DIR POLICIES  (a NaN loss from step 3 on,
+        one target slot; a run per train.nan_policy in the comma-separated POLICIES into
+        OUT_DIR/POLICY; prints "NAN_RESULT {...}")
     python tests/trainer_prog.py paths OUT_DIR SHAPES_CACHE_DIR  (jit choices, float16 overflow,
         EMA and periodic evaluation in the jit='loss' run; writes OUT_DIR/<run>/... and
         OUT_DIR/paths.npz; PATHS_JIT_NONE=1: a jit='none' run too)
@@ -399,13 +401,20 @@ elif MODE == "nan":
     def crit():
         return NaNFromStep3(num_classes=4)
 
+    # The stop is the step's and the host loop's, whatever the model's depth and compile. One
+    # target slot: every step cuts boxes (tests/test_trainer.py checks how they are named).
+    with gin.unlock_config():
+        gin.bind_parameter("Transformer.num_encoder_layers", 1)
+        gin.bind_parameter("Transformer.num_decoder_layers", 1)
+        gin.bind_parameter("build_dataset.max_boxes", 1)
+
     results = {}
-    for policy in ("stop", "skip"):
+    for policy in sys.argv[4].split(","):
         model_dir = os.path.join(OUT, policy)
         try:
             trainer.train(model_dir, criterion=crit(), dataset_fn=same_global_batches,
                           global_batch_size=GLOBAL_BATCH, num_steps=4, deterministic=True,
-                          jit="loss", checkpoint_every=1, nan_policy=policy)
+                          jit="none", checkpoint_every=1, nan_policy=policy)
             results[policy] = {"error": None}
         except trainer.TrainingError as e:
             results[policy] = {"error": str(e)}
