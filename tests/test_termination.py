@@ -20,7 +20,7 @@ import tensorflow as tf
 from detr_tf import cli
 from detr_tf.training import checkpointing, host_loop, trainer
 from detr_tf.training.device_loop import LoopOutcome
-from tests.test_trainer import REPO, shapes_cache  # noqa: F401
+from tests.test_trainer import LIGHT, REPO, shapes_cache  # noqa: F401
 from tests.tool_helpers import run_python
 
 
@@ -179,7 +179,7 @@ def signalled(model, model_dir, step=None):
 
 
 config.parse_gin_config(["tiny.gin"], ["SHAPES_CACHE_DIR = {cache!r}", "train.num_steps = 1",
-                                       "train.{hook} = @signalled"])
+                                       "train.{hook} = @signalled", *{light!r}])
 cli.run_training({model_dir!r})
 """
 
@@ -196,7 +196,8 @@ def test_a_signal_during_the_final_evaluation_or_report_cuts_it_in_one_line(
     there cuts them at once, says so in one line (the checkpoint, what was cut, how to redo
     it) and the run exits 0, as after a first signal during training."""
     model_dir = str(tmp_path / "run")
-    code = _CUT_PROG.format(sig=sig, cache=shapes_cache, hook=hook, model_dir=model_dir)
+    code = _CUT_PROG.format(sig=sig, cache=shapes_cache, hook=hook, model_dir=model_dir,
+                            light=LIGHT)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO))
     env.pop("DETR_TF_TRACEBACK", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -21,6 +21,11 @@ from tests.test_horovod import horovodrun_or_skip
 REPO = Path(__file__).resolve().parent.parent
 PROG = REPO / "tests" / "trainer_prog.py"
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO))
+# For runs whose checks are about the run (its files, resume, signals, a stop) and not about the
+# step's compile or the model's depth: nothing compiled, one encoder and one decoder layer (a
+# third less CPU time than tiny.gin's jit='loss' and 2 + 2 layers, mostly tracing).
+LIGHT = ("train.jit = 'none'", "Transformer.num_encoder_layers = 1",
+         "Transformer.num_decoder_layers = 1")
 
 
 @pytest.fixture(scope="module")
@@ -415,8 +420,8 @@ def test_multi_worker_two_processes_equals_one_device(engine_runs, shapes_cache)
 
 def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    common = ("train.deterministic = True", "train.checkpoint_every = 2", "train.num_steps = 4",
-              "train.log_every = 1")
+    base = (*LIGHT, "train.deterministic = True", "train.checkpoint_every = 2")
+    common = (*base, "train.num_steps = 4", "train.log_every = 1")
     # tiny.gin does not evaluate, so a binding of the evaluation is never used: said at the end.
     proc, log = train_cli(full, shapes_cache, *common, "coco_evaluate.batch_size = 2")
     assert proc.returncode == 0, log[-4000:]
@@ -443,7 +448,7 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
 
     # Interrupted after 2 steps, resumed to 4 (dropout on): the uninterrupted run's weights and
     # losses (tests/resume_helpers.py; tests/test_resume.py runs it on 2 processes too).
-    proc, log = train_cli(part, shapes_cache, *common[:2], "train.num_steps = 2")
+    proc, log = train_cli(part, shapes_cache, *base, "train.num_steps = 2")
     assert proc.returncode == 0, log[-4000:]
     proc, log = train_cli(part, shapes_cache, *common)
     assert proc.returncode == 0 and "resumed from" in log and "at step 2" in log, log[-4000:]
@@ -456,7 +461,7 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     # Resumed with a binding that fails while the run is built: one line, and the run keeps the
     # config.gin its checkpoints were trained with, and its checkpoints.
     saved = sorted(os.listdir(full / "checkpoints"))
-    proc, log = train_cli(full, shapes_cache, *common[:3], "train.num_steps = 6",
+    proc, log = train_cli(full, shapes_cache, *base, "train.num_steps = 6",
                           "build_optimizers.warmup_steps = -1")
     assert proc.returncode == 1 and "Traceback" not in log, log[-4000:]
     assert "build_optimizers.warmup_steps = -1 (int) must be an int >= 0" in log, log[-4000:]
@@ -464,7 +469,7 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     assert sorted(os.listdir(full / "checkpoints")) == saved
     # Resumed with another batch size: refused before anything is built (the input position
     # and the epoch schedule count steps of the recorded size).
-    proc, log = train_cli(full, shapes_cache, *common[:3], "train.num_steps = 6",
+    proc, log = train_cli(full, shapes_cache, *base, "train.num_steps = 6",
                           "GLOBAL_BATCH_SIZE = 2")
     assert proc.returncode == 1 and "Traceback" not in log, log[-4000:]
     assert "trained to step 4 at 4 images per step" in log and "gives 2" in log, log[-4000:]
@@ -519,7 +524,8 @@ def test_nan_loss_skipped_the_run_goes_on(shapes_cache, tmp_path):
 def test_sigterm_saves_a_restorable_checkpoint_and_exits_cleanly(shapes_cache, tmp_path):
     args = [sys.executable, str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
             f"--gin_param=SHAPES_CACHE_DIR='{shapes_cache}'", "--gin_param=train.num_steps=100000",
-            "--gin_param=train.checkpoint_every=100000", f"--model_dir={tmp_path}"]
+            "--gin_param=train.checkpoint_every=100000", *[f"--gin_param={p}" for p in LIGHT],
+            f"--model_dir={tmp_path}"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=ENV, cwd=REPO)
     deadline = time.time() + 600
