@@ -7,10 +7,22 @@ that order (`--no-loadscope-reorder` in pyproject.toml; by default it orders fil
 count, and the trainer files have few tests).
 """
 
-# Longest first: per-file sums of `pytest -n 0 --durations=0` on a 2-core AVX2 CPU.
+# Longest first: every file over 5 s in the per-file sums of `pytest --durations=0` (the default
+# set, 2-core AVX-512 CPU, idle). The rest take under 5 s each and fill in behind them, so the
+# two workers end within a few seconds of each other.
 LONGEST_FILES = ("test_trainer.py", "test_trainer_paths.py", "test_tools_e2e.py",
-                 "test_matching.py", "test_weights_cli.py", "test_benchmarks.py",
-                 "test_console.py", "test_config.py")
+                 "test_matching.py", "test_co_detr.py", "test_weights.py",
+                 "test_steps_per_loop.py", "test_detr.py", "test_matching_init.py",
+                 "test_weights_cli.py", "test_ddf_replicas.py", "test_export_eval_parity.py",
+                 "test_termination.py", "test_data_pipeline.py", "test_variable_names.py",
+                 "test_losses.py", "test_console.py", "test_rtdetr_decoder.py",
+                 "test_export_standin.py", "test_finetune_heads.py", "test_rtdetr_weights.py",
+                 "test_jit_matcher.py", "test_init_from_ema.py", "test_horovod.py",
+                 "test_step_deferred.py", "test_deformable_detr.py", "test_hardware.py",
+                 "test_data_shapes.py", "test_gin_bindings.py", "test_fused_adamw.py",
+                 "test_predict.py", "test_resume.py", "test_matcher_costs.py",
+                 "test_benchmark_deformable.py", "test_benchmarks.py", "test_rcnn_head.py",
+                 "test_import_configs.py", "test_hybrid_queries.py")
 
 
 def longest_files_first(items) -> None:
