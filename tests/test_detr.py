@@ -36,7 +36,8 @@ def tiny(num_classes=3, **bindings):
 # The same tiny model with DAB-DETR-style anchor queries (AnchorTransformer), and two-stage
 # (anchors selected from the encoder's dense proposals).
 ANCHOR = {"build_model.transformer": "@AnchorTransformer()"}
-TWO_STAGE = {**ANCHOR, "build_model.two_stage": True, "NUM_QUERIES": 4}  # <= the cells of a 64 px map
+# Four queries: no more than the cells of a 64 px image's feature map.
+TWO_STAGE = {**ANCHOR, "build_model.two_stage": True, "NUM_QUERIES": 4}
 DECODERS = pytest.mark.parametrize("decoder", [{}, ANCHOR, TWO_STAGE],
                                    ids=["detr", "anchor", "two_stage"])
 

@@ -23,6 +23,7 @@ _PLAIN = tf.function(matching.hungarian_matching)
 def _JIT(cost, mask):
     return matching.hungarian_matching(cost, mask, unroll=1)
 
+
 # A few fixed shapes so XLA compiles only a few programs: [N, Q, T]. The other tests of _JIT
 # reuse them where the shape is not what they check (each new shape costs a compile of seconds).
 _SHAPES = [(64, 8, 5), (64, 6, 6), (64, 4, 7), (64, 1, 3), (64, 5, 1), (32, 30, 12)]
