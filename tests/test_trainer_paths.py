@@ -1,5 +1,5 @@
-"""Trainer settings no other test runs, through the trainer on the tiny model (one process,
-`tests/trainer_prog.py paths`, shared by every test here):
+"""Trainer settings no other test runs, through the trainer on the tiny model with one encoder
+and one decoder layer (one process, `tests/trainer_prog.py paths`, shared by every test here):
 
 - jit='step' (the GPU default) and 'matcher' (the CPU default) train like 'loss' (and, in the
   slow set, 'none');
@@ -86,7 +86,7 @@ def test_float16_overflow_skips_the_step_and_halves_the_loss_scale(paths_run):
     steps = [int(c["global_step/.ATTRIBUTES/VARIABLE_VALUE"]) for c in ckpts]
     assert steps == [0, 1, 2]  # skipped steps still count
     weights = [_model(c) for c in ckpts]
-    assert len(weights[0]) > 100
+    assert len(weights[0]) > 50  # the whole model, not a few variables
     for later in weights[1:]:
         for name, value in weights[0].items():
             np.testing.assert_array_equal(later[name], value, err_msg=name)
@@ -105,7 +105,8 @@ def test_evaluation_and_tools_use_the_ema_weights(paths_run):
         ckpt = _ckpt(ema_dir / "checkpoints" / f"ckpt-{step}")
         shadows = _ema_shadows(ckpt)
         seen = np.load(ema_dir / f"eval_weights_{step}.npz")
-        assert len(seen.files) == len(shadows) > 100
+        # One shadow per trainable variable of the 1 + 1 layer model (90): many, not a few.
+        assert len(seen.files) == len(shadows) > 50
         for i, shadow in enumerate(shadows):
             np.testing.assert_array_equal(seen[f"arr_{i}"], shadow)
     flat_ema = np.concatenate([s.ravel() for s in shadows])
