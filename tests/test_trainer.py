@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import tool_helpers
 from tests.resume_helpers import assert_resumed_exactly, checkpoint_values
 from tests.test_horovod import horovodrun_or_skip
 
@@ -458,21 +459,25 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     for name in (n for n in a if n.startswith("model/")):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
-    # Resumed with a binding that fails while the run is built: one line, and the run keeps the
-    # config.gin its checkpoints were trained with, and its checkpoints.
+    # Two refused resumes, in one process (tools/train.py's main twice, flags and Gin reset
+    # between): a binding that fails while the run is built, and another batch size, refused
+    # before anything is built (the input position and the epoch schedule count steps of the
+    # recorded size). Each says one line, and the run keeps the config.gin its checkpoints
+    # were trained with, and its checkpoints.
     saved = sorted(os.listdir(full / "checkpoints"))
-    proc, log = train_cli(full, shapes_cache, *base, "train.num_steps = 6",
-                          "build_optimizers.warmup_steps = -1")
-    assert proc.returncode == 1 and "Traceback" not in log, log[-4000:]
+    resume = ["--gin_file=tiny.gin", f"--gin_param=SHAPES_CACHE_DIR='{shapes_cache}'",
+              *[f"--gin_param={p}" for p in (*base, "train.num_steps = 6")],
+              f"--model_dir={full}"]
+    bad_binding, other_batch = tool_helpers.run_tools(
+        ("train.py", *resume, "--gin_param=build_optimizers.warmup_steps = -1"),
+        ("train.py", *resume, "--gin_param=GLOBAL_BATCH_SIZE = 2"))
+    log = bad_binding.stdout + bad_binding.stderr
+    assert bad_binding.returncode == 1 and "Traceback" not in log, log[-4000:]
     assert "build_optimizers.warmup_steps = -1 (int) must be an int >= 0" in log, log[-4000:]
-    assert (full / "config.gin").read_text() == config_gin
-    assert sorted(os.listdir(full / "checkpoints")) == saved
-    # Resumed with another batch size: refused before anything is built (the input position
-    # and the epoch schedule count steps of the recorded size).
-    proc, log = train_cli(full, shapes_cache, *base, "train.num_steps = 6",
-                          "GLOBAL_BATCH_SIZE = 2")
-    assert proc.returncode == 1 and "Traceback" not in log, log[-4000:]
+    log = other_batch.stdout + other_batch.stderr
+    assert other_batch.returncode == 1 and "Traceback" not in log, log[-4000:]
     assert "trained to step 4 at 4 images per step" in log and "gives 2" in log, log[-4000:]
+    assert (full / "config.gin").read_text() == config_gin
     assert sorted(os.listdir(full / "checkpoints")) == saved
 
 
