@@ -45,10 +45,15 @@ def run(args, timeout=900, env=None, **kwargs):
     return proc, proc.stdout + proc.stderr
 
 
+def _train_args(model_dir, cache, *params):
+    """("train.py", its flags): tiny.gin on the shapes in `cache`, for tool_helpers.run_tools."""
+    return ("train.py", "--gin_file=tiny.gin", f"--gin_param=SHAPES_CACHE_DIR='{cache}'",
+            *[f"--gin_param={p}" for p in params], f"--model_dir={model_dir}")
+
+
 def train_cli(model_dir, cache, *params):
-    return run([sys.executable, str(REPO / "tools" / "train.py"), "--gin_file=tiny.gin",
-                f"--gin_param=SHAPES_CACHE_DIR='{cache}'", *[f"--gin_param={p}" for p in params],
-                f"--model_dir={model_dir}"])
+    script, *args = _train_args(model_dir, cache, *params)
+    return run([sys.executable, str(REPO / "tools" / script), *args])
 
 
 def _prog(mode, name, shapes_cache, tmp_path_factory, **kwargs):
@@ -423,8 +428,14 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     base = (*LIGHT, "train.deterministic = True", "train.checkpoint_every = 2")
     common = (*base, "train.num_steps = 4", "train.log_every = 1")
-    # tiny.gin does not evaluate, so a binding of the evaluation is never used: said at the end.
-    proc, log = train_cli(full, shapes_cache, *common, "coco_evaluate.batch_size = 2")
+    # The uninterrupted run, and the interrupted one's first 2 steps, in one process
+    # (tools/train.py's main twice; flags, Gin and Keras reset between); the resume below starts
+    # a process of its own, as after a preemption. tiny.gin does not evaluate, so a binding of
+    # the evaluation is never used: said at the end.
+    proc, interrupted = tool_helpers.run_tools(
+        _train_args(full, shapes_cache, *common, "coco_evaluate.batch_size = 2"),
+        _train_args(part, shapes_cache, *base, "train.num_steps = 2"))
+    log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "detr_tf: note: --gin_param coco_evaluate.batch_size was not used" in log, log[-4000:]
     # The last line says how long the run took, and where the time went.
@@ -449,8 +460,7 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
 
     # Interrupted after 2 steps, resumed to 4 (dropout on): the uninterrupted run's weights and
     # losses (tests/resume_helpers.py; tests/test_resume.py runs it on 2 processes too).
-    proc, log = train_cli(part, shapes_cache, *base, "train.num_steps = 2")
-    assert proc.returncode == 0, log[-4000:]
+    assert interrupted.returncode == 0, (interrupted.stdout + interrupted.stderr)[-4000:]
     proc, log = train_cli(part, shapes_cache, *common)
     assert proc.returncode == 0 and "resumed from" in log and "at step 2" in log, log[-4000:]
     assert_resumed_exactly(full, part, 2, 4)
@@ -465,12 +475,10 @@ def test_run_outputs_and_exact_resume(shapes_cache, tmp_path):
     # recorded size). Each says one line, and the run keeps the config.gin its checkpoints
     # were trained with, and its checkpoints.
     saved = sorted(os.listdir(full / "checkpoints"))
-    resume = ["--gin_file=tiny.gin", f"--gin_param=SHAPES_CACHE_DIR='{shapes_cache}'",
-              *[f"--gin_param={p}" for p in (*base, "train.num_steps = 6")],
-              f"--model_dir={full}"]
+    resume = (*base, "train.num_steps = 6")
     bad_binding, other_batch = tool_helpers.run_tools(
-        ("train.py", *resume, "--gin_param=build_optimizers.warmup_steps = -1"),
-        ("train.py", *resume, "--gin_param=GLOBAL_BATCH_SIZE = 2"))
+        _train_args(full, shapes_cache, *resume, "build_optimizers.warmup_steps = -1"),
+        _train_args(full, shapes_cache, *resume, "GLOBAL_BATCH_SIZE = 2"))
     log = bad_binding.stdout + bad_binding.stderr
     assert bad_binding.returncode == 1 and "Traceback" not in log, log[-4000:]
     assert "build_optimizers.warmup_steps = -1 (int) must be an int >= 0" in log, log[-4000:]
