@@ -1,11 +1,10 @@
 """Every flag a tool takes is listed in its --help: absl lists only the tool's own key flags, so
 a tool that takes flags defined in a shared module (cli, compare) must adopt that module's."""
-import json
 import re
 
 import pytest
 
-from tool_helpers import REPO, run_python
+from tool_helpers import REPO, run_python, run_tools
 
 SHARED_FLAG_MODULES = ("cli", "compare")
 TOOLS = sorted(p.name for p in (REPO / "tools").glob("*.py"))
@@ -43,37 +42,19 @@ def test_help_lists_the_shared_modules_flags_without_loading_tensorflow():
 
 FIXTURE_SCRIPTS = sorted(p.name for p in (REPO / "tools").glob("make_*_fixtures.py"))
 
-# Every fixture script run as `python tools/<script> --help` and `... --output=x`, in one
-# process (a process each cost ~0.3 s): the exit code, stdout and stderr of each run.
-RUN_EACH = """
-import contextlib, io, json, runpy, sys
-sys.path.insert(0, {tools!r})
-results = {{}}
-for script in {scripts!r}:
-    for arg in ("--help", "--output=x"):
-        sys.argv = [{tools!r} + "/" + script, arg]
-        out, err, code = io.StringIO(), io.StringIO(), 0
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                runpy.run_path(sys.argv[0], run_name="__main__")
-            except SystemExit as e:
-                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        results[script + " " + arg] = [code, out.getvalue(), err.getvalue()]
-print(json.dumps(results))
-"""
-
 
 @pytest.fixture(scope="module")
 def fixture_script_runs():
-    """(each run's [exit code, stdout, stderr] by 'script arg', whether tests/fixtures/ is
-    unchanged after them all)."""
+    """Every fixture script run as `python tools/<script> --help` and `... --output=x`, all in
+    one process (run_tools; a process each cost ~0.3 s): (each run's CompletedProcess by
+    'script arg', whether tests/fixtures/ is unchanged after them all)."""
     def stamps():
         return {p: p.stat().st_mtime_ns for p in (REPO / "tests" / "fixtures").rglob("*")}
 
     before = stamps()
-    proc = run_python(RUN_EACH.format(tools=str(REPO / "tools"), scripts=FIXTURE_SCRIPTS),
-                      timeout=120)
-    return json.loads(proc.stdout.splitlines()[-1]), stamps() == before
+    calls = [(script, arg) for script in FIXTURE_SCRIPTS for arg in ("--help", "--output=x")]
+    results = run_tools(*calls, timeout=120)
+    return {" ".join(call): result for call, result in zip(calls, results)}, stamps() == before
 
 
 @pytest.mark.parametrize("script", FIXTURE_SCRIPTS)
@@ -82,8 +63,10 @@ def test_a_fixture_script_asked_for_help_says_what_it_writes_and_writes_nothing(
     """A run rewrites committed fixtures (with torch) or fails on its import (without): --help
     must do neither, and an argument it does not take is refused."""
     runs, fixtures_unchanged = fixture_script_runs
-    code, out, err = runs[f"{script} --help"]
-    assert code == 0 and out.startswith("Regenerates tests/fixtures/"), out[:300] + err[-1000:]
-    code, out, err = runs[f"{script} --output=x"]
-    assert code == 2 and "takes no arguments, got --output=x" in err, err[-1000:]
+    helped = runs[f"{script} --help"]
+    assert helped.returncode == 0 and helped.stdout.startswith("Regenerates tests/fixtures/"), (
+        helped.stdout[:300] + helped.stderr[-1000:])
+    refused = runs[f"{script} --output=x"]
+    assert refused.returncode == 2 and "takes no arguments, got --output=x" in refused.stderr, (
+        refused.stderr[-1000:])
     assert fixtures_unchanged

@@ -35,7 +35,7 @@ def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
 # other: flags, Gin config and Keras session reset in between, each one's output and exit
 # status its own (a SystemExit message is its stderr's last line and status 1, as Python does).
 _TOOLS_PROGRAM = """
-import contextlib, io, json, runpy, sys, time, traceback
+import contextlib, io, json, os, runpy, sys, time, traceback
 import gin
 from absl import app, flags
 app.define_help_flags()  # absl's own flags stay; each tool's are removed after it
@@ -44,6 +44,7 @@ for script, *args in json.loads(sys.argv[1]):
     before, out, err, code = set(flags.FLAGS), io.StringIO(), io.StringIO(), 0
     started = time.time()
     sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(script)  # as `python script` puts its folder first
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path(script, run_name="__main__")
@@ -58,8 +59,8 @@ for script, *args in json.loads(sys.argv[1]):
         delattr(flags.FLAGS, name)
     flags.FLAGS.unparse_flags()
     gin.clear_config()
-    import tf_keras  # after the tool: the first one's imports set TensorFlow's environment
-    tf_keras.backend.clear_session()
+    if "tf_keras" in sys.modules:  # imported by the tool: its imports set TensorFlow's environment
+        sys.modules["tf_keras"].backend.clear_session()
     results.append([code or 0, out.getvalue(), err.getvalue(), started])
 print(json.dumps(results))
 """
