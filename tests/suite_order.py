@@ -20,9 +20,9 @@ LONGEST_FILES = ("test_trainer.py", "test_trainer_paths.py", "test_tools_e2e.py"
                  "test_jit_matcher.py", "test_init_from_ema.py", "test_horovod.py",
                  "test_step_deferred.py", "test_deformable_detr.py", "test_hardware.py",
                  "test_data_shapes.py", "test_gin_bindings.py", "test_fused_adamw.py",
-                 "test_predict.py", "test_resume.py", "test_matcher_costs.py",
-                 "test_benchmark_deformable.py", "test_benchmarks.py", "test_rcnn_head.py",
-                 "test_import_configs.py", "test_hybrid_queries.py")
+                 "test_predict.py", "test_recipe_references.py", "test_resume.py",
+                 "test_matcher_costs.py", "test_benchmark_deformable.py", "test_benchmarks.py",
+                 "test_rcnn_head.py", "test_import_configs.py", "test_hybrid_queries.py")
 
 
 def longest_files_first(items) -> None:

@@ -1,5 +1,5 @@
-"""Which variables take no weight decay (the reference recipes' weight_decay-0 groups), and that
-both optimizer kinds leave them undecayed."""
+"""Which variables take no weight decay (the reference recipes' weight_decay-0 groups), that
+both optimizer kinds leave them undecayed, and which group's rate the backbone's norms take."""
 import re
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from detr_tf.training import decay_groups, optimization, state
+from detr_tf.training import decay_groups, optimization, state, step
 
 
 class _ConvNorm(tf_keras.layers.Layer):
@@ -72,6 +72,22 @@ def test_norms_and_biases_are_chosen_by_layer_type_and_place(norms, biases, want
 def test_a_bad_scope_is_named():
     with pytest.raises(ValueError, match="no_weight_decay.norms='some'"):
         decay_groups.no_weight_decay(_model(), norms="some")
+
+
+@pytest.mark.parametrize("backbone_norms, slow", [
+    ("backbone", BACKBONE_BIASES + ["bconv/kernel"] + BACKBONE_NORMS),
+    ("main", BACKBONE_BIASES + ["bconv/kernel"]),  # DEIM-S
+])
+def test_backbone_norms_take_the_group_asked_for(backbone_norms, slow):
+    model = _model()
+    got_slow, got_rest = step.split_variables(model, backbone_norms=backbone_norms)
+    assert _names(got_slow) == sorted(slow)
+    assert _names(got_slow + got_rest) == _names(model.trainable_variables)
+
+
+def test_a_bad_backbone_norms_group_is_named():
+    with pytest.raises(ValueError, match="split_variables.backbone_norms='head'"):
+        step.split_variables(_model(), backbone_norms="head")
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "tf_keras"])

@@ -23,8 +23,14 @@ Sources (repository, file):
 The weight-decay exemptions are checked by applying each reference's own parameter-group rule
 (its regular expressions or keywords, first matching group wins) to representative torch
 parameter names of its model, and comparing what it exempts with what the recipe's
-`no_weight_decay` scopes exempt, over the parameter kinds the reference model trains.
+`no_weight_decay` scopes exempt, over the parameter kinds the reference model trains. For
+D-FINE and DEIM, whose groups set rates too, every trainable variable of the model the recipe
+builds (at the narrow weight fixture's widths) is checked: its original D-FINE names (those of
+tests/fixtures/dfine/model_original.safetensors, through the importer's renaming) put through
+the reference's groups as its optimizer does give the rate and weight decay the recipe gives it.
 """
+import collections
+import gzip
 import inspect
 import re
 
@@ -32,18 +38,23 @@ import gin
 import numpy as np
 import pytest
 import tensorflow as tf
+from safetensors.numpy import load as load_safetensors
 
-from detr_tf import config
+from detr_tf import config, run
 from detr_tf.modeling import dfine
 from detr_tf.training import decay_groups, optimization, step, trainer
+from detr_tf.weights import layouts
+from detr_tf.weights.dfine import model as dfine_weights
+from tests import dfine_weights_helpers
 from tests.test_gin_configs import GIN_DIR, required_macros
 
 
-def _parse(name):
+def _parse(name, bindings=()):
     path = GIN_DIR / name
     gin.clear_config()
     config.parse_gin_config(
-        [str(path)], [f"{m} = '/dummy/{m.lower()}'" for m in required_macros(path)],
+        [str(path)],
+        [f"{m} = '/dummy/{m.lower()}'" for m in required_macros(path)] + list(bindings),
         finalize=False)
 
 
@@ -145,15 +156,47 @@ def _keywords(*words):
     return lambda name: any(w in name for w in words)
 
 
+# D-FINE's and DEIM's parameter groups, in their configs' order: (pattern, the group's lr,
+# its weight_decay; None: the optimizer's). `(?!.*norm|bn)` reads as (?!(.*norm)|(bn)): no
+# "norm" in the name and no "bn" at its start, so HGNetV2's batch norms (`...bn.weight`) are in.
+def _d_fine_nsm(backbone_lr):  # D-FINE N, S, M; DEIM N
+    return [(r"^(?=.*backbone)(?!.*norm|bn).*$", backbone_lr, None),
+            (r"^(?=.*backbone)(?=.*norm|bn).*$", backbone_lr, 0.0),
+            (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn|bias)).*$", None, 0.0)]
+
+
+def _d_fine_lx(backbone_lr):  # D-FINE L, X; DEIM L, X
+    return [(r"^(?=.*backbone)(?!.*norm|bn).*$", backbone_lr, None),
+            (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn)).*$", None, 0.0)]
+
+
+def _deim_sm(backbone_lr):  # DEIM S, M (deim_hgnetv2_{s,m}_coco.yml)
+    return [(r"^(?=.*backbone)(?!.*bn).*$", backbone_lr, None),
+            (r"^(?=.*(?:norm|bn)).*$", None, 0.0)]
+
+
+# name: (the optimizer's lr, its weight decay, the groups)
+PARAM_GROUPS = {
+    "dfine_n.gin": (8e-4, 1e-4, _d_fine_nsm(4e-4)),
+    "dfine_s.gin": (2e-4, 1e-4, _d_fine_nsm(1e-4)),
+    "dfine_m.gin": (2e-4, 1e-4, _d_fine_nsm(2e-5)),
+    "dfine_l.gin": (2.5e-4, 1.25e-4, _d_fine_lx(1.25e-5)),
+    "dfine_x.gin": (2.5e-4, 1.25e-4, _d_fine_lx(2.5e-6)),
+    "deim_dfine_s.gin": (4e-4, 1e-4, _deim_sm(2e-4)),
+    "deim_dfine_l.gin": (5e-4, 1.25e-4, _d_fine_lx(2.5e-5)),
+}
+
+
+def _decay_rule(groups):
+    return _groups(*((pattern, wd == 0.0) for pattern, _, wd in groups))
+
+
 _NOTHING = _groups()
 # detrex's weight_decay_norm picks norm layers by type; the names below of norm layers say
 # "norm".
 _IS_NORM = _keywords(".norm")
-_D_FINE_NSM = _groups((r"^(?=.*backbone)(?!.*norm|bn).*$", False),
-                      (r"^(?=.*backbone)(?=.*norm|bn).*$", True),
-                      (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn|bias)).*$", True))
-_D_FINE_LX = _groups((r"^(?=.*backbone)(?!.*norm|bn).*$", False),
-                     (r"^(?=.*(?:encoder|decoder))(?=.*(?:norm|bn)).*$", True))
+_D_FINE_NSM = _decay_rule(_d_fine_nsm(None))
+_D_FINE_LX = _decay_rule(_d_fine_lx(None))
 # name: (the reference's rule, its model's names, the kinds its model trains)
 DECAY = {
     "detr_r50.gin": (_NOTHING, _RESNET, None),
@@ -183,8 +226,7 @@ DECAY = {
     "dfine_m.gin": (_D_FINE_NSM, _HGNET, None),
     "dfine_l.gin": (_D_FINE_LX, _HGNET, {("head", "norm"), ("head", "bias")}),
     "dfine_x.gin": (_D_FINE_LX, _HGNET, {("head", "norm"), ("head", "bias")}),
-    "deim_dfine_s.gin": (_groups((r"^(?=.*backbone)(?!.*bn).*$", False),
-                                 (r"^(?=.*(?:norm|bn)).*$", True)), _HGNET, None),
+    "deim_dfine_s.gin": (_decay_rule(_deim_sm(None)), _HGNET, None),
     # DEIM's base config unfreezes D-FINE-L's backbone norms; they take L's groups.
     "deim_dfine_l.gin": (_D_FINE_LX, _HGNET, {("backbone", "norm"), ("head", "norm"),
                                               ("head", "bias")}),
@@ -215,6 +257,54 @@ def test_recipe_weight_decay_exemptions_match_the_reference_groups(name):
     got = {(part, kind) for part, kind in kinds
            if scopes[kind] == "all" or (scopes[kind] == "head" and part == "head")}
     assert got == want, f"{name}: scopes {scopes}"
+
+
+@pytest.fixture(scope="module")
+def original_names():
+    """{transformers 5.x key: original D-FINE name} for the narrow fixture model's tensors."""
+    with gzip.open(dfine_weights_helpers.FIXTURES / "model_original.safetensors.gz", "rb") as f:
+        tensors = load_safetensors(f.read())
+    return {key: name for key, (name, _) in layouts.ORIGINAL_DFINE.to_canonical(tensors).items()}
+
+
+def _reference_rate_and_decay(name, lr, weight_decay, groups):
+    """As get_optim_params (D-FINE's and DEIM's solver): a parameter joins each group whose
+    pattern re.findall matches (torch refuses one in two groups), else the optimizer's own."""
+    hits = [(g_lr, g_wd) for pattern, g_lr, g_wd in groups if re.findall(pattern, name)]
+    assert len(hits) <= 1, f"{name} is in {len(hits)} of the reference's groups"
+    g_lr, g_wd = hits[0] if hits else (None, None)
+    return (lr if g_lr is None else g_lr, weight_decay if g_wd is None else g_wd)
+
+
+@pytest.mark.parametrize("name", sorted(PARAM_GROUPS))
+def test_each_variable_takes_the_reference_groups_rate_and_decay(name, original_names):
+    lr, weight_decay, groups = PARAM_GROUPS[name]
+    # The fixture's widths (N's two levels take two of its points); freezing and groups stay
+    # the recipe's.
+    narrow = dfine_weights_helpers.NARROW_BINDINGS + (
+        ["NUM_POINTS = (3, 6)"] if name == "dfine_n.gin" else [])
+    _parse(name, narrow)
+    try:
+        model = run.assemble().build_model()
+        slow = {v.ref() for v in step.split_variables(model)[0]}
+        exempt = {v.ref() for v in decay_groups.no_weight_decay(model)}
+        main_lr, backbone_lr, wd = (_effective(optimization.build_optimizers, arg) for arg in (
+            "learning_rate", "backbone_learning_rate", "weight_decay"))
+    finally:
+        gin.clear_config()
+    names = collections.defaultdict(list)
+    for key, target in dfine_weights.torch_targets(model).items():
+        if key in original_names:  # not the heads' top-level aliases
+            names[target.variable.ref()].append(original_names[key])
+    wrong = {}
+    for v in model.trainable_variables:
+        assert names[v.ref()], f"{v.name}: no original name"
+        got = (backbone_lr if v.ref() in slow else main_lr, 0.0 if v.ref() in exempt else wd)
+        for original in names[v.ref()]:
+            want = _reference_rate_and_decay(original, lr, weight_decay, groups)
+            if got != want:
+                wrong[original] = f"(lr, weight decay) {got}, the reference's {want}"
+    assert not wrong, f"{name}: {len(wrong)} parameters, e.g. {sorted(wrong.items())[:4]}"
 
 
 def test_deim_unfreezes_the_backbone():

@@ -15,14 +15,17 @@ select, per recipe:
 
 (D-FINE's backbone pattern `(?!.*norm|bn)` reads as "no `norm` in the name", and HGNetV2 names
 its batch norms `bn`, so its backbone norms decay there; D-FINE L and X freeze them, DEIM L
-trains and decays them.)
+trains and decays them. DEIM S's backbone pattern is `(?!.*bn)` and its norm group
+`(?=.*(?:norm|bn))` sets no rate: its backbone's batch norms train at the main rate, which
+`split_variables.backbone_norms = 'main'` gives them, detr_tf/training/step.py. Of the sizes
+not shipped here, DEIM N has D-FINE N's patterns, DEIM M DEIM S's and DEIM X D-FINE L's.)
 
 Norms are found by layer type, not name: a layer whose class is a normalization (its name
 ends in `Norm` or `Normalization`) and holds no other layers. Biases are variables named
-`bias` outside norm layers. "Outside the backbone" is what the backbone's learning rate is not
-given to: the model's variables that `model.backbone` does not hold.
+`bias` outside norm layers. "Outside the backbone": the model's variables that
+`model.backbone` does not hold, whichever group's rate they take.
 """
-from typing import List
+from typing import List, Set
 
 import gin
 import tf_keras
@@ -34,6 +37,13 @@ def _is_norm(layer) -> bool:
     name = type(layer).__name__
     nested = list(layer._flatten_layers(include_self=False))  # noqa: SLF001
     return name.endswith(("Norm", "Normalization")) and not nested
+
+
+def norm_variables(model: tf_keras.Model) -> Set:
+    """The refs of the trainable variables of `model`'s normalization layers (by layer type)."""
+    return {v.ref() for layer in model.submodules
+            if isinstance(layer, tf_keras.layers.Layer) and _is_norm(layer)
+            for v in layer.trainable_variables}
 
 
 @gin.configurable
@@ -54,9 +64,7 @@ def no_weight_decay(model: tf_keras.Model, norms: str = "none",
         if value not in SCOPES:
             raise ValueError(f"no_weight_decay.{name}={value!r} is not one of {SCOPES}")
     backbone = {v.ref() for v in model.backbone.trainable_variables}
-    norm_vars = {v.ref() for layer in model.submodules
-                 if isinstance(layer, tf_keras.layers.Layer) and _is_norm(layer)
-                 for v in layer.trainable_variables}
+    norm_vars = norm_variables(model)
 
     def exempt(v) -> bool:
         scope = norms if v.ref() in norm_vars else (

@@ -19,7 +19,7 @@ import gin
 import tensorflow as tf
 
 from detr_tf.losses import boxes as box_losses
-from detr_tf.training import fused_adamw, hardware
+from detr_tf.training import decay_groups, fused_adamw, hardware
 
 JIT_CHOICES = ("auto", "step", "loss", "matcher", "none")
 
@@ -329,8 +329,11 @@ class _Opaque:
         self.value = value
 
 
+BACKBONE_NORM_GROUPS = ("backbone", "main")
+
+
 @gin.configurable
-def split_variables(model, slow_patterns: Sequence[str] = ()):
+def split_variables(model, slow_patterns: Sequence[str] = (), backbone_norms: str = "backbone"):
     """(slow, rest) trainable variables, for build_optimizers' (backbone, main) groups.
 
     The slow group holds the backbone's own variables (not a guess from names) and every other
@@ -339,8 +342,17 @@ def split_variables(model, slow_patterns: Sequence[str] = ()):
     and reference points at 0.1x the main rate, which is its backbone's rate: its configs bind
     `split_variables.slow_patterns = ('sampling_offsets', 'reference_points')`. A pattern that
     names no variable is an error (a misspelt binding would otherwise change nothing).
+
+    `backbone_norms='main'` gives the backbone's normalization layers (found by layer type, as
+    detr_tf/training/decay_groups.py finds them) the main group: DEIM-S's parameter groups leave
+    its backbone's batch norms out of the backbone's rate.
     """
+    if backbone_norms not in BACKBONE_NORM_GROUPS:
+        raise ValueError(f"split_variables.backbone_norms={backbone_norms!r} is not one of "
+                         f"{BACKBONE_NORM_GROUPS}")
     backbone_ids = {v.ref() for v in model.backbone.trainable_variables}
+    if backbone_norms == "main":
+        backbone_ids -= decay_groups.norm_variables(model)
     named = {p: [v for v in model.trainable_variables if p in v.name.split("/")]
              for p in slow_patterns}
     unmatched = [p for p, vs in named.items() if not vs]
