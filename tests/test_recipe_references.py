@@ -13,7 +13,8 @@ Sources (repository, file):
   focus_detr_r50_4scale_36ep.py, whose `lr_multiplier_24_36ep` the authors' repository
   (huawei-noah/noah-research, Focus-DETR/configs/common/coco_schedule.py) defines as
   default_coco_scheduler(36, 20, 0).
-- RT-DETR v1: lyuwenyu/RT-DETR, rtdetr_pytorch/configs/rtdetr/*.yml and include/optimizer.yml;
+- RT-DETR v1: lyuwenyu/RT-DETR, rtdetr_pytorch/configs/rtdetr/*.yml and include/optimizer.yml
+  (its src/solver and src/core/yaml_config.py build no rate warmup: only the EMA warms up);
   v2: rtdetrv2_pytorch/configs/rtdetrv2/*.yml and include/optimizer.yml.
 - D-FINE: Peterande/D-FINE's released configs/dfine/dfine_hgnetv2_{n,s,m,l,x}_coco.yml and
   include/optimizer.yml (earlier versions of S and M differed: the recipe headers say which).
@@ -80,9 +81,10 @@ OPTIMIZERS = {
     # detrex's lr_factor_func slows the backbone only.
     "rank_detr_r50.gin": (16, 12, 1e-4, 1e-5, 1e-4, (11,), 0, 0.1, ()),
     "focus_detr_r50.gin": (16, 36, 1e-4, 1e-5, 1e-4, (20,), 0, 0.1, ()),
-    "rtdetr_r18vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
-    "rtdetr_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),
-    "rtdetr_r101vd.gin": (16, 72, 1e-4, 1e-6, 1e-4, (), 2000, 0.1, ()),
+    # v1 warms up only its EMA; v2 adds include/optimizer.yml's lr_warmup_scheduler.
+    "rtdetr_r18vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 0, 0.1, ()),
+    "rtdetr_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 0, 0.1, ()),
+    "rtdetr_r101vd.gin": (16, 72, 1e-4, 1e-6, 1e-4, (), 0, 0.1, ()),
     # v2-S has no backbone group: the backbone trains at the main rate.
     "rtdetr_v2_r18vd.gin": (16, 120, 1e-4, 1e-4, 1e-4, (), 2000, 0.1, ()),
     "rtdetr_v2_r50vd.gin": (16, 72, 1e-4, 1e-5, 1e-4, (), 2000, 0.1, ()),

@@ -7,7 +7,9 @@ The references step their schedulers so that optimizer step s (0-based) uses:
   batch 16 (epoch 20 of 36 in its 7500-iteration epochs; here per epoch), no warmup;
 - Relation-DETR: torch's LinearLR (0.001 -> 1 over the first 1000 steps), then MultiStepLR per
   epoch at milestone 10;
-- RT-DETR, D-FINE: LinearWarmup, min(1, (s + 1) / warmup), and a milestone past the run;
+- RT-DETR v1: MultiStepLR per epoch with its milestone (1000) past the run, no warmup (its
+  solver warms up only the EMA);
+- RT-DETRv2, D-FINE: LinearWarmup, min(1, (s + 1) / warmup), and a milestone past the run;
 - DEIM: flat_cosine_schedule with its quadratic warmup, init_lr * (s / warmup_iter)^2.
 Step counts come from the recipe's epochs and the dataset's examples per global batch, as the
 references' len(data_loader) with drop_last.
@@ -57,11 +59,18 @@ RECIPES = {
     "focus_detr_r50.gin": (16, 36, 1e-4, 1e-5, lambda s, spe, n, b: _step_decay(s, spe, b, [20])),
     "relation_detr_r50.gin": (16, 12, 1e-4, 1e-5, lambda s, spe, n, b: _step_decay(
         s, spe, b, [10], 1000, linear_lr=True)),
+    "rtdetr_r18vd.gin": (16, 72, 1e-4, 1e-5,
+                         lambda s, spe, n, b: _step_decay(s, spe, b, [1000])),
     "rtdetr_r50vd.gin": (16, 72, 1e-4, 1e-5,
-                         lambda s, spe, n, b: _step_decay(s, spe, b, [], 2000)),
+                         lambda s, spe, n, b: _step_decay(s, spe, b, [1000])),
     # R101-vd's own backbone rate, 1e-6 (rtdetr_r101vd_6x_coco.yml).
     "rtdetr_r101vd.gin": (16, 72, 1e-4, 1e-6,
-                          lambda s, spe, n, b: _step_decay(s, spe, b, [], 2000)),
+                          lambda s, spe, n, b: _step_decay(s, spe, b, [1000])),
+    # v2-S has no backbone group: its backbone trains at the main rate.
+    "rtdetr_v2_r18vd.gin": (16, 120, 1e-4, 1e-4,
+                            lambda s, spe, n, b: _step_decay(s, spe, b, [1000], 2000)),
+    "rtdetr_v2_r50vd.gin": (16, 72, 1e-4, 1e-5,
+                            lambda s, spe, n, b: _step_decay(s, spe, b, [1000], 2000)),
     "dfine_n.gin": (128, 160, 8e-4, 4e-4, lambda s, spe, n, b: _step_decay(s, spe, b, [], 500)),
     "dfine_l.gin": (32, 80, 2.5e-4, 1.25e-5, lambda s, spe, n, b: _step_decay(s, spe, b, [], 500)),
     "deim_dfine_l.gin": (32, 58, 5e-4, 2.5e-5, lambda s, spe, n, b: _deim(
