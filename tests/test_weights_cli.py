@@ -103,6 +103,32 @@ def test_a_training_run_starts_from_the_imported_directory(imported):
     assert "left at their initial values: none" in result.stdout
 
 
+def test_weights_it_cannot_read_are_refused_in_one_line_naming_the_flag(tmp_path):
+    """Before TensorFlow loads (three refusals in one process), and nothing is written."""
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "model.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(8))
+    given = {"missing": str(tmp_path / "no" / "y.pth"), "directory": str(tmp_path / "a_dir"),
+             "unknown": str(tmp_path / "model.h5")}
+    out = tmp_path / "out"
+    results = tool_helpers.run_tools(*[
+        ("import_weights.py", "--gin_file=gin_configs/tiny.gin", f"--weights={path}",
+         f"--output_dir={out}") for path in given.values()], timeout=120)
+    expected = ("give a .safetensors or torch .pth file, a save_pretrained directory, or a "
+                "detr_tf run directory or ckpt-N prefix")
+    said = {
+        "missing": f"does not exist: {expected}",
+        "directory": ("is a directory with no complete detr_tf checkpoint in it (nor in its "
+                      "checkpoints/) and no model.safetensors / model.safetensors.index.json / "
+                      f"pytorch_model.bin / pytorch_model.bin.index.json: {expected}"),
+        "unknown": ("is neither a safetensors file nor a torch checkpoint (first bytes "
+                    f"b'\\x89HDF\\r\\n\\x1a\\n'): {expected}")}
+    for (case, path), result in zip(given.items(), results):
+        assert result.returncode == 1, (case, result.stdout, result.stderr)
+        assert result.stderr.splitlines() == [
+            f"import_weights.py: --weights={path!r} {said[case]}"], (case, result.stderr)
+    assert not out.exists()
+
+
 def test_refuses_to_overwrite_a_run_in_one_line(imported):
     result = imported["again"]
     assert result.returncode == 1 and "Traceback" not in result.stderr

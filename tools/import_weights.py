@@ -14,19 +14,20 @@ file) or `build_model` (a model file), in float32. Prints the import report (ten
 file tensors not used, model variables left at their initial values, heads re-initialised) and
 writes OUTPUT_DIR/config.gin and OUTPUT_DIR/checkpoints/ckpt-0, which tools/eval.py, predict.py
 and export.py read with --model_dir=OUTPUT_DIR (given an experiment file; the last lines say
-what to run). Anything unexpected fails with the key, the shapes and the file, and nothing is
-written; --skip says what is left out on purpose.
+what to run). A --weights that is missing, unreadable or of no kind read fails in one line
+naming it before anything loads; anything unexpected in it fails with the key, the shapes and
+the file. Either way nothing is written; --skip says what is left out on purpose.
 """
 import sys
 
 from absl import app, flags, logging
 
-from detr_tf import cli
+from detr_tf import cli, weight_sources
 
 cli.define_gin_flags(example="NUM_CLASSES = 3")
 flags.adopt_module_key_flags(cli)  # list them in this tool's --helpshort
-flags.DEFINE_string("weights", None, "A .safetensors, a torch .pth (needs torch) or a detr_tf "
-                    "model_dir / checkpoint prefix (formats: this tool's docstring).")
+cli.define_path_flag("weights", "A .safetensors, a torch .pth (needs torch) or a detr_tf "
+                     "model_dir / checkpoint prefix (formats: this tool's docstring).")
 flags.DEFINE_string("output_dir", None, "The run directory to write (must hold no checkpoint).")
 flags.DEFINE_multi_string("skip", [], "Glob of file keys or model variables deliberately not "
                           "imported, e.g. --skip='class_embed.*' (repeatable).")
@@ -45,6 +46,11 @@ def main(argv):
         sys.exit("import_weights.py: --gin_file is required (the model to import into), e.g. "
                  "--gin_file=gin_configs/detr_r50.gin")
     cli.check_output_dir("import_weights.py", "output_dir", FLAGS.output_dir)
+    # Before TensorFlow loads and the model is built, and with the flag named: the reader's own
+    # error names only the file (it also serves train.init_weights).
+    said = weight_sources.problem(FLAGS.weights)
+    if said:
+        sys.exit(f"import_weights.py: --weights={FLAGS.weights!r} {said}")
     # Only the model is built: the data and backbone-weight macros an experiment file requires
     # for training may stay unset.
     cli.parse_gin_or_exit("import_weights.py", FLAGS.gin_file, FLAGS.gin_param,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
+from detr_tf import weight_sources
 from detr_tf.training import (checkpoint_restore, checkpointing, decay_groups, ema_restore,
                               fused_adamw, hardware, optimization, slot_restore)
 from detr_tf.training import ema as ema_lib
@@ -251,9 +252,10 @@ def start(state: TrainState, saver: checkpointing.CheckpointSaver, engine,
         where it has them, else its raw weights.
 
     Raises:
-      FileNotFoundError / ValueError: init_weights cannot be read or does not fit the model;
-        the message names the file and the tensor. ValueError: init_weights is given but no
-        weights_loader.
+      FileNotFoundError: init_weights does not exist or cannot be read; the message names
+        the binding. FileNotFoundError / ValueError from the loader: the file holds no weights
+        it reads, or they do not fit the model; the message names the file and the tensor.
+        ValueError: init_weights is given but no weights_loader.
     """
     say = (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
     step = resume(state, saver, engine)
@@ -270,9 +272,14 @@ def start(state: TrainState, saver: checkpointing.CheckpointSaver, engine,
             raise ValueError(f"train.init_weights={init_weights!r} but no train.weights_loader "
                              "reads it: bind train.weights_loader = @load_pretrained (as "
                              "train/detr_recipe.gin does)")
+        path = os.path.expanduser(init_weights)
+        # Named here, by its binding: the loader's errors name only the file. Whether it holds
+        # weights of a kind read is the injected loader's to say.
+        said = weight_sources.access_problem(path)
+        if said:
+            raise FileNotFoundError(f"train.init_weights={init_weights!r} {said}")
         # What to leave out is the loader's own Gin binding (`load_pretrained.skip`).
-        report = weights_loader(state.model, os.path.expanduser(init_weights),
-                                from_ema=init_from_ema)
+        report = weights_loader(state.model, path, from_ema=init_from_ema)
         say(f"detr_tf: initialised from {init_weights}\n{report}")
     engine.broadcast_variables(state.model.variables)
     if state.ema is not None:

@@ -6,19 +6,18 @@ directory or a sharded checkpoint's `*.index.json` stands for the files it holds
 - torch pickles (`.pth`, `.bin`): need torch, an optional extra; without it the error gives
   the one-line command that converts the file to safetensors on a machine that has torch;
 - detr_tf's TensorFlow checkpoints: a model_dir, its checkpoints/ directory or a ckpt prefix.
+The tests that tell them apart, and the words for a path that is none of them, are
+detr_tf/weight_sources.py's (which the tools and the trainer check a path with up front).
 """
 import json
 import os
-import struct
 from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
+from detr_tf import weight_sources
 from detr_tf.training import checkpoint_graph, checkpoint_restore, checkpointing
-
-_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
-_PICKLE_MAGIC = b"\x80"  # torch.save's legacy format starts with a pickle protocol opcode
 
 
 class WeightImportError(ValueError):
@@ -35,32 +34,19 @@ def convert_command(path: str) -> str:
             f"{path} {out}")
 
 
-def _is_safetensors(head: bytes) -> bool:
-    # An 8-byte little-endian header length, then the JSON header itself.
-    return len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] > 0
-
-
-# What transformers' save_pretrained writes into a model directory, in the order looked for.
-HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                   "pytorch_model.bin.index.json")
-
-
 def weight_files(path: str) -> List[str]:
     """The files holding the tensors `path` names: the file itself; the shards that a sharded
     checkpoint's `*.index.json` lists; for a `save_pretrained` directory, its weights (its
-    HF_WEIGHT_FILES, the first present).
+    weight_sources.HF_WEIGHT_FILES, the first present).
 
     Raises:
       WeightImportError: a directory without weights, or an index naming missing shards.
     """
     if os.path.isdir(path):
-        found = [os.path.join(path, n) for n in HF_WEIGHT_FILES
+        found = [os.path.join(path, n) for n in weight_sources.HF_WEIGHT_FILES
                  if os.path.isfile(os.path.join(path, n))]
         if not found:
-            raise WeightImportError(
-                f"{path!r} is a directory with no complete detr_tf checkpoint in it (nor in its "
-                f"checkpoints/) and no {' / '.join(HF_WEIGHT_FILES)} (a save_pretrained "
-                "directory); give a weight file, a run directory or a ckpt-N prefix")
+            raise WeightImportError(f"{path!r} {weight_sources.DIRECTORY_WITHOUT_WEIGHTS}")
         path = found[0]
     if not path.endswith(".index.json"):
         return [path]
@@ -102,11 +88,12 @@ def read_tensor_file(path: str) -> Dict[str, np.ndarray]:
 
 
 def _read_one(path: str) -> Dict[str, np.ndarray]:
-    if not os.path.isfile(path):
-        raise WeightImportError(f"weight file {path!r} does not exist")
+    said = weight_sources.problem(path)  # missing, unreadable, empty, of no kind read
+    if said:
+        raise WeightImportError(f"{path!r} {said}")
     with open(path, "rb") as f:
-        head = f.read(16)
-    if _is_safetensors(head):
+        kind = weight_sources.file_kind(f.read(16))
+    if kind == weight_sources.SAFETENSORS:
         from safetensors.numpy import load_file
 
         try:
@@ -114,12 +101,8 @@ def _read_one(path: str) -> Dict[str, np.ndarray]:
         except Exception as e:  # safetensors' own error type: a truncated or damaged file
             raise WeightImportError(f"{path!r} is not a readable safetensors file ({e}); it "
                                     "may be truncated (an interrupted download or copy)") from e
-    elif head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC):
-        tensors = _read_torch(path)
     else:
-        raise WeightImportError(
-            f"{path!r} is neither a safetensors file nor a torch checkpoint (first bytes "
-            f"{head[:8]!r}); expected a .safetensors, a torch .pth or a detr_tf checkpoint")
+        tensors = _read_torch(path)
     if not tensors:
         raise WeightImportError(f"{path!r} holds no tensors")
     # Floating point as float32; integers keep their type, so that the importer can refuse one
@@ -139,7 +122,7 @@ def read_aliases(path: str, keys) -> Dict[str, str]:
     metadata = {}
     for file in weight_files(path):
         with open(file, "rb") as f:
-            if not _is_safetensors(f.read(16)):
+            if weight_sources.file_kind(f.read(16)) != weight_sources.SAFETENSORS:
                 continue
         from safetensors import safe_open
 
