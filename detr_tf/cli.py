@@ -121,9 +121,11 @@ def define_run_flags(example: str = "") -> None:
     config.gin), --model_dir (required) and --checkpoint."""
     define_gin_flags(example, saved_config_default=True)
     define_path_flag("model_dir", "The training run's directory.")
-    flags.DEFINE_string("checkpoint", None, "A checkpoint prefix, one of its files, a "
-                        "name in MODEL_DIR/checkpoints such as ckpt-2000, or a directory (a "
-                        "run's or a checkpoints/ folder: its latest) (default: the latest in "
+    flags.DEFINE_string("checkpoint", None, "A checkpoint prefix, one of its files, or a "
+                        "directory (a run's or a checkpoints/ folder: its latest). A bare name "
+                        "(no /) is the run's: MODEL_DIR/checkpoints/NAME (ckpt-2000), else "
+                        "MODEL_DIR/NAME (best: the best evaluation's weights), before the "
+                        "working directory's (./NAME) (default: the latest in "
                         "MODEL_DIR/checkpoints).")
     flags.mark_flag_as_required("model_dir")
 

@@ -165,31 +165,45 @@ def _tools_ran(tmp_path_factory, variant: str) -> dict:
     trained run, in one process (tool_helpers.run_tools: one TensorFlow start-up for the
     three). eval.py writes into the run's eval/, which training's own evaluation is first
     removed from; predict.py keeps every query (threshold 0) so that the comparison with the
-    export is not empty; export.py reads the run's config.gin (no --gin_file)."""
+    export is not empty; export.py reads the run's config.gin (no --gin_file). Each names its
+    checkpoint by a bare name in the run, as a user does: eval.py ckpt-4, predict.py and
+    export.py best (the run's best/, here a copy of ckpt-4, as BestCheckpoint keeps it)."""
     if variant not in _TOOLS_RAN:
         trained = _trained(tmp_path_factory, variant)
         model_dir = trained["model_dir"]
+        _keep_as_best(model_dir / "checkpoints" / "ckpt-4")
         root = tmp_path_factory.mktemp(f"tools_{variant}")
         calls = {"predict": ("predict.py", *trained["gin"], f"--model_dir={model_dir}",
                              f"--images={trained['images']}", f"--output_dir={root / 'pred'}",
-                             "--score_threshold=0"),
+                             "--score_threshold=0", "--checkpoint=best"),
                  "export": ("export.py", f"--model_dir={model_dir}",
-                            f"--export_dir={root / 'export'}")}
+                            f"--export_dir={root / 'export'}", "--checkpoint=best")}
         if variant in EVALUATED:
             shutil.rmtree(model_dir / "eval", ignore_errors=True)  # the training run's
             calls = {"eval": ("eval.py", *trained["gin"], f"--model_dir={model_dir}",
-                              f"--checkpoint={model_dir / 'checkpoints' / 'ckpt-4'}"),
+                              "--checkpoint=ckpt-4"),
                      **calls}
         failing = {}
-        if variant == "detr":  # and its one-line exit on a run directory with no checkpoint
-            (model_dir.parent / "empty").mkdir()
+        if variant == "detr":  # and its one-line exits on a run directory with no checkpoint,
+            (model_dir.parent / "empty").mkdir()  # and on a name the run does not hold
             failing["no_checkpoint"] = ("eval.py", *trained["gin"],
                                         f"--model_dir={model_dir.parent / 'empty'}")
+            failing["no_such_name"] = ("eval.py", *trained["gin"], f"--model_dir={model_dir}",
+                                       "--checkpoint=ckpt-99")
         results = tool_helpers.run_tools(*calls.values(), *failing.values())
         _TOOLS_RAN[variant] = {name: _ok(result) for name, result in zip(calls, results)}
         _TOOLS_RAN[variant].update(zip(failing, results[len(calls):]))
         _TOOLS_RAN[variant].update(predicted=root / "pred", export_dir=root / "export")
     return _TOOLS_RAN[variant]
+
+
+def _keep_as_best(prefix: Path) -> None:
+    """Copies checkpoint `prefix`'s files to the run's best/ckpt, where BestCheckpoint keeps
+    the best evaluation's weights."""
+    best = prefix.parent.parent / "best"
+    best.mkdir(exist_ok=True)
+    for path in prefix.parent.glob(prefix.name + ".*"):
+        shutil.copy(path, best / ("ckpt" + path.name[len(prefix.name):]))
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +283,22 @@ def test_script_exits_with_one_line_for_a_run_without_checkpoint(run, tmp_path_f
     assert "Traceback" not in result.stderr, result.stderr
     for needle in ("eval.py", str(run["model_dir"].parent / "empty"), "no checkpoint"):
         assert needle in result.stderr, f"{needle!r} not in: {result.stderr}"
+
+
+def test_the_three_tools_read_a_bare_checkpoint_name_in_the_run(run, tmp_path_factory):
+    ran, model_dir = _tools_ran(tmp_path_factory, "detr"), run["model_dir"]
+    assert f"eval: restored {model_dir / 'checkpoints' / 'ckpt-4'}\n" in ran["eval"].stdout
+    for tool in ("predict", "export"):
+        out = ran[tool].stdout
+        assert f"--checkpoint=best is a directory ({model_dir / 'best'})" in out, out
+        assert f"{tool}: restored {model_dir / 'best' / 'ckpt'}\n" in out, out
+    # A name found nowhere: one line that lists what the run holds.
+    failed = ran["no_such_name"]
+    assert failed.returncode == 1 and failed.stderr.splitlines() == [
+        "eval.py: FileNotFoundError: --checkpoint='ckpt-99' is in neither --model_dir (nor its "
+        f"checkpoints/) nor the working directory; --model_dir={str(model_dir)!r} holds ckpt-4, "
+        "best: give one of these names, a checkpoint prefix, one of its files or a directory "
+        "holding checkpoints"], failed.stderr
 
 
 def test_errors_name_the_missing_thing(run, tmp_path):

@@ -2,6 +2,7 @@
 
     python tools/eval.py --gin_file=gin_configs/quickstart.gin --model_dir=/tmp/quickstart
     python tools/eval.py --model_dir=DIR --checkpoint=DIR/checkpoints/ckpt-2000
+    python tools/eval.py --model_dir=DIR --checkpoint=best   # DIR/best: a bare name is DIR's
 
 Restores the latest (or the given) checkpoint, with the EMA weights when the run kept them,
 prints the metrics table and the AP of each class, and writes DIR/eval/metrics.json (AP, AP50,

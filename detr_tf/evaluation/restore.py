@@ -6,7 +6,6 @@ run's bindings (detr_tf/run.py), which the run's config.gin records. A new model
 therefore needs no change here.
 """
 import os
-import re
 import tempfile
 from typing import Optional, Tuple
 
@@ -15,6 +14,7 @@ import tensorflow as tf
 import tf_keras
 
 from detr_tf import config, run as run_lib
+from detr_tf.evaluation import checkpoint_flag
 from detr_tf.training import checkpoint_restore, checkpointing, state as state_lib
 
 
@@ -36,9 +36,10 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
     Args:
       model_dir: the training run's directory; its latest checkpoint is used unless
         `checkpoint` is given.
-      checkpoint: what --checkpoint gave (`checkpoint_prefix`): a checkpoint prefix, e.g.
-        model_dir/checkpoints/ckpt-2000, one of its files, its name in the run, or a directory
-        (a run's, or its checkpoints/), whose latest checkpoint is used and named first.
+      checkpoint: what --checkpoint gave (detr_tf/evaluation/checkpoint_flag.py): a checkpoint
+        prefix, e.g. model_dir/checkpoints/ckpt-2000, one of its files, a bare name in the run
+        (ckpt-2000, best), or a directory (a run's, or its checkpoints/), whose latest
+        checkpoint is used and named first.
       use_ema: restore the EMA weights when the checkpoint has them.
 
     Returns:
@@ -48,32 +49,11 @@ def load_trained_model(model_dir: Optional[str], checkpoint: Optional[str] = Non
       FileNotFoundError: model_dir does not exist or has no checkpoint, or `checkpoint` names
         none; checked before the model is built, and the message names the path.
     """
-    path = _checkpoint_to_restore(model_dir, checkpoint)
+    path = checkpoint_flag.resolve(model_dir, checkpoint)
     model = build_eval_model()
     path = checkpointing.restore_for_eval(model, model_dir, path, use_ema)
     note_differences(model_dir)
     return model, path
-
-
-def _checkpoint_to_restore(model_dir: Optional[str], checkpoint: Optional[str]) -> Optional[str]:
-    """The prefix `checkpoint` means, or None for model_dir's latest, checked to exist."""
-    if checkpoint is None:
-        if not model_dir:
-            raise FileNotFoundError("no --model_dir and no --checkpoint given: nothing to load")
-        if not tf.io.gfile.isdir(model_dir):
-            raise FileNotFoundError(f"model_dir {model_dir!r} does not exist")
-        if checkpointing.latest_checkpoint(model_dir) is None:
-            raise FileNotFoundError(
-                f"model_dir {model_dir!r} holds no checkpoint (looked in "
-                f"{checkpointing.checkpoint_dir(model_dir)!r}); train first or pass --checkpoint")
-        return None
-    prefix = checkpoint_prefix(model_dir, checkpoint)
-    if not tf.io.gfile.exists(prefix + ".index"):
-        raise FileNotFoundError(
-            f"--checkpoint={checkpoint!r} names no checkpoint (no {prefix}.index): give a "
-            "checkpoint prefix such as MODEL_DIR/checkpoints/ckpt-2000, one of its files, "
-            "its name ckpt-2000, or a directory holding checkpoints")
-    return prefix
 
 
 def note_differences(model_dir: Optional[str]) -> None:
@@ -84,34 +64,6 @@ def note_differences(model_dir: Optional[str]) -> None:
     if said:
         print("detr_tf: note: bindings that differ from the run's config.gin (trained -> now): "
               + said, flush=True)
-
-
-def checkpoint_prefix(model_dir: Optional[str], checkpoint: str) -> str:
-    """The checkpoint prefix a user means: the prefix itself, one of its files
-    (`ckpt-20.index`, `ckpt-20.data-00000-of-00001`), a bare name of the run's (`ckpt-20`,
-    found in model_dir/checkpoints), or a directory: a run's or a folder of checkpoints, whose
-    latest complete checkpoint is taken and named in a line.
-
-    Raises:
-      FileNotFoundError: a directory holding no checkpoint, named with where it was looked.
-    """
-    if tf.io.gfile.isdir(checkpoint):
-        latest = checkpointing.latest_in(checkpoint)
-        if latest is None:
-            raise FileNotFoundError(
-                f"--checkpoint={checkpoint!r} is a directory holding no checkpoint (looked in "
-                f"it and in {checkpointing.checkpoint_dir(checkpoint)!r}); give a run "
-                "directory, its checkpoints/ folder or a checkpoint prefix such as "
-                "MODEL_DIR/checkpoints/ckpt-2000")
-        print(f"detr_tf: --checkpoint={checkpoint} is a directory: restoring its latest "
-              f"checkpoint, {latest}", flush=True)
-        return latest
-    prefix = re.sub(r"\.(index|data-\d+-of-\d+)$", "", checkpoint)
-    if model_dir and os.sep not in prefix and not os.path.exists(prefix + ".index"):
-        in_run = os.path.join(checkpointing.checkpoint_dir(model_dir), prefix)
-        if os.path.exists(in_run + ".index"):
-            return in_run
-    return prefix
 
 
 def inference_model(model: tf_keras.Model) -> tf_keras.Model:

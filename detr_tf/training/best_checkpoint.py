@@ -8,7 +8,8 @@ peak; `BestCheckpoint` keeps it in `model_dir/best/`:
                                              when the run keeps an EMA)
     model_dir/best/best.json                 {"step", "metric", "value", "metrics"}
 
-Evaluate or predict with them through the usual tools: `--checkpoint=MODEL_DIR/best/ckpt`.
+Evaluate or predict with them through the usual tools: `--checkpoint=best` (a bare name is the
+run's: MODEL_DIR/best/ckpt).
 The best value so far is read back from best.json on every call, so a resumed run keeps
 comparing against the best of the whole run. A new best is written into a private directory and
 swapped in by renames, so an interruption never leaves a half-written best/.
