@@ -91,6 +91,10 @@ def dropout_generators(model: tf_keras.Model) -> tf.Module:
     return holder
 
 
+# The checkpoint's name for each optimizer, in TrainState.optimizers' order: its group's name.
+_GROUP_OF_ROOT = {"backbone_optimizer": "backbone", "optimizer": "main"}
+
+
 @dataclasses.dataclass
 class TrainState:
     """Everything a checkpoint holds. Create it inside the engine's scope."""
@@ -121,7 +125,7 @@ class TrainState:
 
     def optimizer_roots(self) -> Dict[str, Any]:
         """{the checkpoint's name for each optimizer: the optimizer}."""
-        return dict(backbone_optimizer=self.optimizers[0], optimizer=self.optimizers[1])
+        return dict(zip(_GROUP_OF_ROOT, self.optimizers))
 
 
 def build_groups(optimizers: Sequence[Any], variables: Sequence[Sequence[tf.Variable]],
@@ -180,7 +184,9 @@ def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> O
     back the whole state on every process (optimizer slots, EMA, loss scale, step) without a
     broadcast per variable, and every process starts at the same step by construction. The
     EMA's averages and the optimizers' slots are matched to their variables by the names saved
-    with them, not by their place in their lists (training/ema_restore.py, slot_restore.py).
+    with them, not by their place in their lists (training/ema_restore.py, slot_restore.py);
+    a variable that moved to the other optimizer group since (split_variables' bindings) takes
+    its moments along, and the chief says how many did.
     The weights, optimizer slots and EMA are float32 in every `train.precision`, so a run
     resumes under another one; only mixed_float16 keeps a loss scale, which starts anew when
     the checkpoint has none and is left unused when this run keeps none
@@ -210,7 +216,11 @@ def resume(state: TrainState, saver: checkpointing.CheckpointSaver, engine) -> O
     # assert_used checks the model's.
     checkpoint_restore.assert_matched(status.expect_partial(), path, model_dir)
     checkpoint_restore.assert_used(status, path, model_dir, roots=("model",))
-    slot_restore.restore_slots(state.optimizer_roots(), state.model, path, model_dir)
+    moved = slot_restore.restore_slots(state.optimizer_roots(), state.model, path, model_dir)
+    for (home, root), count in sorted(moved.items()):
+        _chief_says(engine)(f"detr_tf: resume: {count} variables moved from optimizer group "
+                            f"{_GROUP_OF_ROOT[home]} to group {_GROUP_OF_ROOT[root]}, their "
+                            "AdamW moments with them")
     restored = int(state.global_step.numpy())
     if restored != step:
         raise ValueError(f"checkpoint {path!r} holds global_step {restored}, expected {step}")
@@ -239,6 +249,11 @@ def check_optimizer_kind(path: str, optimizer) -> None:
                          f"build_optimizers.fused = {not fused} to resume it")
 
 
+def _chief_says(engine) -> Callable[[str], None]:
+    """print(msg) on the chief, nothing on the other processes."""
+    return (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
+
+
 def start(state: TrainState, saver: checkpointing.CheckpointSaver, engine,
           init_weights: Optional[str],
           weights_loader: Optional[Callable[..., Any]] = None,
@@ -257,7 +272,7 @@ def start(state: TrainState, saver: checkpointing.CheckpointSaver, engine,
         it reads, or they do not fit the model; the message names the file and the tensor.
         ValueError: init_weights is given but no weights_loader.
     """
-    say = (lambda msg: print(msg, flush=True)) if engine.is_chief else (lambda msg: None)
+    say = _chief_says(engine)
     step = resume(state, saver, engine)
     if step is not None:
         say(f"detr_tf: resumed from {saver.checkpoint_path(step)} at step {step}")
