@@ -151,6 +151,27 @@ def test_variables_exempt_from_decay_follow_a_zero_decay_group(compiled, no_deca
 
 
 @FORMS
+def test_an_empty_group_is_skipped_and_the_other_trains_as_alone(compiled):
+    """A frozen backbone (ResNet.train_backbone=False) leaves the backbone group empty."""
+    weights, grads = _problem(dtype=np.float64)
+    # The reference with the first variable's gradient zero: the same clip over the others.
+    w, _, _, _, t = _numpy_adamw(weights, [[np.zeros_like(g[0])] + g[1:] for g in grads], CLIP)
+    variables = [tf.Variable(x) for x in weights[1:]]
+    groups = [fused_adamw.AdamWGroup(lr, weight_decay=WD, beta_1=B1, beta_2=B2, epsilon=EPS,
+                                     jit_compile=compiled, name=f"g{k}")
+              for k, lr in enumerate(LRS)]
+    groups[0].build([])
+    groups[1].build(variables)
+    update = fused_adamw.FusedUpdate(groups, [[], variables], CLIP)
+    _run(update, [g[1:] for g in grads])
+    assert int(groups[1].iterations.numpy()) == t
+    for k, var in enumerate(variables, start=1):
+        moved = np.abs(w[k] - weights[k]).max()
+        np.testing.assert_allclose(var.numpy() - weights[k], w[k] - weights[k],
+                                   rtol=1e-6, atol=1e-6 * moved)
+
+
+@FORMS
 def test_fused_update_averages_statistics_on_applied_steps_only(compiled):
     """A batch norm's moving statistic, moved by each step's forward pass, is averaged with the
     ramp like the weights (the reference's EMA of the state dict), and kept on a skipped step."""

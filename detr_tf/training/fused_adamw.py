@@ -172,7 +172,9 @@ class FusedUpdate:
           grads: all-reduced gradients, one per variable, groups concatenated in order.
           loss_finite: whether the all-reduced loss is finite.
         """
-        copies = strategy.experimental_local_results(self.variables[0][0])
+        # Any variable names the local copies: a group may be empty (a frozen backbone).
+        first = next(w for ws in self.variables for w in ws)
+        copies = strategy.experimental_local_results(first)
         results = []
         for i, copy in enumerate(copies):
             local_grads = [_local(strategy, g, i) for g in grads]
